@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh Linux machine with Python 3.11+:
+#   make demo   – create .venv, install, run the main job on the embedded default
+#   make test   – create .venv, install, pass the tests
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/durastack validate -f examples/replica-groups-service.yml
+	$(BIN)/durastack offers -f examples/replica-groups-service.yml --limit 5
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

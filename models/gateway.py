@@ -1,0 +1,142 @@
+"""Gateway state and statistics: what the gateway routes, and what it reports (spec 4).
+
+Pure data plus pure state transitions; the gateway app persists :class:`GatewayState` as JSON and
+renders nginx configuration from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+from typing import Optional
+
+from pydantic import Field, field_validator
+
+from models.common import Model
+
+SERVICE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"  # a DNS label: the service is also <name>.localhost
+GROUP_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+REPLICA_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"  # e.g. "svc/0/r3-s0"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+WINDOWS = (30, 60, 300)  # stats windows in seconds (spec 4.2)
+
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL; nginx -t refuses longer paths
+_UNSAFE = re.compile(r"[\s;{}'\"\\#$]")  # would break out of an nginx `server` line
+
+
+def hash_token(token: str) -> str:
+    """The form in which a service token is stored: lowercase hex SHA-256 of its UTF-8 bytes."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Upstream(Model):
+    """One ready replica that the gateway may send a service's traffic to."""
+
+    replica_id: str = Field(pattern=REPLICA_ID_PATTERN, description="Replica identity, e.g. 'svc/0/r3-s0'.")
+    group: str = Field(pattern=GROUP_NAME_PATTERN, description="Replica group the replica belongs to.")
+    address: str = Field(description="Where nginx connects: 'unix:/abs/path.sock' or '127.0.0.1:PORT'.")
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        if _UNSAFE.search(v):
+            raise ValueError(f"address contains a character nginx cannot take: {v!r}")
+        if v.startswith("unix:"):
+            path = v[len("unix:"):]
+            if not path.startswith("/"):
+                raise ValueError(f"a unix address needs an absolute path, got {v!r}")
+            if len(path.encode()) > _UNIX_PATH_MAX:
+                raise ValueError(f"unix socket path longer than {_UNIX_PATH_MAX} bytes: {path!r}")
+            return v
+        host, sep, port = v.rpartition(":")
+        try:
+            ipaddress.IPv4Address(host)
+            ok = bool(sep) and port.isdigit() and 0 < int(port) < 65536
+        except ValueError:
+            ok = False
+        if not ok:
+            # IPv4 literals only: a host name would be resolved once, at nginx config load.
+            raise ValueError(f"expected 'unix:/abs/path.sock' or 'IPV4:PORT', got {v!r}")
+        return v
+
+
+class ServiceRoute(Model):
+    """A service the gateway routes: auth settings and its ready replicas."""
+
+    name: str = Field(pattern=SERVICE_NAME_PATTERN, description="Service name, routed as /services/<name>/ and <name>.localhost.")
+    auth: bool = Field(True, description="Require 'Authorization: Bearer <token>' (401 without, 403 wrong token).")
+    token_sha256: tuple[str, ...] = Field((), description="SHA-256 hex digests of the accepted tokens; tokens themselves are never stored.")
+    upstreams: tuple[Upstream, ...] = Field((), description="Ready replicas, sorted by replica_id; empty means the activator answers.")
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _check_hashes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for h in v:
+            if not re.fullmatch(SHA256_PATTERN, h):
+                raise ValueError(f"not a lowercase sha256 hex digest: {h!r}")
+        return tuple(sorted(set(v)))
+
+    @field_validator("upstreams")
+    @classmethod
+    def _sort_upstreams(cls, v: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
+        by_id = {u.replica_id: u for u in v}  # last registration of an id wins
+        return tuple(by_id[k] for k in sorted(by_id))
+
+
+class GatewayState(Model):
+    """Everything the gateway routes. ``generation`` grows with every change that was applied."""
+
+    services: dict[str, ServiceRoute] = Field(default_factory=dict, description="Routes by service name.")
+    generation: int = Field(0, ge=0, description="Bumped on every applied change; served at /__generation.")
+
+    def _with(self, services: dict[str, ServiceRoute]) -> "GatewayState":
+        if services == self.services:
+            return self  # idempotent: no change, no new generation, no reload
+        return GatewayState(services=services, generation=self.generation + 1)
+
+    def put_service(self, name: str, auth: bool, token_sha256: tuple[str, ...] | list[str]) -> "GatewayState":
+        old = self.services.get(name)
+        route = ServiceRoute(name=name, auth=auth, token_sha256=tuple(token_sha256),
+                             upstreams=old.upstreams if old else ())
+        return self._with({**self.services, name: route})
+
+    def delete_service(self, name: str) -> "GatewayState":
+        return self._with({k: v for k, v in self.services.items() if k != name})
+
+    def register(self, service: str, upstream: Upstream) -> "GatewayState":
+        """Add or replace a replica; raises KeyError for an unknown service."""
+        route = self.services[service]
+        ups = [u for u in route.upstreams if u.replica_id != upstream.replica_id] + [upstream]
+        return self._with({**self.services, service: route.model_copy(update={"upstreams": ServiceRoute._sort_upstreams(tuple(ups))})})
+
+    def unregister(self, service: str, replica_id: str) -> "GatewayState":
+        """Remove a replica; an unknown service or replica is not an error (cleanup may repeat)."""
+        route = self.services.get(service)
+        if route is None:
+            return self
+        ups = tuple(u for u in route.upstreams if u.replica_id != replica_id)
+        return self._with({**self.services, service: route.model_copy(update={"upstreams": ups})})
+
+
+class StatsWindow(Model):
+    """Totals of one window (spec 4.2)."""
+
+    requests: int = Field(0, ge=0, description="Replica hits in the window.")
+    request_time: float = Field(0.0, ge=0, description="Average request time in seconds, 3 decimals; 0.0 without requests.")
+
+
+class ServiceStats(Model):
+    """A service's request totals per window, as the autoscaler reads them (spec 3.2)."""
+
+    service: str = Field(description="Service name.")
+    windows: dict[int, StatsWindow] = Field(description="Keyed by window seconds: 30, 60, 300.")
+    per_group: Optional[dict[str, dict[int, StatsWindow]]] = Field(
+        None, description="Same windows per replica group, for hits whose replica is known (not activator hits).")
+
+
+class StatsReport(Model):
+    """Answer of GET /api/stats: one entry per registered service, all-zero without traffic."""
+
+    collected_at: float = Field(description="Unix time the windows were computed at.")
+    services: dict[str, ServiceStats] = Field(default_factory=dict, description="Stats by service name.")

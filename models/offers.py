@@ -1,0 +1,181 @@
+"""Instance offers, and matching them against a ``resources`` requirement (spec 1.2 and 8.1).
+
+Pure: ``activities.catalog`` reads the catalog and this machine, and this module filters and sorts.
+Each requirement is one named check, so ``match_offers`` and ``describe_mismatch`` cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Literal, Optional
+
+from pydantic import Field
+
+from models.common import Model, Range
+from models.resources import GPUSpec, ResourcesSpec
+
+Backend = Literal["aws", "gcp", "local"]
+SPOT_POLICIES = ("spot", "on-demand", "auto")
+DEFAULT_DISK_GB = 100.0
+
+# The catalog has no compute capability column; these are NVIDIA's published values.
+COMPUTE_CAPABILITY = {"k80": "3.7", "p100": "6.0", "v100": "7.0", "t4": "7.5", "a100": "8.0", "a10": "8.6",
+                      "a10g": "8.6", "a6000": "8.6", "rtx3090": "8.6", "l4": "8.9", "l40": "8.9", "l40s": "8.9",
+                      "rtx4090": "8.9", "h100": "9.0", "h200": "9.0", "b200": "10.0"}
+
+
+class InstanceOffer(Model):
+    """One way to get a machine: an instance type in a region at a price (spot or on-demand)."""
+
+    backend: Backend = Field(description="Where the machine comes from: aws, gcp, or local (this machine).")
+    instance_type: str = Field(description="Instance or machine type, e.g. g5.xlarge or n1-standard-8; 'local'.")
+    region: str = Field(description="Cloud region, e.g. us-east-1; 'local' for this machine.")
+    zones: list[str] = Field(default_factory=list, description="Zones of the region that offer this type.")
+    cpu_arch: Literal["x86", "arm"] = Field("x86", description="CPU architecture.")
+    cpus: int = Field(ge=0, description="Number of vCPUs.")
+    memory_gb: float = Field(ge=0, description="RAM in GB.")
+    disk_gb: float = Field(DEFAULT_DISK_GB, ge=0, description=(
+        "Disk in GB. Cloud disks are sized from the requirement when matched (its min, else 100 GB); "
+        "for the local offer, the free disk of the durastack home."))
+    gpu_vendor: Optional[str] = Field(None, description="GPU vendor, e.g. nvidia; None without GPU.")
+    gpu_name: Optional[str] = Field(None, description="GPU model, e.g. A100, A10G, L4; None without GPU.")
+    gpu_memory_gb: float = Field(0.0, ge=0, description="Memory of one GPU in GB; 0 without GPU.")
+    gpu_count: int = Field(0, ge=0, description="Number of GPUs.")
+    spot: bool = Field(False, description="True for a spot (preemptible) price.")
+    price: float = Field(ge=0, description="Price in USD per hour.")
+
+    def resources_summary(self) -> str:
+        """``4xCPU, 16GB, 1xA10G (24GB), 100GB (disk)``."""
+        parts = [f"{self.cpus}xCPU" + (" (arm)" if self.cpu_arch == "arm" else ""), f"{_fmt(self.memory_gb)}GB"]
+        if self.gpu_count:
+            parts.append(f"{self.gpu_count}x{self.gpu_name} ({_fmt(self.gpu_memory_gb)}GB)")
+        parts.append(f"{_fmt(self.disk_gb)}GB (disk)")
+        return ", ".join(parts)
+
+
+Check = tuple[str, Callable[[InstanceOffer], bool]]  # (what an offer must have, test)
+
+
+def _fmt(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def _size(r: Range[float]) -> str:
+    lo = "" if r.min is None else f"{_fmt(r.min)}GB"
+    hi = "" if r.max is None else f"{_fmt(r.max)}GB"
+    return lo if r.min == r.max else f"{lo}..{hi}"
+
+
+def _cc_at_least(gpu_name: Optional[str], wanted: str) -> bool:
+    have = COMPUTE_CAPABILITY.get((gpu_name or "").lower())
+    if have is None:
+        return False  # unknown GPU: cannot promise the capability
+    as_tuple = lambda v: tuple(int(p) for p in v.split("."))  # noqa: E731
+    return as_tuple(have) >= as_tuple(wanted)
+
+
+def _gpu_checks(gpu: Optional[GPUSpec]) -> list[Check]:
+    if gpu is None:
+        return []  # unset gpu means 0..: offers with and without GPUs both qualify
+    checks: list[Check] = [(f"{gpu.count} GPUs", lambda o: gpu.count.contains(o.gpu_count))]
+    # With a count like 0..2, offers without any GPU pass the checks on the GPU's properties.
+    zero_ok = not gpu.count.min
+
+    def each(what: str, test: Callable[[InstanceOffer], bool]) -> None:
+        checks.append((what, lambda o: (zero_ok and o.gpu_count == 0) or (o.gpu_count > 0 and test(o))))
+
+    vendor = gpu.effective_vendor()
+    if vendor:
+        each(f"{vendor} GPUs", lambda o: (o.gpu_vendor or "").lower() == vendor)
+    if gpu.name:
+        names = {n.lower() for n in gpu.name}
+        each(f"a GPU named {' or '.join(gpu.name)}", lambda o: (o.gpu_name or "").lower() in names)
+    if gpu.memory:
+        each(f"{_size(gpu.memory)} per GPU", lambda o: gpu.memory.contains(o.gpu_memory_gb))
+    if gpu.total_memory:
+        each(f"{_size(gpu.total_memory)} of GPU memory in total",
+             lambda o: gpu.total_memory.contains(o.gpu_memory_gb * o.gpu_count))
+    if gpu.compute_capability:
+        cc = gpu.compute_capability
+        each(f"GPU compute capability {cc} or higher", lambda o: _cc_at_least(o.gpu_name, cc))
+    return checks
+
+
+def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[float],
+            backends: Optional[list[str]], regions: Optional[list[str]]) -> list[Check]:
+    if spot_policy not in SPOT_POLICIES:
+        raise ValueError(f"spot_policy must be one of {', '.join(SPOT_POLICIES)}, got {spot_policy!r}")
+    checks: list[Check] = []
+    if backends:
+        checks.append((f"backend {' or '.join(backends)}", lambda o: o.backend in backends))
+    if regions:
+        checks.append((f"region {' or '.join(regions)}", lambda o: o.region in regions))
+    if spot_policy == "spot":
+        checks.append(("a spot price", lambda o: o.spot))
+    elif spot_policy == "on-demand":
+        checks.append(("an on-demand price", lambda o: not o.spot))
+    cpu, memory, disk = resources.cpu, resources.memory, resources.disk
+    if cpu.arch:
+        checks.append((f"{cpu.arch} CPUs", lambda o: o.cpu_arch == cpu.arch))
+    checks.append((f"{cpu.count} vCPUs", lambda o: cpu.count.contains(o.cpus)))
+    checks.append((f"{_size(memory)} of memory", lambda o: memory.contains(o.memory_gb)))
+    # Cloud disks are created at the size asked for; only this machine's free disk can be too small.
+    checks.append((f"{_size(disk)} of disk", lambda o: o.backend != "local" or o.disk_gb >= (disk.min or 0)))
+    checks += _gpu_checks(resources.gpu)
+    if max_price is not None:
+        checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))
+    return checks
+
+
+def _sized_disk(offer: InstanceOffer, disk: Range[float]) -> InstanceOffer:
+    if offer.backend == "local":
+        return offer
+    size = disk.min if disk.min is not None else DEFAULT_DISK_GB
+    if disk.max is not None:
+        size = min(size, disk.max)  # e.g. disk: ..50GB
+    return offer.model_copy(update={"disk_gb": size})
+
+
+def sort_key(offer: InstanceOffer) -> tuple:
+    """Cheapest first; ties broken by backend, instance type, region (then GPUs, on-demand first)."""
+    return (offer.price, offer.backend, offer.instance_type, offer.region, offer.gpu_name or "", offer.gpu_count,
+            offer.spot)
+
+
+def match_offers(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, spot_policy: str = "on-demand",
+                 max_price: Optional[float] = None, backends: Optional[list[str]] = None,
+                 regions: Optional[list[str]] = None) -> list[InstanceOffer]:
+    """The offers that meet every requirement, cheapest first, with cloud disks sized from the requirement.
+
+    ``spot_policy``: ``spot`` keeps only spot prices, ``on-demand`` only on-demand ones, ``auto`` both.
+    """
+    checks = _checks(resources, spot_policy, max_price, backends, regions)
+    kept = [_sized_disk(o, resources.disk) for o in offers if all(test(o) for _, test in checks)]
+    return sorted(kept, key=sort_key)
+
+
+def describe_mismatch(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, spot_policy: str = "on-demand",
+                      max_price: Optional[float] = None, backends: Optional[list[str]] = None,
+                      regions: Optional[list[str]] = None) -> Optional[str]:
+    """Why ``match_offers`` finds nothing, e.g. ``no offer has a GPU named X100``; None if something matches.
+
+    Checks are applied in order; the first one that leaves no offer is the reason. If some offer meets it on its
+    own, the reason names the earlier requirements that narrowed the offers down.
+    """
+    offers = list(offers)
+    if not offers:
+        return "there are no offers at all"
+    remaining, narrowed_by = offers, []
+    for what, test in _checks(resources, spot_policy, max_price, backends, regions):
+        kept = [o for o in remaining if test(o)]
+        if not kept:
+            if narrowed_by and any(test(o) for o in offers):
+                return f"no offer has {what} together with {', '.join(narrowed_by)}"
+            return f"no offer has {what}"
+        if len(kept) < len(remaining):
+            narrowed_by.append(what)
+        remaining = kept
+    return None
+
+
+__all__ = ["COMPUTE_CAPABILITY", "DEFAULT_DISK_GB", "SPOT_POLICIES", "InstanceOffer", "describe_mismatch",
+           "match_offers", "sort_key"]

@@ -1,0 +1,54 @@
+"""What a compute backend is asked to run for one replica, and what it hands back.
+
+These values travel through Temporal history (activity arguments and results), so they are plain,
+JSON-serialisable pydantic models with no behaviour beyond small derived properties.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from models.common import Model
+
+# Service and group names become path components of the replica's work dir, so keep them tame.
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class JobSpec(Model):
+    service: str = Field(pattern=_NAME, description="Service (run) name.")
+    group: str = Field(pattern=_NAME, description="Replica group name (or its index as a string).")
+    replica_num: int = Field(ge=0, description="Replica number, unique within the service run.")
+    submission_num: int = Field(ge=0, description="Attempt number of this replica; a retry or redeploy gets a new one.")
+    commands: list[str] = Field(default_factory=list, description="Shell commands run in order, stopping at the first failure.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the commands.")
+    port: int = Field(ge=1, le=65535, description="The port the app listens on inside the replica.")
+    python: Optional[str] = Field(None, pattern=r"^3\.\d+$", description="Python version wanted on PATH, e.g. '3.12'.")
+    image: Optional[str] = Field(None, description="Container image; backends without containers refuse jobs that need one.")
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.service}/{self.group}/r{self.replica_num}-s{self.submission_num}"
+
+
+class LocalInstance(Model):
+    replica_id: str = Field(description="JobSpec.replica_id of the job this instance runs.")
+    pid: int = Field(description="PID of the process-tree leader on the host.")
+    start_time: int = Field(description="Leader's start time (clock ticks after boot, /proc/<pid>/stat field 22), "
+                                        "so that a reused PID is never mistaken for ours.")
+    work_dir: str = Field(description="Absolute path of the replica's work dir (cwd of the commands).")
+    address: str = Field(description="Where the app is reached from the host: 'unix:/abs/replica.sock' when "
+                                     "isolated, '127.0.0.1:<port>' otherwise.")
+    isolated: bool = Field(description="Whether the replica runs in its own network, mount and PID namespaces.")
+    log_path: str = Field(description="File holding the replica's stdout and stderr.")
+
+
+class InstanceStatus(Model):
+    state: Literal["running", "exited", "gone"] = Field(
+        description="running: the leader lives; exited: the commands ended; gone: nothing is known of it.")
+    exit_code: Optional[int] = Field(None, description="Exit code of the commands when exited (128+N if killed by signal N).")
+    message: str = Field("", description="Human-readable detail.")
+
+
+__all__ = ["JobSpec", "LocalInstance", "InstanceStatus"]

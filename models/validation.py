@@ -1,0 +1,185 @@
+"""Rules that span fields or levels (spec 1.5, 1.8 V2–V19, seed 003).
+
+Each rule is a small function that yields ``Issue``s with the exact path it is about, so that the
+loader can point at the YAML line and one file reports every mistake at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+from models.resources import ResourcesSpec
+from models.service import (
+    GROUP_NAME_RE,
+    MAX_PROBES,
+    ReplicaGroup,
+    ServiceConfiguration,
+)
+
+Path = tuple  # ("groups", 1, "count")
+
+
+@dataclass(frozen=True)
+class Issue:
+    path: Path
+    message: str
+    about: tuple[Path, ...] = ()  # other paths the rule read, so an error there can mute it
+
+
+def _set(value: object) -> bool:
+    """Booleans count as set only when true; other fields when present (spec V14 asymmetry)."""
+    return value is True if isinstance(value, bool) else value is not None
+
+
+def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
+    rules = [_service_level, _probes_and_limits]
+    rules += [_groups] if cfg.groups is not None else [_homogeneous]
+    return [issue for rule in rules for issue in rule(cfg)]
+
+
+def warnings_for(cfg: ServiceConfiguration) -> list[Issue]:
+    out = []
+    if cfg.groups and cfg.resources != ResourcesSpec():
+        out.append(Issue(("resources",), "ignored because replica groups are set; give each group its resources"))
+    for i, group in enumerate(cfg.replica_groups):
+        if group.count.max == 0:
+            path = ("groups", i, "count") if cfg.groups else ("replicas",)
+            out.append(Issue(path, "a fixed count of 0: this group never starts a replica"))
+    return out
+
+
+def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    # V16, plus `image` + `nvcc: true`, which dstack accepts and then silently ignores nvcc.
+    if cfg.image is not None and cfg.python is not None:
+        yield Issue(("python",), "`image` and `python` are mutually exclusive fields")
+    if cfg.image is not None and cfg.nvcc:
+        yield Issue(("nvcc",), "`image` and `nvcc: true` are mutually exclusive (nvcc picks durastack's CUDA image)")
+    if cfg.docker:
+        for field in ("image", "python", "nvcc"):
+            if _set(getattr(cfg, field)):
+                yield Issue((field,), f"`{field}` and `docker: true` are mutually exclusive fields")
+        if cfg.privileged is False:
+            yield Issue(("privileged",), "`privileged: false` is incompatible with `docker: true`")
+
+
+def _probes_and_limits(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    probes = cfg.probes or []
+    if len(probes) > MAX_PROBES:
+        yield Issue(("probes",), f"at most {MAX_PROBES} probes are allowed, got {len(probes)}")
+    seen: set[str] = set()
+    for i, probe in enumerate(probes):
+        key = probe.model_dump_json()
+        if key in seen:
+            yield Issue(("probes", i), "probes must be unique; this one repeats an earlier probe")
+        seen.add(key)
+    counts = Counter(limit.prefix for limit in cfg.rate_limits)
+    repeated = sorted(p for p, n in counts.items() if n > 1)
+    if repeated:
+        yield Issue(("rate_limits",), f"prefixes {repeated} are used more than once; each prefix may appear once")
+
+
+def _count_rules(count_path: Path, scaling_path: Path, group: ReplicaGroup) -> Iterator[Issue]:
+    # V2 / V3: a range needs scaling; scaling needs a range.
+    rng = group.count
+    if rng.min != rng.max and group.scaling is None:
+        yield Issue(count_path, f"a range of replicas ({rng}) needs `scaling`; or use a fixed count", (scaling_path,))
+    if rng.min == rng.max and group.scaling is not None:
+        yield Issue(scaling_path, f"`scaling` needs a range of replicas (e.g. 1..4), but the count is fixed at {rng}",
+                    (count_path,))
+
+
+def _homogeneous(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    yield from _count_rules(("replicas",), ("scaling",), cfg.replica_groups[0])
+    if not cfg.commands and cfg.image is None:
+        yield Issue(("commands",), "either `commands` or `image` must be set")
+
+
+def _groups(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    groups = cfg.groups or []
+    if not groups:
+        yield Issue(("groups",), "`groups` cannot be an empty list")
+        return
+    if cfg.replicas is not None:
+        yield Issue(("replicas",), "`replicas` (a count) and `groups` are mutually exclusive; "
+                                   "give each group its own `replicas`")
+    if cfg.scaling is not None:
+        yield Issue(("scaling",), "top-level `scaling` is not allowed when groups are set; set it per group")
+    if cfg.commands:
+        yield Issue(("commands",), "top-level `commands` is not allowed when groups are set; set them per group")
+    yield from _group_names(groups)
+    for i, group in enumerate(groups):
+        at = ("groups", i)
+        yield from _count_rules(at + ("count",), at + ("scaling",), group)
+        yield from _group_image_rules(at, group, cfg)
+        yield from _cross_level(at, group, cfg)
+    yield from _routers(groups)
+
+
+def _group_names(groups: list[ReplicaGroup]) -> Iterator[Issue]:
+    for i, group in enumerate(groups):
+        if group.name is not None and not GROUP_NAME_RE.match(group.name):
+            yield Issue(("groups", i, "name"), "must match ^[a-z0-9][a-z0-9-]{0,39}$ "
+                                               "(lowercase letters, digits and '-', at most 40 characters)")
+    counts = Counter(g.name for g in groups)
+    duplicates = sorted(n for n, c in counts.items() if c > 1 and n is not None)
+    if duplicates:
+        yield Issue(("groups",), f"duplicate replica group names found: {duplicates}. "
+                                 "Each replica group must have a unique name (unnamed groups are named by position)")
+
+
+def _group_image_rules(at: Path, group: ReplicaGroup, cfg: ServiceConfiguration) -> Iterator[Issue]:
+    # V11: every group must have something to run.
+    if not group.commands and group.image is None and cfg.image is None:
+        yield Issue(at, f"replica group '{group.name}': either `commands` or `image` must be set in the group, "
+                        "or `image` at the service level")
+    # V12 and the image + nvcc extension.
+    pairs = [("image", "python"), ("image", "docker"), ("python", "docker"), ("nvcc", "docker"), ("image", "nvcc")]
+    for a, b in pairs:
+        if _set(getattr(group, a)) and _set(getattr(group, b)):
+            yield Issue(at + (b,), f"`{a}` and `{b}` are mutually exclusive within a replica group")
+    # V13.
+    if group.docker and group.privileged is False:
+        yield Issue(at + ("privileged",), "`privileged: false` is incompatible with `docker: true` "
+                                          "within a replica group")
+
+
+# V15: service-level field → group-level fields it conflicts with.
+_CROSS_CONFLICTS = {
+    "image": ("docker", "python", "nvcc"),
+    "docker": ("image", "python", "nvcc"),
+    "python": ("image", "docker"),
+    "nvcc": ("image", "docker"),
+}
+# V14: fields that may be set in one place only.
+_ONE_PLACE = ("image", "docker", "privileged", "python", "nvcc", "spot_policy", "reservation")
+
+
+def _cross_level(at: Path, group: ReplicaGroup, cfg: ServiceConfiguration) -> Iterator[Issue]:
+    for field in _ONE_PLACE:
+        if _set(getattr(cfg, field)) and getattr(group, field) is not None:
+            yield Issue(at + (field,), f"`{field}` is set at both the service level and in replica group "
+                                       f"'{group.name}'; set it in one place only")
+    for field, conflicts in _CROSS_CONFLICTS.items():
+        if not _set(getattr(cfg, field)):
+            continue
+        for other in conflicts:
+            if getattr(group, other) is not None:
+                yield Issue(at + (other,), f"service-level `{field}` conflicts with group-level `{other}` "
+                                           f"in replica group '{group.name}'")
+    # dstack lets this through and then runs Docker-in-Docker unprivileged (K11).
+    if cfg.docker and group.privileged is False:
+        yield Issue(at + ("privileged",), f"`privileged: false` in replica group '{group.name}' is incompatible "
+                                          "with service-level `docker: true`")
+
+
+def _routers(groups: list[ReplicaGroup]) -> Iterator[Issue]:
+    with_router = [i for i, g in enumerate(groups) if g.router is not None]
+    for i in with_router[1:]:
+        yield Issue(("groups", i, "router"), "at most one replica group may specify `router`")
+    for i in with_router:
+        count = groups[i].count
+        if not (count.min == count.max == 1):
+            yield Issue(("groups", i, "count"), "the replica group with `router` must have exactly 1 replica")
+

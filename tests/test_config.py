@@ -1,0 +1,412 @@
+"""Service configuration: shapes, value syntax, every validation rule, errors with paths and lines."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from models.loader import MAX_FILE_BYTES, load_config_file, load_config_text
+from models.service import ServiceConfiguration
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(text: str):
+    return load_config_text(textwrap.dedent(text))
+
+
+def ok(text: str) -> ServiceConfiguration:
+    result = load(text)
+    assert result.errors == [], [str(e) for e in result.errors]
+    assert result.config is not None
+    return result.config
+
+
+def errors(text: str) -> list[str]:
+    result = load(text)
+    assert result.config is None
+    return [str(e) for e in result.errors]
+
+
+def one_error(text: str) -> str:
+    errs = errors(text)
+    assert len(errs) == 1, errs
+    return errs[0]
+
+
+BASE = "type: service\nport: 8000\n"
+
+
+# --- shapes -----------------------------------------------------------------------------------
+
+def test_seed_example_has_two_named_autoscaled_groups():
+    result = load_config_file(EXAMPLES / "replica-groups-service.yml")
+    assert result.valid
+    cfg = result.config
+    assert cfg.name == "replica-groups-test" and cfg.python == "3.12"
+    groups = cfg.replica_groups
+    assert [g.name for g in groups] == ["replica-1", "replica-2"]
+    assert [(g.count.min, g.count.max) for g in groups] == [(0, 2), (0, 3)]
+    assert all(g.scaling.target == 2 and g.scaling.window == 60 for g in groups)
+    assert groups[0].commands[0] == 'echo "Group 1 - Version 0" > /tmp/version.txt'
+    assert groups[1].resources.cpu.count.min == 2
+
+
+def test_pd_example_is_valid_with_router_and_gpu_groups():
+    cfg = load_config_file(EXAMPLES / "pd-disaggregation-service.yml").config
+    assert [g.name for g in cfg.replica_groups] == ["0", "1", "2"]
+    assert cfg.replica_groups[0].router.type == "dynamo"
+    assert cfg.replica_groups[2].resources.gpu.count.min == 1
+    assert cfg.env["HF_TOKEN"] is None and cfg.env["MODEL_ID"] == "meta-llama/Llama-3.2-3B-Instruct"
+    assert cfg.effective_probes()[0].url == "/v1/chat/completions"
+
+
+def test_head_shape_groups_with_replicas_key():
+    cfg = ok(BASE + """
+        groups:
+          - name: prefill
+            replicas: 1
+            commands: [a]
+          - replicas: 0..4
+            count: 9
+            scaling: {metric: rps, target: 1.5}
+            commands: [b]
+        """.replace("\n        ", "\n"))
+    assert [g.name for g in cfg.replica_groups] == ["prefill", "1"]
+    assert cfg.replica_groups[1].count.max == 4  # `replicas` wins over `count`
+
+
+def test_homogeneous_service_gets_implicit_group_zero():
+    cfg = ok(BASE + "replicas: 0..2\nscaling: {metric: rps, target: 3}\ncommands: [serve]\n")
+    (group,) = cfg.replica_groups
+    assert group.name == "0" and (group.count.min, group.count.max) == (0, 2)
+    assert group.commands == ["serve"] and group.scaling.target == 3
+
+
+def test_default_count_is_one():
+    (group,) = ok(BASE + "commands: [serve]\n").replica_groups
+    assert (group.count.min, group.count.max) == (1, 1)
+
+
+def test_dump_and_revalidate_is_a_fixed_point():
+    cfg = load_config_file(EXAMPLES / "pd-disaggregation-service.yml").config
+    dumped = cfg.model_dump(mode="json")
+    again = ServiceConfiguration.model_validate(dumped)
+    assert again == cfg
+    assert again.model_dump(mode="json") == dumped
+
+
+def test_input_dict_is_not_modified():
+    from models.loader import load_config_data
+    data = {"type": "service", "port": 80, "replicas": [{"count": 1, "commands": ["a"]}]}
+    load_config_data(data)
+    assert data == {"type": "service", "port": 80, "replicas": [{"count": 1, "commands": ["a"]}]}
+
+
+# --- value syntax -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, lo, hi", [("2", 2, 2), ("'0..2'", 0, 2), ("..3", 0, 3), ("'1..4'", 1, 4)])
+def test_replica_ranges(text, lo, hi):
+    scaling = "" if lo == hi else "scaling: {metric: rps, target: 1}\n"
+    (g,) = ok(BASE + f"replicas: {text}\n{scaling}commands: [x]\n").replica_groups
+    assert (g.count.min, g.count.max) == (lo, hi)
+
+
+@pytest.mark.parametrize("text, seconds", [("30s", 30), ("1m", 60), ("5m", 300), (300, 300)])
+def test_scaling_window_durations(text, seconds):
+    cfg = ok(BASE + f"replicas: 0..2\nscaling: {{metric: rps, target: 1, window: {text}, "
+                    f"scale_up_delay: 1h, scale_down_delay: 90}}\ncommands: [x]\n")
+    assert cfg.scaling.window == seconds
+    assert cfg.scaling.scale_up_delay == 3600 and cfg.scaling.scale_down_delay == 90
+
+
+def test_scaling_defaults():
+    cfg = ok(BASE + "replicas: 0..2\nscaling: {metric: rps, target: 1}\ncommands: [x]\n")
+    assert (cfg.scaling.window, cfg.scaling.scale_up_delay, cfg.scaling.scale_down_delay) == (60, 300, 600)
+
+
+def test_resources_forms():
+    cfg = ok(BASE + """commands: [x]
+resources:
+  cpu: arm:8
+  memory: 16GB..
+  disk: 200GB
+  gpu: H100,A100:80GB:1..2
+""")
+    r = cfg.resources
+    assert r.cpu.arch == "arm" and r.cpu.count.min == 8
+    assert r.memory.min == 16 and r.memory.max is None
+    assert r.disk.min == r.disk.max == 200
+    assert r.gpu.name == ["H100", "A100"] and r.gpu.memory.min == 80 and (r.gpu.count.min, r.gpu.count.max) == (1, 2)
+    assert r.gpu.effective_vendor() == "nvidia"
+
+
+def test_gpu_mapping_form_and_plain_count():
+    r = ok(BASE + "commands: [x]\nresources: {gpu: {name: [L4], count: 2, memory: 24GB}}\n").resources
+    assert r.gpu.name == ["L4"] and r.gpu.count.min == 2
+    r = ok(BASE + "commands: [x]\nresources: {gpu: 2}\n").resources
+    assert r.gpu.name is None and r.gpu.count.min == r.gpu.count.max == 2
+    r = ok(BASE + "commands: [x]\nresources: {gpu: '24GB..'}\n").resources
+    assert r.gpu.memory.min == 24 and r.gpu.count.min == 1 and r.gpu.count.max is None
+
+
+def test_env_forms(monkeypatch):
+    cfg = ok(BASE + "commands: [x]\nenv: [A=1, B, C=x=y]\n")
+    assert cfg.env == {"A": "1", "B": None, "C": "x=y"}
+    cfg = ok(BASE + "commands: [x]\nenv: {A: 1, B: null, C: text}\n")
+    assert cfg.env == {"A": "1", "B": None, "C": "text"}
+
+
+def test_python_float_310_reads_as_310():
+    assert ok(BASE + "commands: [x]\npython: 3.10\n").python == "3.10"
+    assert ok(BASE + "commands: [x]\npython: '3.11'\n").python == "3.11"
+    assert "python" in one_error(BASE + "commands: [x]\npython: 2.7\n")
+
+
+@pytest.mark.parametrize("port, container", [("8000", 8000), ("'80:8000'", 8000), ("{container_port: 9000}", 9000)])
+def test_port_forms(port, container):
+    cfg = ok(f"type: service\nport: {port}\ncommands: [x]\n")
+    assert cfg.port.container_port == container
+
+
+def test_model_string_gives_default_probe_and_empty_list_disables_it():
+    cfg = ok(BASE + "commands: [x]\nmodel: llama\n")
+    (probe,) = cfg.effective_probes()
+    assert probe.method == "post" and probe.timeout == 30 and '"llama"' in probe.body
+    assert ok(BASE + "commands: [x]\nmodel: llama\nprobes: []\n").effective_probes() == []
+
+
+# --- validation rules (spec 1.8) ----------------------------------------------------------------
+
+def test_v1_max_required_min_defaults_to_zero_and_order():
+    assert "maximum number of replicas is required" in one_error(
+        BASE + "replicas: '1..'\nscaling: {metric: rps, target: 1}\ncommands: [x]\n")
+    assert "invalid range order" in one_error(BASE + "replicas: 3..1\ncommands: [x]\n")
+    assert "greater than or equal to 0" in one_error(BASE + "replicas: -1\ncommands: [x]\n")
+
+
+def test_v2_range_needs_scaling_in_group():
+    msg = one_error(BASE + "replicas:\n  - count: 0..2\n    commands: [x]\n")
+    assert msg.startswith("replicas[0].count:") and "needs `scaling`" in msg and msg.endswith("(line 4)")
+
+
+def test_v3_scaling_needs_range():
+    msg = one_error(BASE + "replicas: 2\nscaling: {metric: rps, target: 1}\ncommands: [x]\n")
+    assert msg.startswith("scaling:") and "needs a range" in msg
+
+
+def test_v4_fixed_zero_is_accepted_with_a_warning():
+    result = load(BASE + "replicas: 0\ncommands: [x]\n")
+    assert result.valid and "never starts" in str(result.warnings[0])
+
+
+def test_v5_empty_group_list():
+    assert one_error(BASE + "replicas: []\n").startswith("replicas: `groups` cannot be an empty list")
+    assert one_error(BASE + "groups: []\n").startswith("groups: `groups` cannot be an empty list")
+
+
+def test_v6_names_regex_and_uniqueness():
+    msg = one_error(BASE + "replicas:\n  - name: Bad_Name\n    count: 1\n    commands: [x]\n")
+    assert msg.startswith("replicas[0].name:") and "line 4" in msg
+    msg = one_error(BASE + "replicas:\n  - count: 1\n    commands: [x]\n  - name: '0'\n    count: 1\n    commands: [y]\n")
+    assert "duplicate replica group names found: ['0']" in msg
+
+
+def test_v7_v8_top_level_scaling_and_commands_with_groups():
+    errs = errors(BASE + "commands: [x]\nscaling: {metric: rps, target: 1}\n"
+                         "replicas:\n  - count: 1\n    commands: [y]\n")
+    assert any(e.startswith("scaling: top-level `scaling` is not allowed") for e in errs)
+    assert any(e.startswith("commands: top-level `commands` is not allowed") for e in errs)
+
+
+def test_v9_top_level_resources_allowed_with_groups_but_warned():
+    result = load(BASE + "resources: {gpu: 1}\nreplicas:\n  - count: 1\n    commands: [y]\n")
+    assert result.valid and str(result.warnings[0]).startswith("resources: ignored")
+
+
+def test_v10_homogeneous_needs_commands_or_image():
+    assert "either `commands` or `image`" in one_error(BASE)
+    ok(BASE + "image: vllm/vllm-openai\n")
+
+
+def test_v11_group_needs_commands_or_image():
+    msg = one_error(BASE + "python: 3.12\nreplicas:\n  - count: 1\n    nvcc: true\n")
+    assert msg.startswith("replicas[0]: replica group '0': either `commands` or `image`")
+    ok(BASE + "image: alpine\nreplicas:\n  - count: 1\n")
+
+
+@pytest.mark.parametrize("a, b", [("image: x", "python: '3.11'"), ("image: x", "docker: true"),
+                                  ("python: '3.11'", "docker: true"), ("nvcc: true", "docker: true"),
+                                  ("image: x", "nvcc: true")])
+def test_v12_mutually_exclusive_within_group(a, b):
+    msg = one_error(BASE + f"replicas:\n  - count: 1\n    commands: [c]\n    {a}\n    {b}\n")
+    assert "mutually exclusive within a replica group" in msg and msg.startswith("replicas[0].")
+
+
+def test_v12_python_and_nvcc_allowed_in_group():
+    ok(BASE + "replicas:\n  - count: 1\n    commands: [c]\n    python: '3.11'\n    nvcc: true\n")
+
+
+def test_v13_docker_with_privileged_false():
+    msg = one_error(BASE + "replicas:\n  - count: 1\n    commands: [c]\n    docker: true\n    privileged: false\n")
+    assert msg.startswith("replicas[0].privileged:") and "(line 7)" in msg
+    ok(BASE + "replicas:\n  - count: 1\n    commands: [c]\n    docker: true\n")
+
+
+@pytest.mark.parametrize("service, group", [("image: a", "image: a"), ("docker: true", "docker: false"),
+                                            ("privileged: true", "privileged: true"),
+                                            ("python: '3.11'", "python: '3.11'"), ("nvcc: true", "nvcc: false"),
+                                            ("spot_policy: spot", "spot_policy: auto"),
+                                            ("reservation: r1", "reservation: r1")])
+def test_v14_set_in_one_place_only(service, group):
+    errs = errors(BASE + f"{service}\nreplicas:\n  - count: 1\n    commands: [c]\n  - count: 1\n"
+                         f"    commands: [d]\n    {group}\n")
+    field = group.split(":")[0]
+    assert any(e.startswith(f"replicas[1].{field}: `{field}` is set at both the service level") for e in errs), errs
+
+
+def test_v14_false_booleans_at_service_level_do_not_count():
+    ok(BASE + "nvcc: false\nreplicas:\n  - count: 1\n    commands: [c]\n    nvcc: true\n")
+    ok(BASE + "docker: false\nreplicas:\n  - count: 1\n    commands: [c]\n    docker: true\n")
+
+
+@pytest.mark.parametrize("service, group", [("image: a", "docker: true"), ("image: a", "python: '3.12'"),
+                                            ("image: a", "nvcc: false"), ("docker: true", "image: b"),
+                                            ("docker: true", "nvcc: true"), ("python: '3.11'", "image: b"),
+                                            ("python: '3.11'", "docker: true"), ("nvcc: true", "image: b")])
+def test_v15_cross_level_conflicts(service, group):
+    errs = errors(BASE + f"{service}\nreplicas:\n  - count: 1\n    commands: [c]\n    {group}\n")
+    field = group.split(":")[0]
+    assert any(e.startswith(f"replicas[0].{field}: service-level") for e in errs), errs
+
+
+def test_v15_allowed_cross_level_pairs():
+    ok(BASE + "python: '3.11'\nreplicas:\n  - count: 1\n    commands: [c]\n    nvcc: true\n")
+    ok(BASE + "nvcc: true\nreplicas:\n  - count: 1\n    commands: [c]\n    python: '3.12'\n")
+
+
+def test_v16_service_level_exclusions_and_image_with_nvcc():
+    assert one_error(BASE + "image: a\npython: '3.11'\n").startswith("python: `image` and `python`")
+    assert one_error(BASE + "image: a\nnvcc: true\n").startswith("nvcc: `image` and `nvcc: true`")
+    assert "docker: true" in one_error(BASE + "commands: [x]\npython: '3.11'\ndocker: true\n")
+
+
+def test_group_privileged_false_under_service_docker():
+    msg = one_error(BASE + "docker: true\nreplicas:\n  - count: 1\n    commands: [c]\n    privileged: false\n")
+    assert msg.startswith("replicas[0].privileged:") and "service-level `docker: true`" in msg
+
+
+def test_v17_router_rules():
+    errs = errors(BASE + "replicas:\n  - count: 2\n    commands: [c]\n    router: {type: sglang}\n"
+                         "  - count: 1\n    commands: [d]\n    router: {type: dynamo}\n")
+    assert any(e.startswith("replicas[0].count: the replica group with `router` must have exactly 1") for e in errs)
+    assert any(e.startswith("replicas[1].router: at most one replica group") for e in errs)
+
+
+def test_v18_scaling_fields():
+    assert "window must be one of" in one_error(BASE + "replicas: 0..2\nscaling: {metric: rps, target: 1, window: 45s}\ncommands: [x]\n")
+    assert one_error(BASE + "replicas: 0..2\nscaling: {metric: rps, target: 0}\ncommands: [x]\n").startswith("scaling.target:")
+    assert one_error(BASE + "replicas: 0..2\nscaling: {metric: cpu, target: 1}\ncommands: [x]\n").startswith("scaling.metric:")
+
+
+def test_v19_probes_and_rate_limit_prefixes_unique():
+    errs = errors(BASE + "commands: [x]\nprobes: [{type: http, url: /h}, {type: http, url: /h}]\n"
+                         "rate_limits: [{prefix: /a, rps: 1}, {prefix: /a, rps: 2}]\n")
+    assert any(e.startswith("probes[1]: probes must be unique") for e in errs)
+    assert any(e.startswith("rate_limits: prefixes ['/a']") for e in errs)
+
+
+def test_probe_limits():
+    assert "timeout" in one_error(BASE + "commands: [x]\nprobes: [{type: http, timeout: 10m}]\n")
+    probes = ", ".join(f"{{type: http, url: /p{i}}}" for i in range(11))
+    assert "at most 10 probes" in one_error(BASE + f"commands: [x]\nprobes: [{probes}]\n")
+    assert "body" in one_error(BASE + "commands: [x]\nprobes: [{type: http, body: x}]\n")
+
+
+def test_service_name_regex():
+    assert one_error(BASE + "name: Bad\ncommands: [x]\n").startswith("name: must match")
+
+
+# --- error reporting ------------------------------------------------------------------------------
+
+def test_several_mistakes_are_all_reported_with_lines():
+    errs = errors("""type: service
+port: 8000
+image: alpine
+python: 3.12
+replicas:
+  - count: 1
+    commands: [x]
+    nvcc: true
+  - count: 0..3
+    comands: [y]
+  - count: 1
+    resources:
+      gpu: A100:2:3
+""")
+    assert "replicas[1].comands: unknown field; did you mean `commands`? (line 10)" in errs
+    assert any(e.startswith("replicas[2].resources.gpu:") and e.endswith("(line 13)") for e in errs)
+    assert "python: `image` and `python` are mutually exclusive fields (line 4)" in errs
+    assert any(e.startswith("replicas[0].nvcc: service-level `image` conflicts") for e in errs)
+    assert any(e.startswith("replicas[1].count:") and "(line 9)" in e for e in errs)
+
+
+def test_wrong_type_names_field_and_line():
+    msg = one_error(BASE + "commands: [x]\nauth: maybe\n")
+    assert msg.startswith("auth:") and msg.endswith("(line 4)")
+    msg = one_error(BASE + "commands: x\n")
+    assert msg.startswith("commands:") and "list" in msg
+
+
+def test_missing_required_field():
+    assert one_error("type: service\ncommands: [x]\n").startswith("port: required field is missing")
+
+
+def test_unknown_top_level_field():
+    assert one_error(BASE + "commands: [x]\nreplica: 2\n").startswith("replica: unknown field; did you mean `replicas`?")
+
+
+def test_bad_yaml_reports_line():
+    msg = one_error("type: service\nport: [8000\ncommands: x\n")
+    assert msg.startswith("invalid YAML") and "(line" in msg
+
+
+def test_duplicate_key_is_an_error():
+    assert "invalid YAML" in one_error(BASE + "port: 9000\ncommands: [x]\n")
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_non_mapping_document(text):
+    assert "must be a mapping" in one_error(text)
+
+
+def test_empty_file():
+    assert "empty" in one_error("")
+
+
+def test_other_run_type_is_refused():
+    assert one_error("type: task\ncommands: [x]\n").startswith("type: durastack runs services")
+
+
+def test_ten_megabyte_file_is_refused(tmp_path):
+    path = tmp_path / "big.yml"
+    path.write_text(BASE + "commands:\n" + "  - echo hi\n" * (10 * 1024 * 1024 // 12))
+    result = load_config_file(path)
+    assert result.config is None and "at most 1024 KiB" in str(result.errors[0])
+    assert path.stat().st_size > MAX_FILE_BYTES
+
+
+def test_alias_bomb_is_refused_quickly():
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+    for i in range(1, 12):
+        prev = chr(ord("a") + i - 1)
+        cur = chr(ord("a") + i)
+        bomb += f"{cur}: &{cur} [{', '.join(['*' + prev] * 10)}]\n"
+    assert "aliases" in one_error(bomb)
+
+
+def test_missing_file(tmp_path):
+    result = load_config_file(tmp_path / "nope.yml")
+    assert "no such file" in str(result.errors[0])
