@@ -121,7 +121,7 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
     # Cloud disks are created at the size asked for; only this machine's free disk can be too small.
     checks.append((f"{_size(disk)} of disk", lambda o: o.backend != "local" or o.disk_gb >= (disk.min or 0)))
     checks += _gpu_checks(resources.gpu)
-    if max_price is not None:
+    if max_price is not None:  # last, so that describe_mismatch can name the cheapest offer that fits otherwise
         checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))
     return checks
 
@@ -159,7 +159,8 @@ def describe_mismatch(offers: Iterable[InstanceOffer], resources: ResourcesSpec,
     """Why ``match_offers`` finds nothing, e.g. ``no offer has a GPU named X100``; None if something matches.
 
     Checks are applied in order; the first one that leaves no offer is the reason. If some offer meets it on its
-    own, the reason names the earlier requirements that narrowed the offers down.
+    own, the reason names the earlier requirements that narrowed the offers down. A too low max_price is
+    explained with the cheapest offer that meets everything else.
     """
     offers = list(offers)
     if not offers:
@@ -167,6 +168,10 @@ def describe_mismatch(offers: Iterable[InstanceOffer], resources: ResourcesSpec,
     remaining, narrowed_by = offers, []
     for what, test in _checks(resources, spot_policy, max_price, backends, regions):
         kept = [o for o in remaining if test(o)]
+        if not kept and max_price is not None and what.startswith("a price"):
+            cheapest = min(remaining, key=sort_key)
+            return (f"no offer costs at most ${max_price:g}/h; the cheapest that fits otherwise is "
+                    f"{cheapest.instance_type} in {cheapest.region} ({cheapest.backend}) at ${cheapest.price:g}/h")
         if not kept:
             if narrowed_by and any(test(o) for o in offers):
                 return f"no offer has {what} together with {', '.join(narrowed_by)}"

@@ -1,0 +1,154 @@
+"""``durastack offers``: the instance offers that fit a requirement, cheapest first.
+
+Either resources from flags (``--gpu A100:80GB:2 --cpu 8..``), or a service file with one table per replica group.
+Candidates are the shipped catalog (AWS, GCP) plus this machine (``local``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from activities.catalog import catalog_as_of, load_catalog, local_offer
+from models.offers import InstanceOffer, describe_mismatch, match_offers
+from models.resources import ResourcesSpec
+
+BACKENDS = ("aws", "gcp", "local")
+
+
+@dataclass
+class _Query:
+    """One table: a replica group's resources and the filters that apply to it."""
+
+    name: str
+    resources: ResourcesSpec
+    spot_policy: str
+    max_price: Optional[float]
+    backends: Optional[list[str]]
+    regions: Optional[list[str]]
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _resources(flags: dict[str, str]) -> ResourcesSpec:
+    try:
+        return ResourcesSpec.model_validate(flags)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"invalid --{field} {flags.get(field)!r}: {msg}")
+        _fail("\n".join(lines))
+
+
+def _queries_from_file(path: Path, spot_policy: Optional[str], max_price: Optional[float],
+                       backends: Optional[list[str]], regions: Optional[list[str]]) -> list[_Query]:
+    if not path.is_file():
+        _fail(f"{path}: no such file")
+    try:
+        from models.loader import load_config_file  # written separately; imported only when a file is given
+    except ImportError as e:
+        _fail(f"cannot read service files yet ({e})")
+    result = load_config_file(str(path))
+    if result.errors:
+        for err in result.errors:
+            typer.echo(str(err), err=True)
+        raise typer.Exit(1)
+    config = result.config
+    # Command-line filters win over the file's; a group's spot_policy wins over the service's.
+    return [_Query(name=group.name, resources=group.resources,
+                   spot_policy=spot_policy or group.spot_policy or config.spot_policy or "on-demand",
+                   max_price=max_price if max_price is not None else config.max_price,
+                   backends=backends or config.backends, regions=regions or config.regions)
+            for group in config.replica_groups]
+
+
+def _price(value: float) -> str:
+    return "$" + f"{value:.4f}".rstrip("0").rstrip(".")
+
+
+def _table(title: Optional[str], offers: list[InstanceOffer], total: int) -> Table:
+    table = Table(title=title, title_justify="left", box=None, header_style="bold",
+                  caption=f"{len(offers)} of {total} offers; catalog prices as of {catalog_as_of()} (approximate)",
+                  caption_justify="left")
+    for column in ("#", "BACKEND", "REGION", "INSTANCE", "RESOURCES", "SPOT", "PRICE"):
+        table.add_column(column, no_wrap=column != "RESOURCES", justify="right" if column == "PRICE" else "left")
+    for i, o in enumerate(offers, start=1):
+        table.add_row(str(i), o.backend, o.region, o.instance_type, o.resources_summary(),
+                      "yes" if o.spot else "no", _price(o.price))
+    return table
+
+
+def offers(
+    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Service file: one table per replica group.",
+                                                 show_default=False)] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="GPUs, e.g. A100:80GB:2, H100,A100:1..2, 24GB.., 2")] = None,
+    cpu: Annotated[Optional[str], typer.Option(help="vCPUs, e.g. 4, 2..8, arm:8")] = None,
+    memory: Annotated[Optional[str], typer.Option(help="RAM, e.g. 16GB or 8GB..")] = None,
+    disk: Annotated[Optional[str], typer.Option(help="Disk, e.g. 200GB or 100GB..")] = None,
+    backend: Annotated[Optional[list[str]], typer.Option(help="aws, gcp or local; repeatable")] = None,
+    region: Annotated[Optional[list[str]], typer.Option(help="Region; repeatable")] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="Spot offers only.")] = False,
+    on_demand: Annotated[bool, typer.Option("--on-demand", help="On-demand offers only (the default).")] = False,
+    spot_auto: Annotated[bool, typer.Option("--spot-auto", help="Spot and on-demand offers.")] = False,
+    max_price: Annotated[Optional[float], typer.Option(min=0, help="Maximum USD per hour.")] = None,
+    limit: Annotated[int, typer.Option(min=0, help="Offers to show per table; 0 shows all.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Show the instance offers that fit the resources, cheapest first."""
+    policies = [p for p, on in (("spot", spot), ("on-demand", on_demand), ("auto", spot_auto)) if on]
+    if len(policies) > 1:
+        _fail("--spot, --on-demand and --spot-auto exclude each other")
+    unknown = sorted(set(backend or ()) - set(BACKENDS))
+    if unknown:
+        _fail(f"invalid --backend {', '.join(unknown)}: choose from {', '.join(BACKENDS)}")
+    flags = {k: v for k, v in (("gpu", gpu), ("cpu", cpu), ("memory", memory), ("disk", disk)) if v is not None}
+    policy = policies[0] if policies else None
+    if file is not None:
+        if flags:
+            _fail("give either -f FILE or --gpu/--cpu/--memory/--disk, not both")
+        queries = _queries_from_file(file, policy, max_price, backend, region)
+    else:
+        queries = [_Query("-", _resources(flags), policy or "on-demand", max_price, backend, region)]
+
+    candidates = load_catalog() + [local_offer()]
+    groups = []
+    for q in queries:
+        filters = dict(spot_policy=q.spot_policy, max_price=q.max_price, backends=q.backends, regions=q.regions)
+        found = match_offers(candidates, q.resources, **filters)
+        reason = None if found else describe_mismatch(candidates, q.resources, **filters)
+        groups.append((q, found[:limit] if limit else found, len(found), reason))
+
+    if as_json:
+        typer.echo(json.dumps({"groups": [
+            {"name": q.name, "offers": [o.model_dump(mode="json") for o in shown], "total": total, "reason": reason}
+            for q, shown, total, reason in groups]}, indent=2))
+        return
+    console = Console()
+    for q, shown, total, reason in groups:
+        title = f"group {q.name}" if file is not None else None
+        if not shown:
+            console.print(f"{title + ': ' if title else ''}No offers fit ({q.resources.summary()}): {reason}.",
+                          highlight=False, markup=False)
+        else:
+            console.print(_table(title, shown, total))
+        console.print()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``offers`` to the durastack command."""
+    app.command("offers")(offers)
+
+
+__all__ = ["register", "offers"]
