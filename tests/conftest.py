@@ -1,0 +1,58 @@
+"""Shared fixtures: Temporal test servers from the PyPI wheels (never downloaded at run time)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
+
+import pytest
+import pytest_asyncio
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
+from temporalio.testing import WorkflowEnvironment
+
+from models.settings import SEARCH_ATTRIBUTES
+
+BIN = Path(sys.executable).parent
+T = TypeVar("T")
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or str(BIN / name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} not installed (pip install -e '.[test]')")
+    return path
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def ts_env():
+    """The Java time-skipping test server, with durastack's search attributes registered."""
+    env = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=tool("temporal-test-server"), data_converter=pydantic_data_converter)
+    await env.client.operator_service.add_search_attributes(AddSearchAttributesRequest(
+        namespace=env.client.namespace,
+        search_attributes={n: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for n in SEARCH_ATTRIBUTES}))
+    yield env
+    await env.shutdown()
+
+
+async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 30.0, interval: float = 0.05) -> T:
+    """Await ``check()`` until it returns a truthy value; fail after ``timeout`` seconds (bounded)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = await check()
+            if last:
+                return last  # type: ignore[return-value]
+        except (AssertionError, RPCError) as e:  # RPCError: e.g. a query that met a continue-as-new
+            last = e
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s; last: {last!r}")

@@ -1,0 +1,252 @@
+"""ServiceRunWorkflow + ReplicaWorkflow on the time-skipping server, with fake activities."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+
+import pytest
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.worker import Worker
+
+from models.loader import load_config_text
+from models.run import (InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput,
+                        ScaleRequest, ServiceState, ServiceStatus)
+from tests.conftest import eventually
+from workflows import names
+from workflows.replica import ReplicaWorkflow
+from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CONFIG = """
+type: service
+name: {name}
+port: 8000
+replicas:
+  - count: 1
+    commands: [echo "Group 1 - Version 0" > /tmp/version.txt, python3 -m http.server 8000]
+  - count: 0..3
+    scaling: {{metric: rps, target: 2}}
+    commands: [echo "Group 2 - Version 0" > /tmp/version.txt, python3 -m http.server 8000]
+"""
+
+
+class FakeCloud:
+    """Fake activities that record every call, in order, so tests can check the lifecycle."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.instances: dict[str, str] = {}  # replica_id → state
+        self.routed: set[str] = set()
+        self.crash: dict[str, asyncio.Event] = {}
+        self.provisions: dict[str, int] = {}
+
+    def activities(self):
+        @activity.defn(name=names.PROVISION)
+        async def provision(inp: ReplicaInput) -> Provisioned:
+            rid = inp.job.replica_id
+            self.provisions[rid] = self.provisions.get(rid, 0) + 1
+            self.instances[rid] = "running"
+            self.log.append(("provision", rid))
+            return Provisioned(placement=Placement(backend="local", region="local", address=f"unix:/x/{rid}"),
+                               instance={"id": rid})
+
+        @activity.defn(name=names.WAIT_READY)
+        async def wait_ready(inp: ReadyInput) -> None:
+            self.log.append(("ready", inp.ref.job.replica_id))
+
+        @activity.defn(name=names.REGISTER)
+        async def register(reg: Registration) -> None:
+            self.routed.add(reg.replica_id)
+            self.log.append(("register", reg.replica_id))
+
+        @activity.defn(name=names.UNREGISTER)
+        async def unregister(reg: Registration) -> None:
+            self.routed.discard(reg.replica_id)
+            self.log.append(("unregister", reg.replica_id))
+
+        @activity.defn(name=names.WATCH)
+        async def watch(ref: InstanceRef) -> str:
+            event = self.crash.setdefault(ref.job.replica_id, asyncio.Event())
+            while not event.is_set():
+                activity.heartbeat()
+                try:
+                    await asyncio.wait_for(event.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+            return "exited (1)"
+
+        @activity.defn(name=names.TERMINATE)
+        async def terminate(ref: InstanceRef) -> None:
+            self.instances[ref.job.replica_id] = "terminated"
+            self.log.append(("terminate", ref.job.replica_id))
+
+        @activity.defn(name=names.ENSURE_ROUTE)
+        async def ensure_route(inp: RouteInput) -> None:
+            self.log.append(("route", inp.service))
+
+        @activity.defn(name=names.REMOVE_ROUTE)
+        async def remove_route(inp: RouteInput) -> None:
+            self.log.append(("unroute", inp.service))
+
+        return [provision, wait_ready, register, unregister, watch, terminate, ensure_route, remove_route]
+
+    def running(self) -> set[str]:
+        return {rid for rid, s in self.instances.items() if s == "running"}
+
+
+@pytest.fixture
+async def cloud(ts_env):
+    fake = FakeCloud()
+    queue = f"tq-{uuid.uuid4()}"
+    async with Worker(ts_env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
+                      activities=fake.activities()):
+        fake.queue = queue
+        yield fake
+    for event in fake.crash.values():
+        event.set()
+
+
+async def start(env, cloud, name: str, **kwargs):
+    config = load_config_text(CONFIG.format(name=name)).config
+    state = ServiceState(name=name, config=config)
+    return await env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=state, **kwargs), id=service_workflow_id(name),
+        task_queue=cloud.queue)
+
+
+def ready_replicas(status: ServiceStatus) -> dict[str, list[int]]:
+    return {g.name: sorted(r.replica for r in g.replicas if r.ready and r.status == "running")
+            for g in status.groups}
+
+
+async def status_of(handle) -> ServiceStatus:
+    return await handle.query(ServiceRunWorkflow.status, rpc_timeout=timedelta(seconds=3))
+
+
+async def wait_ready(handle, expected: dict[str, list[int]]) -> ServiceStatus:
+    async def check():
+        status = await status_of(handle)
+        return status if ready_replicas(status) == expected else None
+    return await eventually(check)
+
+
+async def test_groups_start_at_min_with_run_global_numbers(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-start")
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    assert status.status == "running"
+    assert [g.desired for g in status.groups] == [1, 0]
+    assert ("route", "svc-start") in cloud.log
+    # The replica registered with the gateway only after it was ready.
+    rid = "svc-start/0/r0-s0"
+    assert cloud.log.index(("ready", rid)) < cloud.log.index(("register", rid))
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_scale_up_and_down_removes_newest_after_leaving_gateway(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-scale")
+    await wait_ready(handle, {"0": [0], "1": []})
+    assert await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=3)) == 3
+    await wait_ready(handle, {"0": [0], "1": [1, 2, 3]})
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=1))
+    await wait_ready(handle, {"0": [0], "1": [1]})
+    for rid in ("svc-scale/1/r2-s0", "svc-scale/1/r3-s0"):
+        await eventually(lambda: _true(cloud.instances[rid] == "terminated"))
+        # The gateway stopped routing to it before its instance was terminated.
+        assert cloud.log.index(("unregister", rid)) < cloud.log.index(("terminate", rid))
+    assert cloud.running() == {"svc-scale/0/r0-s0", "svc-scale/1/r1-s0"}
+    # A new scale-up reuses the group's free replica numbers (new submission), never another group's.
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=2))
+    await wait_ready(handle, {"0": [0], "1": [1, 2]})
+    assert "svc-scale/1/r2-s1" in cloud.running()
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_invalid_scale_is_refused_and_changes_nothing(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-refuse")
+    await wait_ready(handle, {"0": [0], "1": []})
+    for request, text in [(ScaleRequest(group="nope", count=1), "no replica group 'nope'"),
+                          (ScaleRequest(group="1", count=4), "takes 0..3 replicas, not 4"),
+                          (ScaleRequest(group="0", count=-1), "not -1")]:
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(ServiceRunWorkflow.scale, request)
+        assert text in str(info.value.cause)
+    # A rejected update leaves no trace in the history.
+    history = await handle.fetch_history()
+    assert not [e for e in history.events if e.HasField("workflow_execution_update_accepted_event_attributes")]
+    assert [g.desired for g in (await status_of(handle)).groups] == [1, 0]
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_crashed_replica_is_replaced_with_a_new_submission(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-crash")
+    await wait_ready(handle, {"0": [0], "1": []})
+    await eventually(lambda: _true("svc-crash/0/r0-s0" in cloud.crash))
+    cloud.crash["svc-crash/0/r0-s0"].set()
+    await eventually(lambda: _true(cloud.instances["svc-crash/0/r0-s0"] == "terminated"))
+    await ts_env.sleep(timedelta(seconds=20))  # the group's resubmission back-off (15 s) is skipped
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    (replica,) = status.groups[0].replicas
+    assert replica.submission == 1
+    assert any("replica 0 failed: exited (1)" in e.message for e in await handle.query(ServiceRunWorkflow.events))
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_stop_terminates_everything_then_completes(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-stop")
+    await wait_ready(handle, {"0": [0], "1": []})
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=2))
+    await wait_ready(handle, {"0": [0], "1": [1, 2]})
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await handle.result() == "stopped"
+    assert cloud.running() == set() and cloud.routed == set()
+    assert cloud.log[-1] == ("unroute", "svc-stop")
+
+
+async def test_cancel_from_the_ui_tears_down_too(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-cancel")
+    await wait_ready(handle, {"0": [0], "1": []})
+    await handle.cancel()
+    await eventually(lambda: _status_is(handle, WorkflowExecutionStatus.CANCELED))
+    assert cloud.running() == set() and ("unroute", "svc-cancel") in cloud.log
+
+
+async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
+    handle = await start(ts_env, cloud, "svc-hops", history_limit=60)
+    await wait_ready(handle, {"0": [0], "1": []})
+    runs = {(await handle.describe()).run_id}
+    for count in (1, 2, 3, 2, 1, 2, 3):
+        await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=count))
+        await eventually(lambda: _group_ready(handle, "1", count))
+        runs.add((await handle.describe()).run_id)
+    assert len(runs) >= 3, "expected several continue-as-new hops"
+    status = await status_of(handle)
+    assert ready_replicas(status)["0"] == [0]
+    # Nothing was provisioned twice, and the first replica survived every hop.
+    assert all(n == 1 for n in cloud.provisions.values())
+    assert "svc-hops/0/r0-s0" in cloud.running()
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+    assert cloud.running() == set()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _status_is(handle, expected) -> bool:
+    return (await handle.describe()).status == expected
+
+
+async def _group_ready(handle, group: str, count: int) -> bool:
+    status = await status_of(handle)
+    g = next(g for g in status.groups if g.name == group)
+    return sum(1 for r in g.replicas if r.ready and r.status == "running") == count and \
+        not any(r.status == "terminating" for r in g.replicas)

@@ -1,0 +1,10 @@
+"""Activity names shared by workflows (which schedule them) and the worker (which runs them)."""
+
+PROVISION = "provision_replica"
+WAIT_READY = "wait_replica_ready"
+WATCH = "watch_replica"
+TERMINATE = "terminate_replica"
+REGISTER = "register_replica"
+UNREGISTER = "unregister_replica"
+ENSURE_ROUTE = "ensure_service_route"
+REMOVE_ROUTE = "remove_service_route"

@@ -1,0 +1,109 @@
+"""Pure decisions of a service run: which replicas to start and which to stop (spec sections 2.3, 5).
+
+No Temporal, no I/O: functions of the state and the time, so every rule is testable on its own.
+The ServiceRunWorkflow applies what these return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Optional
+
+from models.run import GroupState, Replica, ServiceState
+from models.service import ServiceConfiguration
+
+# Resubmission back-off after consecutive failures of a group (spec 3.5's pending back-off).
+BACKOFF = (15, 30, 60, 120, 300, 600)
+KEEP_FINISHED = 50  # finished rows kept for `ps` (the latest submission of each replica wins)
+
+
+@dataclass(frozen=True)
+class Start:
+    group: str
+    replica_num: int
+    submission_num: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    replica_num: int
+    submission_num: int
+    reason: str
+
+
+@dataclass
+class Plan:
+    start: list[Start] = field(default_factory=list)
+    stop: list[Stop] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.stop)
+
+
+def sync_groups(config: ServiceConfiguration, groups: dict[str, GroupState]) -> dict[str, GroupState]:
+    """Groups of ``config``: new ones start at their min, known ones keep their desired count (clamped)."""
+    out = {}
+    for g in config.replica_groups:
+        lo, hi = g.count.min or 0, g.count.max or 0
+        old = groups.get(g.name)
+        if old is None:
+            out[g.name] = GroupState(name=g.name, desired=lo)
+        else:
+            out[g.name] = old.model_copy(update={"desired": min(max(old.desired, lo), hi)})
+    return out
+
+
+def importance(replica: Replica) -> int:
+    """3 serving, 2 running but not serving, 1 provisioning, 0 submitted (spec 5)."""
+    if replica.status == "running":
+        return 3 if replica.ready and replica.registered else 2
+    return 1 if replica.status == "provisioning" else 0
+
+
+def removal_order(replicas: list[Replica], deployment_num: int) -> list[Replica]:
+    """Most important first; victims are taken from the end (out-of-date, least important, newest)."""
+    return sorted(replicas, key=lambda r: (r.deployment_num < deployment_num, -importance(r), r.replica_num))
+
+
+def reconcile(state: ServiceState, now: datetime) -> Plan:
+    plan = Plan()
+    latest = state.latest()
+    next_num = state.next_replica_num
+    names = [g.name for g in state.config.replica_groups]
+    for name in names:
+        group = state.groups[name]
+        mine = [r for r in latest if r.group == name]
+        active = [r for r in mine if r.active]
+        diff = group.desired - len(active)
+        if diff > 0 and (group.retry_after is None or group.retry_after <= now):
+            # Reuse this group's inactive replica numbers first, then allocate new ones.
+            for r in sorted((r for r in mine if not r.active), key=lambda r: r.replica_num)[:diff]:
+                plan.start.append(Start(name, r.replica_num, r.submission_num + 1))
+            for _ in range(diff - min(diff, len(mine) - len(active))):
+                plan.start.append(Start(name, next_num, 0))
+                next_num += 1
+        elif diff < 0:
+            for r in removal_order(active, state.deployment_num)[diff:]:
+                plan.stop.append(Stop(r.replica_num, r.submission_num, "scaled_down"))
+    for r in latest:
+        if r.active and r.group not in names:
+            plan.stop.append(Stop(r.replica_num, r.submission_num, "group removed"))
+    return plan
+
+
+def backoff_until(group: GroupState, now: datetime) -> Optional[datetime]:
+    if group.failures == 0:
+        return None
+    return now + timedelta(seconds=BACKOFF[min(group.failures, len(BACKOFF)) - 1])
+
+
+def prune(replicas: list[Replica]) -> list[Replica]:
+    """Drop finished rows superseded by a newer submission, and all but the newest finished ones."""
+    newest: dict[int, int] = {}
+    for r in replicas:
+        newest[r.replica_num] = max(newest.get(r.replica_num, -1), r.submission_num)
+    kept = [r for r in replicas if not r.finished or r.submission_num == newest[r.replica_num]]
+    finished = sorted((r for r in kept if r.finished), key=lambda r: r.finished_at or r.submitted_at)
+    drop = {id(r) for r in finished[:-KEEP_FINISHED]} if len(finished) > KEEP_FINISHED else set()
+    return [r for r in kept if id(r) not in drop]

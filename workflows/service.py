@@ -1,0 +1,282 @@
+"""ServiceRunWorkflow: one long-lived workflow per service (id ``service/<name>``).
+
+It owns the configuration, the deployment number, each group's desired count and the replica
+table. Each pass: decide with the pure planner, start or stop ReplicaWorkflow children, then
+sleep until something changes. Children report back by signal; they are started with
+``ParentClosePolicy.ABANDON`` so that they live through continue-as-new, and stopping is explicit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Optional
+
+from pydantic import BaseModel, Field
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ApplicationError
+from temporalio.workflow import ParentClosePolicy
+
+with workflow.unsafe.imports_passed_through():
+    from models.run import (
+        Event,
+        GroupView,
+        Replica,
+        ReplicaUpdate,
+        ReplicaView,
+        RouteInput,
+        ScaleRequest,
+        ServiceState,
+        ServiceStatus,
+    )
+    from models.service import ServiceConfiguration
+    from workflows import names
+    from workflows.jobs import replica_input, replica_workflow_id
+    from workflows.planner import Plan, backoff_until, prune, reconcile, sync_groups
+    from workflows.replica import ReplicaWorkflow
+
+SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
+SA_GROUP = SearchAttributeKey.for_keyword("DurastackGroup")
+SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
+MAX_EVENTS = 200  # the latest decisions kept in state; `durastack events` reads them
+
+
+def service_workflow_id(name: str) -> str:
+    return f"service/{name}"
+
+
+class ServiceRunInput(BaseModel):
+    state: ServiceState
+    safety_tick_seconds: int = Field(600, description="Longest sleep between passes when nothing happens.")
+    history_limit: int = Field(8000, description="Continue-as-new past this many events (or when suggested).")
+
+
+@workflow.defn
+class ServiceRunWorkflow:
+    @workflow.init
+    def __init__(self, inp: ServiceRunInput) -> None:
+        self.inp = inp
+        self.state = inp.state
+        self.dirty = True
+        self.published_status: Optional[str] = None
+
+    # --- messages ---------------------------------------------------------------------------------
+
+    @workflow.query
+    def status(self) -> ServiceStatus:
+        return _status_view(self.state)
+
+    @workflow.query
+    def events(self) -> list[Event]:
+        return list(self.state.events)
+
+    @workflow.signal
+    def stop(self) -> None:
+        if not self.state.stopping:
+            self.state.stopping = True
+            self._event("stop", "stop requested")
+
+    @workflow.signal
+    def replica_changed(self, update: ReplicaUpdate) -> None:
+        replica = self.state.find(update.replica_num, update.submission_num)
+        if replica is None or replica.finished:
+            return
+        replica.status, replica.ready, replica.registered = update.status, update.ready, update.registered
+        replica.placement = update.placement or replica.placement
+        replica.reason = update.reason or replica.reason
+        group = self.state.groups.get(replica.group)
+        if replica.finished:
+            replica.finished_at = workflow.now()
+            self._event("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}", replica.group)
+            if replica.status == "failed" and group is not None:
+                group.failures += 1
+                group.retry_after = backoff_until(group, workflow.now())
+        elif replica.ready and group is not None:
+            group.failures, group.retry_after = 0, None
+        self.dirty = True
+
+    @workflow.update
+    def scale(self, request: ScaleRequest) -> int:
+        group = self.state.groups[request.group]
+        if group.desired != request.count:
+            self._event("scale", f"{group.desired} → {request.count} (manual scale)", group.name)
+        group.desired = request.count
+        group.last_scaled_at = workflow.now()
+        self.dirty = True
+        return group.desired
+
+    @scale.validator
+    def _validate_scale(self, request: ScaleRequest) -> None:
+        if self.state.stopping:
+            raise ApplicationError("the service is stopping", type="Stopping")
+        spec = self.state.config.group(request.group)
+        if spec is None:
+            known = ", ".join(g.name for g in self.state.config.replica_groups)
+            raise ApplicationError(f"no replica group '{request.group}' (groups: {known})", type="UnknownGroup")
+        lo, hi = spec.count.min or 0, spec.count.max or 0
+        if not lo <= request.count <= hi:
+            raise ApplicationError(f"group '{request.group}' takes {lo}..{hi} replicas, not {request.count}",
+                                   type="OutOfRange")
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, inp: ServiceRunInput) -> str:
+        state = self.state
+        if state.submitted_at is None:
+            state.submitted_at = workflow.now()
+            self._event("apply", f"service submitted, deployment {state.deployment_num}")
+        state.groups = sync_groups(state.config, state.groups)
+        await workflow.execute_activity(
+            names.ENSURE_ROUTE, RouteInput(service=state.name, auth=state.config.auth),
+            start_to_close_timeout=timedelta(seconds=60), retry_policy=RetryPolicy(maximum_interval=timedelta(
+                seconds=30)), summary="gateway route")
+        try:
+            while not state.stopping:
+                self.dirty = False  # cleared before the pass, so a message during it is never lost
+                await self._reconcile()
+                self._publish()
+                await workflow.wait_condition(lambda: self.dirty or state.stopping or self._should_continue(),
+                                              timeout=self._sleep(), timeout_summary="until something changes")
+                if self._should_continue() and not state.stopping:
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    state.replicas = prune(state.replicas)
+                    workflow.continue_as_new(ServiceRunInput(
+                        state=state, safety_tick_seconds=inp.safety_tick_seconds, history_limit=inp.history_limit))
+        except asyncio.CancelledError:
+            state.stopping = True
+            await self._shutdown()
+            raise
+        await self._shutdown()
+        return "stopped"
+
+    def _should_continue(self) -> bool:
+        info = workflow.info()
+        return info.is_continue_as_new_suggested() or info.get_current_history_length() > self.inp.history_limit
+
+    def _sleep(self) -> timedelta:
+        """The safety tick, or less when a group's resubmission back-off ends sooner."""
+        now = workflow.now()
+        waits = [(g.retry_after - now).total_seconds() for g in self.state.groups.values()
+                 if g.retry_after is not None and g.retry_after > now]
+        return timedelta(seconds=max(1.0, min([self.inp.safety_tick_seconds, *waits])))
+
+    async def _reconcile(self) -> None:
+        plan = reconcile(self.state, workflow.now())
+        if plan:
+            await self._apply(plan)
+
+    async def _apply(self, plan: Plan) -> None:
+        state, now = self.state, workflow.now()
+        starts = []
+        for s in plan.start:
+            replica = Replica(replica_num=s.replica_num, submission_num=s.submission_num, group=s.group,
+                              deployment_num=state.deployment_num, submitted_at=now)
+            state.replicas.append(replica)
+            state.next_replica_num = max(state.next_replica_num, s.replica_num + 1)
+            starts.append(self._start_child(replica))
+        for s in plan.stop:
+            replica = state.find(s.replica_num, s.submission_num)
+            if replica is not None:
+                replica.stop_requested, replica.reason = True, s.reason
+                starts.append(self._signal_stop(replica, s.reason))
+        await asyncio.gather(*starts)
+
+    async def _start_child(self, replica: Replica) -> None:
+        state = self.state
+        inp = replica_input(state.config, state.name, workflow.info().workflow_id, replica.group,
+                            replica.replica_num, replica.submission_num, replica.deployment_num)
+        try:
+            await workflow.start_child_workflow(
+                ReplicaWorkflow.run, inp,
+                id=replica_workflow_id(state.name, replica.group, replica.replica_num, replica.submission_num),
+                parent_close_policy=ParentClosePolicy.ABANDON,
+                static_summary=f"**{state.name}** group={replica.group} replica={replica.replica_num}",
+                search_attributes=TypedSearchAttributes([SearchAttributePair(SA_SERVICE, state.name),
+                                                     SearchAttributePair(SA_GROUP, replica.group)]),
+            )
+        except Exception as e:  # noqa: BLE001 — e.g. an orphan with the same id is still running
+            replica.status, replica.reason, replica.finished_at = "failed", f"could not start: {e}", workflow.now()
+            self._event("replica", f"replica {replica.replica_num} could not start: {e}", replica.group)
+
+    async def _signal_stop(self, replica: Replica, reason: str) -> None:
+        wid = replica_workflow_id(self.state.name, replica.group, replica.replica_num, replica.submission_num)
+        try:
+            await workflow.get_external_workflow_handle(wid).signal(ReplicaWorkflow.stop, reason)
+        except Exception as e:  # noqa: BLE001 — the child already ended; nothing to stop
+            workflow.logger.info("stop of %s not delivered: %s", wid, e)
+            if replica.status in ("submitted",):
+                replica.status, replica.finished_at = "terminated", workflow.now()
+
+    async def _shutdown(self) -> None:
+        """Stop every replica, wait until each has torn down, then drop the gateway route."""
+        state = self.state
+        stops = []
+        for replica in state.replicas:
+            if not replica.finished and not replica.stop_requested:
+                replica.stop_requested, replica.reason = True, "stopped"
+                stops.append(self._signal_stop(replica, "stopped"))
+        await asyncio.gather(*stops)
+        self._publish()
+        await workflow.wait_condition(lambda: all(r.finished for r in state.replicas))
+        await workflow.execute_activity(
+            names.REMOVE_ROUTE, RouteInput(service=state.name), start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)), summary="remove gateway route")
+        self._event("stop", "service stopped")
+        self._publish()
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def _event(self, kind: str, message: str, group: Optional[str] = None) -> None:
+        self.state.events.append(Event(at=workflow.now(), kind=kind, group=group, message=message))
+        del self.state.events[:-MAX_EVENTS]
+
+    def _publish(self) -> None:
+        """Search attribute and UI details, upserted only on change (each upsert is a history event)."""
+        view = _status_view(self.state)
+        if view.status != self.published_status:
+            workflow.upsert_search_attributes([SA_SERVICE.value_set(self.state.name),
+                                               SA_STATUS.value_set(view.status)])
+            self.published_status = view.status
+        lines = [f"**{view.name}** {view.status} · deployment {view.deployment}"]
+        for g in view.groups:
+            ready = sum(1 for r in g.replicas if r.ready and r.status == "running")
+            lines.append(f"group={g.name} ready {ready}/{g.desired}")
+        workflow.set_current_details("\n\n".join(lines))
+
+
+def _service_status(state: ServiceState) -> str:
+    if state.stopping:
+        return "terminated" if all(r.finished for r in state.replicas) else "terminating"
+    latest = [r for r in state.latest() if r.active]
+    for status in ("running", "provisioning", "submitted"):
+        if any(r.status == status for r in latest):
+            return status
+    return "pending"
+
+
+def _view(r: Replica) -> ReplicaView:
+    p = r.placement
+    status = "terminating" if r.stop_requested and not r.finished else r.status
+    return ReplicaView(replica=r.replica_num, submission=r.submission_num, deployment=r.deployment_num,
+                       group=r.group, status=status, ready=r.ready, backend=p.backend if p else "",
+                       region=p.region if p else "", instance_type=p.instance_type if p else "",
+                       price=p.price if p else 0.0, address=p.address if p else "", submitted_at=r.submitted_at,
+                       reason=r.reason)
+
+
+def _status_view(state: ServiceState) -> ServiceStatus:
+    config: ServiceConfiguration = state.config
+    latest = state.latest()
+    groups = []
+    for spec in config.replica_groups:
+        g = state.groups.get(spec.name)
+        groups.append(GroupView(name=spec.name, desired=g.desired if g else 0, min=spec.count.min or 0,
+                                max=spec.count.max or 0,
+                                replicas=[_view(r) for r in latest if r.group == spec.name]))
+    names_ = {g.name for g in config.replica_groups}
+    return ServiceStatus(name=state.name, status=_service_status(state), deployment=state.deployment_num,
+                         auth=config.auth, submitted_at=state.submitted_at, groups=groups,
+                         extra_replicas=[_view(r) for r in latest if r.group not in names_])
+
