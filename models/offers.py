@@ -118,8 +118,10 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
         checks.append((f"{cpu.arch} CPUs", lambda o: o.cpu_arch == cpu.arch))
     checks.append((f"{cpu.count} vCPUs", lambda o: cpu.count.contains(o.cpus)))
     checks.append((f"{_size(memory)} of memory", lambda o: memory.contains(o.memory_gb)))
-    # Cloud disks are created at the size asked for; only this machine's free disk can be too small.
-    checks.append((f"{_size(disk)} of disk", lambda o: o.backend != "local" or o.disk_gb >= (disk.min or 0)))
+    # Cloud disks are created at the size asked for; only this machine's free disk can be too small —
+    # and only a disk the user asked for: the 100GB.. default would rule out most laptops.
+    local_min = (disk.min or 0) if "disk" in resources.model_fields_set else 0
+    checks.append((f"{_size(disk)} of disk", lambda o: o.backend != "local" or o.disk_gb >= local_min))
     checks += _gpu_checks(resources.gpu)
     if max_price is not None:  # last, so that describe_mismatch can name the cheapest offer that fits otherwise
         checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))

@@ -112,7 +112,7 @@ class GPUSpec(Model):
     def __str__(self) -> str:
         parts = [",".join(self.name)] if self.name else []
         if self.memory:
-            parts.append(f"{self.memory}GB")
+            parts.append(_gb(self.memory))
         parts.append(str(self.count))
         return ":".join(parts)
 
@@ -133,10 +133,17 @@ class ResourcesSpec(Model):
         return self.gpu.count if self.gpu else Range[int](min=0)
 
     def summary(self) -> str:
-        parts = [f"cpu={self.cpu}", f"mem={self.memory}GB", f"disk={self.disk}GB"]
+        parts = [f"cpu={self.cpu}", f"mem={_gb(self.memory)}", f"disk={_gb(self.disk)}"]
         if self.gpu:
             parts.append(f"gpu={self.gpu}")
         return " ".join(parts)
+
+
+def _gb(rng: Range) -> str:
+    """``16GB``, ``8GB..``, ``..64GB``, ``24GB..80GB``."""
+    lo = "" if rng.min is None else f"{rng.min:g}GB"
+    hi = "" if rng.max is None else f"{rng.max:g}GB"
+    return lo if rng.min == rng.max else f"{lo}..{hi}"
 
 
 __all__ = ["CPUSpec", "GPUSpec", "ResourcesSpec", "parse_cpu", "parse_gpu", "split_range"]

@@ -64,11 +64,15 @@ def types(offers) -> set[str]:
 # ---- matching: resources ------------------------------------------------------------------------------------------
 
 def test_default_resources_allow_gpu_and_cpu_offers_cheapest_first():
-    found = match_offers(CATALOG, res())
+    found = match_offers(CATALOG, res(), backends=["aws", "gcp"])
     assert found[0].instance_type == "t3.large" and not found[0].spot
     assert any(o.gpu_count for o in found) and any(not o.gpu_count for o in found)
     assert [o.price for o in found] == sorted(o.price for o in found)
-    assert "local" not in types(found)  # 50 GB free < default 100GB..
+
+
+def test_default_disk_is_not_enforced_on_the_local_machine():
+    assert "local" in types(match_offers(CATALOG, res()))  # 50 GB free, default 100GB.. not enforced
+    assert "local" not in types(match_offers(CATALOG, res(disk="100GB..")))  # asked for explicitly
 
 
 def test_cpu_count_exact_and_range():
@@ -90,7 +94,7 @@ def test_memory_range():
 
 
 def test_cloud_disk_is_sized_from_the_requirement():
-    assert {o.disk_gb for o in match_offers(CATALOG, res())} == {100.0}
+    assert {o.disk_gb for o in match_offers(CATALOG, res(), backends=["aws", "gcp"])} == {100.0}
     assert {o.disk_gb for o in match_offers(CATALOG, res(disk="250GB.."))} == {250.0}
     assert {o.disk_gb for o in match_offers(CATALOG, res(disk="..50GB"), backends=["aws"])} == {50.0}
 
