@@ -1,0 +1,232 @@
+"""Facts about this machine for the local backend: processes in /proc, namespaces, Pythons, GPUs.
+
+Kept apart from ``local.py`` so that the backend reads as orchestration only.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
+
+from models.resources import ResourcesSpec
+
+INIT_SCRIPT = str(Path(__file__).with_name("local_init.py"))
+BRIDGE_SCRIPT = str(Path(__file__).with_name("bridge.py"))
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+MARKER = "DURASTACK_WORK_DIR"  # set on every process of a replica, so a /proc scan finds the whole tree
+
+
+class NoOffersError(RuntimeError):
+    """This machine cannot satisfy the requested resources."""
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+class ProcStat(NamedTuple):
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    start: int  # clock ticks after boot
+
+
+def proc_stat(pid: int) -> Optional[ProcStat]:
+    """Fields of /proc/<pid>/stat, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:  # no such process, or it vanished while we read
+        return None
+    rest = raw[raw.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
+    return ProcStat(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19]))
+
+
+def start_time(pid: int) -> Optional[int]:
+    st = proc_stat(pid)
+    return st.start if st else None
+
+
+def is_alive(pid: int, started: int) -> bool:
+    """True only for *our* process: same PID and start time, and not a zombie."""
+    st = proc_stat(pid)
+    return st is not None and st.start == started and st.state not in "ZX"
+
+
+def _live() -> Iterator[tuple[int, ProcStat]]:
+    for pid in _pids():
+        st = proc_stat(pid)
+        if st is not None and st.state not in "ZX":
+            yield pid, st
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def find_tree(work_dir: str, leader: Optional[int] = None) -> dict[int, int]:
+    """{pid: starttime} of live processes carrying the replica's marker, or in the leader's session."""
+    marker = f"{MARKER}={work_dir}".encode()
+    found: dict[int, int] = {}
+    for pid, st in _live():
+        if leader is not None and st.session == leader:
+            found[pid] = st.start
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found[pid] = st.start
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+def children(pid: int) -> list[int]:
+    return [p for p, st in _live() if st.ppid == pid]
+
+
+def process_group(pgid: int) -> dict[int, int]:
+    return {p: st.start for p, st in _live() if st.pgrp == pgid}
+
+
+def send_signal(pid: int, started: int, sig: int) -> bool:
+    """Signal pid only if it is still the process that started at ``started``.
+
+    A pidfd pins the process before the start time is checked, so a PID reused in between is
+    never hit.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        if start_time(pid) != started:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# ---- namespaces ------------------------------------------------------------------------------
+
+def unshare_argv() -> list[str]:
+    """A new net + mount + PID namespace; --kill-child ties the namespace's PID 1 to the leader."""
+    flags = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    if os.geteuid() != 0:
+        flags = ["--user", "--map-root-user", *flags]  # unprivileged user namespaces
+    return [shutil.which("unshare") or "unshare", *flags, "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def probe_isolation() -> tuple[bool, str]:
+    """Try the real thing once (unshare + loopback up + bind mount) and cache the answer."""
+    if not sys.platform.startswith("linux"):
+        return False, "isolation off: namespaces need Linux"
+    missing = [t for t in ("unshare", "nsenter") if not shutil.which(t)]
+    if missing:
+        return False, f"isolation off: {' and '.join(missing)} (util-linux) not found"
+    try:
+        r = subprocess.run([*unshare_argv(), sys.executable, "-I", INIT_SCRIPT, "--selftest"],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"isolation off: unshare failed: {e}"
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+        return False, f"isolation off: cannot create namespaces here ({why})"
+    return True, "isolation on: each replica gets its own network, mount and PID namespaces"
+
+
+# ---- python, ports -----------------------------------------------------------------------------
+
+def _in_our_venv(path: str) -> bool:
+    # The worker's own venv holds durastack's dependencies; replicas must not use or pip into it.
+    return sys.prefix != sys.base_prefix and os.path.realpath(path).startswith(os.path.realpath(sys.prefix) + os.sep)
+
+
+@functools.lru_cache(maxsize=None)
+def find_python(version: str) -> Optional[str]:
+    """A working ``python<version>`` on this machine (PATH, then pyenv), or None."""
+    name = f"python{version}"
+    pyenv = os.path.join(os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv")), "versions")
+    # pyenv shims fail for versions that are not selected, so look at its installs directly too.
+    installs = sorted(glob.glob(f"{pyenv}/{version}.*/bin/{name}") + glob.glob(f"{pyenv}/{version}/bin/{name}"),
+                      key=lambda p: [int(x) if x.isdigit() else -1 for x in Path(p).parts[-3].split(".")],
+                      reverse=True)
+    dirs = BASE_PATH.split(":") + os.environ.get("PATH", "").split(":")
+    for cand in [os.path.join(d, name) for d in BASE_PATH.split(":")] + installs + \
+            [os.path.join(d, name) for d in dirs if d]:
+        if not os.access(cand, os.X_OK) or _in_our_venv(cand):
+            continue
+        try:
+            r = subprocess.run([cand, "-c", "import sys; print('%d.%d' % sys.version_info[:2]); print(sys.executable)"],
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        lines = r.stdout.split("\n")
+        if r.returncode == 0 and lines[0] == version and lines[1]:
+            return lines[1]
+    return None
+
+
+def default_python() -> Optional[str]:
+    return shutil.which("python3", path=BASE_PATH)
+
+
+def free_port() -> int:
+    """A currently free 127.0.0.1 port. Another process may still take it before the app binds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- resources ---------------------------------------------------------------------------------
+
+def gpu_count() -> int:
+    nvidia = len(glob.glob("/proc/driver/nvidia/gpus/*")) or len(glob.glob("/dev/nvidia[0-9]*"))
+    amd = 0
+    for path in glob.glob("/sys/class/kfd/kfd/topology/nodes/*/gpu_id"):
+        try:
+            amd += Path(path).read_text().strip() not in ("", "0")  # gpu_id 0 is a CPU node
+        except OSError:
+            pass
+    return nvidia + amd
+
+
+def total_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+_ARCH = {"x86_64": "x86", "amd64": "x86", "i686": "x86", "aarch64": "arm", "arm64": "arm"}
+
+
+def check_resources(resources: ResourcesSpec) -> None:
+    """Raise NoOffersError when this machine cannot meet the minimums of ``resources``.
+
+    Only lower bounds are checked: local replicas share the machine and are not limited to a size.
+    GPU names and memory, and disk, are not checked.
+    """
+    gpus, need_gpus = gpu_count(), resources.gpu_count.min or 0
+    if need_gpus > gpus:
+        have = "no GPU" if gpus == 0 else f"{gpus} GPU(s)"
+        raise NoOffersError(f"no offers: this machine has {have} (requested gpu={resources.gpu})")
+    cpus = os.cpu_count() or 1
+    if (resources.cpu.count.min or 0) > cpus:
+        raise NoOffersError(f"no offers: this machine has {cpus} CPUs (requested cpu={resources.cpu})")
+    arch = _ARCH.get(platform.machine().lower(), platform.machine())
+    if resources.cpu.arch and resources.cpu.arch != arch:
+        raise NoOffersError(f"no offers: this machine's CPU is {arch} (requested cpu={resources.cpu})")
+    mem = total_memory_gb()
+    if (resources.memory.min or 0) > mem:
+        raise NoOffersError(f"no offers: this machine has {mem:.1f}GB of memory "
+                            f"(requested memory={resources.memory}GB)")

@@ -1,0 +1,409 @@
+"""Local backend with real processes: namespaces, the Unix-socket bridge, idempotent start, stop.
+
+Everything binds 127.0.0.1 or Unix sockets. Every replica started here is stopped in teardown
+(by its recorded PID and start time); the tests then check that no process of it remains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from activities.local import (LocalBackend, LocalBackendError, NoOffersError, UnsupportedJobError, isolation_available,
+                              isolation_reason)
+from activities.local_host import find_python, find_tree, gpu_count
+from models.replica import InstanceStatus, JobSpec, LocalInstance
+from models.resources import ResourcesSpec
+
+needs_ns = pytest.mark.skipif(not isolation_available(), reason=isolation_reason())
+MODES = [pytest.param(True, marks=needs_ns, id="isolated"), pytest.param(False, id="shared")]
+
+
+def seed_job(group: int, replica: int, **kw) -> JobSpec:
+    """The seed's group exactly as written: every replica writes /tmp/version.txt and binds 8000."""
+    fields = dict(service="replica-groups-test", group=f"replica-{group}", replica_num=replica, submission_num=0,
+                  port=8000, python="3.12",
+                  commands=[f'echo "Group {group} - Version 0" > /tmp/version.txt', "python3 -m http.server 8000"])
+    return JobSpec(**{**fields, **kw})
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def replica_pids(work_dir: str) -> set[int]:
+    """Live processes of a replica: carrying its marker env var, or with a cwd inside its work dir."""
+    pids = set(find_tree(work_dir))
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cwd = os.readlink(f"/proc/{entry}/cwd")
+            except OSError:
+                continue
+            if cwd == work_dir or cwd.startswith(work_dir + "/"):
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in "ZX":
+                    pids.add(int(entry))
+    return pids
+
+
+class Replicas:
+    """Starts replicas and remembers them, so that teardown stops every one of them."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.started: list[tuple[LocalBackend, LocalInstance]] = []
+
+    def backend(self, isolation: bool | None) -> LocalBackend:
+        return LocalBackend(self.home, isolation=isolation)
+
+    def start(self, backend: LocalBackend, job: JobSpec) -> LocalInstance:
+        inst = backend.start(job)
+        self.started.append((backend, inst))
+        return inst
+
+    def stop_all(self) -> None:
+        for backend, inst in self.started:
+            backend.stop(inst, grace_seconds=2)
+        for _, inst in self.started:
+            assert not replica_pids(inst.work_dir), f"{inst.replica_id} left processes behind"
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    r = Replicas(tmp_path / "home")
+    yield r
+    r.stop_all()
+
+
+def wait_http_200(backend: LocalBackend, inst: LocalInstance) -> None:
+    wait_until(lambda: backend.probe(inst, "/", timeout=2) == 200, what=f"HTTP 200 from {inst.address}")
+
+
+# ---- the seed, isolated ----------------------------------------------------------------------
+
+@needs_ns
+def test_seed_replicas_run_unchanged_side_by_side(replicas):
+    host_version = Path("/tmp/version.txt")
+    before = host_version.stat().st_mtime_ns if host_version.exists() else None
+    backend = replicas.backend(None)
+    a = replicas.start(backend, seed_job(1, 0))
+    b = replicas.start(backend, seed_job(2, 1))
+    assert a.isolated and b.isolated
+    assert a.address.startswith("unix:/") and a.address != b.address
+    wait_http_200(backend, a)
+    wait_http_200(backend, b)  # both bound port 8000 at once, each in its own network namespace
+
+    assert backend.exec(a, ["cat", "/tmp/version.txt"]) == (0, "Group 1 - Version 0\n")
+    assert backend.exec(b, ["cat", "/tmp/version.txt"]) == (0, "Group 2 - Version 0\n")
+    after = host_version.stat().st_mtime_ns if host_version.exists() else None
+    assert after == before, "a replica wrote the host's /tmp"
+    assert (Path(a.work_dir) / "tmp" / "version.txt").read_text() == "Group 1 - Version 0\n"
+
+    assert backend.status(a) == InstanceStatus(state="running", message=f"pid {a.pid}")
+    code, out = backend.exec(a, ["python3", "-c", "import sys; print(sys.version_info[:2])"])
+    if find_python("3.12"):
+        assert (code, out) == (0, "(3, 12)\n")
+    assert "GET / HTTP/1.1" in backend.logs(a)
+
+
+@needs_ns
+def test_deep_home_uses_short_socket_link(tmp_path, replicas):
+    job = seed_job(1, 0)
+    suffix = len("/replicas/replica-groups-test/replica-1/r0-s0/replica.sock")
+    replicas.home = tmp_path / ("d" * max(1, 110 - suffix - len(str(tmp_path)) - 1))  # socket path: 110 > 107
+    backend = replicas.backend(True)
+    inst = replicas.start(backend, job)
+    sock = inst.address[len("unix:"):]
+    assert len(sock) <= 107 and Path(sock).resolve() == Path(inst.work_dir) / "replica.sock"
+    wait_http_200(backend, inst)
+    with pytest.raises(LocalBackendError, match="too long"):
+        LocalBackend(tmp_path / ("d" * 120), isolation=True).start(job)
+
+
+# ---- idempotency and survival ------------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_start_twice_returns_the_same_tree(replicas, isolation):
+    backend = replicas.backend(isolation)
+    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    first = replicas.start(backend, job)
+    wait_http_200(backend, first)
+    again = LocalBackend(replicas.home, isolation=isolation).start(job)  # e.g. a retried activity
+    assert again == first
+    assert backend.find(job) == backend.find_instance(job.replica_id) == first
+    assert backend.find_instance("replica-groups-test/replica-1/r9-s0") is None
+    assert backend.find_instance("../../etc/r0-s0") is None
+    argvs = [Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in replica_pids(first.work_dir)]
+    servers = [a for a in argvs if a[0].rsplit(b"/", 1)[-1].startswith(b"python3") and b"http.server" in a]
+    assert len(servers) == 1
+
+
+def test_replica_outlives_a_killed_starter(replicas):
+    """The worker is killed -9 right after starting a replica; the retried start finds it."""
+    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    script = (
+        "import os, signal, sys\n"
+        "from activities.local import LocalBackend\n"
+        "from models.replica import JobSpec\n"
+        f"inst = LocalBackend({str(replicas.home)!r}).start(JobSpec.model_validate_json({job.model_dump_json()!r}))\n"
+        "print(inst.model_dump_json(), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = starter.communicate(timeout=60)
+    finally:
+        if starter.poll() is None:
+            starter.kill()  # by PID, only if it did not kill itself
+    assert starter.returncode == -signal.SIGKILL
+    inst = LocalInstance.model_validate_json(out)
+    backend = replicas.backend(None)
+    replicas.started.append((backend, inst))
+    assert backend.status(inst).state == "running"
+    wait_http_200(backend, inst)
+    assert backend.start(job) == inst
+
+
+def test_start_adopts_a_tree_whose_record_was_lost(replicas):
+    """The starter died between spawning and writing instance.json: start finds the tree by its marker."""
+    backend = replicas.backend(None)
+    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    first = replicas.start(backend, job)
+    (Path(first.work_dir) / ".durastack" / "instance.json").unlink()
+    assert backend.start(job) == first
+
+
+# ---- status, stop ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_status_reports_the_apps_own_exit_code(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, commands=["sleep 0.3", "echo bye", "exit 3"]))
+    assert backend.status(inst).state == "running"
+    wait_until(lambda: backend.status(inst).state != "running", what="the commands to end")
+    assert backend.status(inst) == InstanceStatus(state="exited", exit_code=3, message="commands exited with code 3")
+    assert "bye" in backend.logs(inst, tail=2)
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_failed_command_stops_the_sequence(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, commands=["false", "echo never"]))
+    wait_until(lambda: backend.status(inst).state == "exited", what="exit")
+    assert backend.status(inst).exit_code == 1
+    assert "never" not in backend.logs(inst)
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_stop_ends_the_whole_tree_and_is_idempotent(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, commands=[
+        "sleep 300 &", "(sleep 301 &)", "python3 -m http.server $PORT --bind 127.0.0.1"]))
+    wait_http_200(backend, inst)
+    assert len(replica_pids(inst.work_dir)) >= 4
+    backend.stop(inst, grace_seconds=5)
+    assert not replica_pids(inst.work_dir)
+    assert backend.status(inst).state == "exited"
+    backend.stop(inst)  # already gone: fine
+    with pytest.raises(LocalBackendError):
+        backend.exec(inst, ["true"])
+
+
+DRAINING_SERVER = ("python3 -c \"import signal, sys, time\n"
+                   "def bye(*_): time.sleep(0.5); print('drained', flush=True); sys.exit(0)\n"
+                   "signal.signal(signal.SIGTERM, bye); print('ready', flush=True)\n"
+                   "while True: signal.pause()\"")
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_stop_lets_the_app_drain_after_one_sigterm(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, commands=["echo starting", DRAINING_SERVER]))
+    wait_until(lambda: "ready" in backend.logs(inst), what="the app to install its handler")
+    backend.stop(inst, grace_seconds=10)
+    assert backend.logs(inst).count("drained") == 1  # one SIGTERM, and time to finish
+    assert not replica_pids(inst.work_dir)
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_stop_right_after_start_is_prompt(replicas, isolation):
+    """A SIGTERM that reaches the wrapper before it handles signals must not be lost."""
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, commands=["sleep 300"]))
+    t0 = time.monotonic()
+    backend.stop(inst, grace_seconds=10)
+    assert time.monotonic() - t0 < 5
+    assert not replica_pids(inst.work_dir)
+    assert backend.status(inst).state in ("exited", "gone")
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_stop_kills_what_ignores_sigterm(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, commands=["trap '' TERM", "echo ready", "while :; do sleep 1; done"]))
+    wait_until(lambda: "ready" in backend.logs(inst), what="the app to trap TERM")
+    t0 = time.monotonic()
+    backend.stop(inst, grace_seconds=0.5)
+    assert time.monotonic() - t0 < 5
+    assert not replica_pids(inst.work_dir)
+    assert backend.status(inst).exit_code == 128 + signal.SIGKILL
+
+
+def test_stop_never_signals_a_reused_pid(tmp_path):
+    """A record whose start time does not match the live PID is treated as gone."""
+    me = os.getpid()
+    wd = tmp_path / "w"
+    wd.mkdir()
+    stale = LocalInstance(replica_id="s/g/r0-s0", pid=me, start_time=1, work_dir=str(wd), address="127.0.0.1:1",
+                          isolated=False, log_path=str(wd / "replica.log"))
+    backend = LocalBackend(tmp_path, isolation=False)
+    backend.stop(stale, grace_seconds=0.1)  # would kill pytest itself if it trusted the bare PID
+    assert backend.status(stale).state == "gone"
+
+
+# ---- isolation off -------------------------------------------------------------------------------
+
+def test_isolation_off_gives_each_replica_a_port(replicas, monkeypatch):
+    monkeypatch.setenv("DURASTACK_LOCAL_ISOLATION", "0")
+    assert not isolation_available() and "DURASTACK_LOCAL_ISOLATION" in isolation_reason()
+    backend = replicas.backend(None)
+    assert not backend.isolated
+    job = dict(commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    a = replicas.start(backend, seed_job(1, 0, **job))
+    b = replicas.start(backend, seed_job(2, 1, **job))
+    assert not a.isolated and a.address.startswith("127.0.0.1:") and a.address != b.address
+    for inst in (a, b):
+        wait_http_200(backend, inst)
+        assert backend.exec(inst, ["sh", "-c", "echo $PORT; pwd"]) == (0, f"{inst.address.split(':')[1]}\n{inst.work_dir}\n")
+    assert "isolation off" in backend.logs(a)
+
+
+# ---- environment, python, jobs refused --------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_environment(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(2, 5, env={"MODEL": "tiny"}, python="3.99",
+                                            commands=["sleep 300"]))
+    code, out = backend.exec(inst, ["env"])
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert code == 0
+    assert env["MODEL"] == "tiny" and env["LANG"] and env["HOME"] and env["PATH"]
+    assert (env["DURASTACK_SERVICE"], env["DURASTACK_GROUP"], env["DURASTACK_REPLICA_NUM"]) == \
+        ("replica-groups-test", "replica-2", "5")
+    assert env["PORT"] == ("8000" if isolation else inst.address.split(":")[1])
+    assert "python 3.99 is not installed" in backend.logs(inst)
+
+
+def test_image_without_commands_is_refused(tmp_path):
+    job = seed_job(1, 0, commands=[], image="vllm/vllm-openai:latest")
+    with pytest.raises(UnsupportedJobError, match="cannot run images"):
+        LocalBackend(tmp_path, isolation=False).start(job)
+
+
+def test_exec_timeout(replicas):
+    backend = replicas.backend(None)
+    inst = replicas.start(backend, seed_job(1, 0, commands=["sleep 300"]))
+    code, out = backend.exec(inst, ["sleep", "30"], timeout=0.5)
+    assert code == 124 and "timed out" in out
+
+
+# ---- resources ------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+def test_check_resources_refuses_a_gpu(tmp_path):
+    backend = LocalBackend(tmp_path, isolation=False)
+    with pytest.raises(NoOffersError, match=r"no offers: this machine has no GPU \(requested gpu=A100:1\)"):
+        backend.check_resources(ResourcesSpec(gpu="A100:1"))
+
+
+def test_check_resources_cpu_and_memory(tmp_path):
+    backend = LocalBackend(tmp_path, isolation=False)
+    backend.check_resources(ResourcesSpec(cpu=1, memory="1GB"))
+    backend.check_resources(ResourcesSpec(cpu=1, memory="1GB", gpu="0..1"))  # optional GPU
+    with pytest.raises(NoOffersError, match="CPUs"):
+        backend.check_resources(ResourcesSpec(cpu=(os.cpu_count() or 1) + 1, memory="1GB"))
+    with pytest.raises(NoOffersError, match="memory"):
+        backend.check_resources(ResourcesSpec(cpu=1, memory="100TB"))
+
+
+# ---- the bridge alone, and the models ------------------------------------------------------------
+
+@pytest.fixture
+def bridge(tmp_path):
+    """The bridge on a Unix socket, forwarding to a 127.0.0.1 port chosen by the test."""
+    procs: list[subprocess.Popen] = []
+
+    def run(port: int) -> str:
+        sock = str(tmp_path / "b.sock")
+        procs.append(subprocess.Popen([sys.executable, "-m", "activities.bridge", "--socket", sock, "--port", str(port)]))
+        wait_until(lambda: os.path.exists(sock), what="the bridge socket")
+        return sock
+
+    yield run
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+def test_bridge_closes_quickly_when_nothing_listens(bridge):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connects are refused
+        sock = bridge(port)
+        with socket.socket(socket.AF_UNIX) as c:
+            c.settimeout(5)
+            t0 = time.monotonic()
+            c.connect(sock)
+            c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert c.recv(100) == b""
+            assert time.monotonic() - t0 < 2
+
+
+def test_bridge_forwards_both_ways_and_half_closes(bridge):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        sock = bridge(server.getsockname()[1])
+        with socket.socket(socket.AF_UNIX) as c:
+            c.settimeout(5)
+            c.connect(sock)
+            c.sendall(b"ping")
+            c.shutdown(socket.SHUT_WR)
+            server.settimeout(5)
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while chunk := conn.recv(100):  # EOF arrives: the half-close was forwarded
+                    data += chunk
+                conn.sendall(data.upper())
+            reply = b""
+            while chunk := c.recv(100):
+                reply += chunk
+            assert reply == b"PING"
+
+
+def test_models_round_trip():
+    job = seed_job(1, 0)
+    assert job.replica_id == "replica-groups-test/replica-1/r0-s0"
+    inst = LocalInstance(replica_id=job.replica_id, pid=1, start_time=2, work_dir="/w", address="unix:/w/replica.sock",
+                         isolated=True, log_path="/w/replica.log")
+    assert LocalInstance.model_validate(json.loads(inst.model_dump_json())) == inst
+    with pytest.raises(ValueError):
+        JobSpec(service="../x", group="g", replica_num=0, submission_num=0, port=80)
