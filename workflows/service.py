@@ -68,6 +68,10 @@ class ServiceRunWorkflow:
         return _status_view(self.state)
 
     @workflow.query
+    def config(self) -> ServiceConfiguration:
+        return self.state.config
+
+    @workflow.query
     def events(self) -> list[Event]:
         return list(self.state.events)
 
@@ -204,10 +208,11 @@ class ServiceRunWorkflow:
         wid = replica_workflow_id(self.state.name, replica.group, replica.replica_num, replica.submission_num)
         try:
             await workflow.get_external_workflow_handle(wid).signal(ReplicaWorkflow.stop, reason)
-        except Exception as e:  # noqa: BLE001 — the child already ended; nothing to stop
+        except Exception as e:  # noqa: BLE001 — the child has already ended (or never started)
             workflow.logger.info("stop of %s not delivered: %s", wid, e)
-            if replica.status in ("submitted",):
+            if not replica.finished:
                 replica.status, replica.finished_at = "terminated", workflow.now()
+                self.dirty = True
 
     async def _shutdown(self) -> None:
         """Stop every replica, wait until each has torn down, then drop the gateway route."""
@@ -273,7 +278,7 @@ def _status_view(state: ServiceState) -> ServiceStatus:
     for spec in config.replica_groups:
         g = state.groups.get(spec.name)
         groups.append(GroupView(name=spec.name, desired=g.desired if g else 0, min=spec.count.min or 0,
-                                max=spec.count.max or 0,
+                                max=spec.count.max or 0, resources=spec.resources.summary(),
                                 replicas=[_view(r) for r in latest if r.group == spec.name]))
     names_ = {g.name for g in config.replica_groups}
     return ServiceStatus(name=state.name, status=_service_status(state), deployment=state.deployment_num,

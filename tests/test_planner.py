@@ -1,0 +1,118 @@
+"""The pure planner: replica numbering, reuse, removal order, removed groups, back-off, pruning."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from models.loader import load_config_text
+from models.run import GroupState, Replica, ServiceState
+from workflows.planner import KEEP_FINISHED, Start, Stop, backoff_until, prune, reconcile, removal_order, sync_groups
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+CONFIG = """
+type: service
+name: svc
+port: 8000
+replicas:
+  - name: a
+    count: {a}
+    commands: [x]
+  - name: b
+    count: {b}
+    scaling: {{metric: rps, target: 1}}
+    commands: [y]
+"""
+
+
+def state(a="2", b="1..4", replicas=(), desired=None, next_num=0) -> ServiceState:
+    config = load_config_text(CONFIG.format(a=a, b=b)).config
+    st = ServiceState(name="svc", config=config, replicas=list(replicas), next_replica_num=next_num)
+    st.groups = sync_groups(config, {})
+    for name, n in (desired or {}).items():
+        st.groups[name].desired = n
+    return st
+
+
+def replica(num, group, status="running", sub=0, ready=True, registered=True, deployment=0, **kw) -> Replica:
+    return Replica(replica_num=num, submission_num=sub, group=group, status=status, ready=ready,
+                   registered=registered, deployment_num=deployment, submitted_at=NOW, **kw)
+
+
+def test_first_pass_walks_groups_in_order_with_run_global_numbers():
+    plan = reconcile(state(), NOW)
+    assert plan.start == [Start("a", 0, 0), Start("a", 1, 0), Start("b", 2, 0)]
+    assert plan.stop == []
+
+
+def test_nothing_to_do_when_counts_match():
+    st = state(replicas=[replica(0, "a"), replica(1, "a"), replica(2, "b")], next_num=3)
+    assert not reconcile(st, NOW)
+
+
+def test_scale_up_reuses_own_inactive_numbers_then_allocates():
+    st = state(replicas=[replica(0, "a"), replica(1, "a"), replica(2, "b"),
+                         replica(3, "b", status="terminated"), replica(4, "a", status="terminated")],
+               desired={"b": 3}, next_num=5)
+    plan = reconcile(st, NOW)
+    # Group b reuses its own replica 3 (new submission), never a's replica 4, then takes 5.
+    assert plan.start == [Start("b", 3, 1), Start("b", 5, 0)]
+
+
+def test_scale_down_removes_least_important_then_newest():
+    st = state(replicas=[replica(2, "b"), replica(3, "b"), replica(4, "b", status="provisioning"),
+                         replica(5, "b", ready=False), replica(0, "a"), replica(1, "a")],
+               desired={"b": 2}, next_num=6)
+    plan = reconcile(st, NOW)
+    assert plan.stop == [Stop(5, 0, "scaled_down"), Stop(4, 0, "scaled_down")]
+    st.groups["b"].desired = 1
+    # Among the serving ones, the newest goes; replica 2 stays.
+    assert {s.replica_num for s in reconcile(st, NOW).stop} == {3, 4, 5}
+
+
+def test_removal_order_puts_out_of_date_replicas_last():
+    old = replica(1, "b", deployment=0)
+    new = replica(7, "b", deployment=1, ready=False)
+    assert removal_order([old, new], deployment_num=1) == [new, old]
+
+
+def test_replicas_being_stopped_do_not_count_as_active():
+    st = state(replicas=[replica(0, "a"), replica(1, "a", stop_requested=True), replica(2, "b")], next_num=3)
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("a", 1, 1)]  # its number is reused by a new submission at once
+
+
+def test_removed_group_replicas_are_stopped():
+    st = state(replicas=[replica(0, "a"), replica(1, "a"), replica(2, "b"), replica(3, "gone")], next_num=4)
+    assert reconcile(st, NOW).stop == [Stop(3, 0, "group removed")]
+
+
+def test_backoff_blocks_resubmission_until_due():
+    st = state(replicas=[replica(0, "a"), replica(1, "a", status="failed"), replica(2, "b")], next_num=3)
+    st.groups["a"].failures = 1
+    st.groups["a"].retry_after = backoff_until(st.groups["a"], NOW)
+    assert st.groups["a"].retry_after == NOW + timedelta(seconds=15)
+    assert not reconcile(st, NOW + timedelta(seconds=10))
+    assert reconcile(st, NOW + timedelta(seconds=15)).start == [Start("a", 1, 1)]
+
+
+def test_backoff_grows_and_caps():
+    group = GroupState(name="a", desired=1, failures=9)
+    assert backoff_until(group, NOW) == NOW + timedelta(minutes=10)
+    assert backoff_until(GroupState(name="a", desired=1), NOW) is None
+
+
+def test_sync_groups_keeps_desired_within_new_range_and_adds_new_groups():
+    st = state(desired={"b": 4})
+    config = load_config_text(CONFIG.format(a="3", b="1..2")).config
+    groups = sync_groups(config, st.groups)
+    assert groups["a"].desired == 3 and groups["b"].desired == 2
+
+
+def test_prune_keeps_latest_submission_and_bounds_finished_rows():
+    rows = [replica(0, "a", status="terminated", sub=0, finished_at=NOW), replica(0, "a", sub=1)]
+    rows += [replica(i, "b", status="terminated", finished_at=NOW + timedelta(seconds=i)) for i in range(1, 80)]
+    kept = prune(rows)
+    assert replica(0, "a", sub=1) in kept and not any(r.replica_num == 0 and r.submission_num == 0 for r in kept)
+    finished = [r for r in kept if r.finished]
+    assert len(finished) == KEEP_FINISHED and min(r.replica_num for r in finished) == 80 - KEEP_FINISHED
