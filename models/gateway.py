@@ -80,8 +80,13 @@ class ServiceRoute(Model):
     @field_validator("upstreams")
     @classmethod
     def _sort_upstreams(cls, v: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
-        by_id = {u.replica_id: u for u in v}  # last registration of an id wins
-        return tuple(by_id[k] for k in sorted(by_id))
+        return _by_replica_id(v)
+
+
+def _by_replica_id(upstreams) -> tuple[Upstream, ...]:
+    """Unique by replica_id (the last one wins), sorted: a stable config for the same set."""
+    by_id = {u.replica_id: u for u in upstreams}
+    return tuple(by_id[k] for k in sorted(by_id))
 
 
 class GatewayState(Model):
@@ -108,7 +113,7 @@ class GatewayState(Model):
         """Add or replace a replica; raises KeyError for an unknown service."""
         route = self.services[service]
         ups = [u for u in route.upstreams if u.replica_id != upstream.replica_id] + [upstream]
-        return self._with({**self.services, service: route.model_copy(update={"upstreams": ServiceRoute._sort_upstreams(tuple(ups))})})
+        return self._with({**self.services, service: route.model_copy(update={"upstreams": _by_replica_id(ups)})})
 
     def unregister(self, service: str, replica_id: str) -> "GatewayState":
         """Remove a replica; an unknown service or replica is not an error (cleanup may repeat)."""
@@ -140,3 +145,29 @@ class StatsReport(Model):
 
     collected_at: float = Field(description="Unix time the windows were computed at.")
     services: dict[str, ServiceStats] = Field(default_factory=dict, description="Stats by service name.")
+
+
+class PutServiceRequest(Model):
+    """Body of PUT /api/services/{name}. Plain tokens are hashed on arrival and never stored."""
+
+    auth: bool = Field(True, description="Require a bearer token.")
+    tokens: tuple[str, ...] = Field((), description="Accepted tokens, in plain text.")
+    token_sha256: tuple[str, ...] = Field((), description="Accepted tokens, already hashed with hash_token().")
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for t in v:
+            if not re.fullmatch(r"[\x21-\x7e]+", t):  # what an Authorization: Bearer header can carry
+                raise ValueError("a token must be non-empty printable ASCII without spaces")
+        return v
+
+    def hashes(self) -> tuple[str, ...]:
+        return tuple(self.token_sha256) + tuple(hash_token(t) for t in self.tokens)
+
+
+class RegisterReplicaRequest(Model):
+    """Body of PUT /api/services/{name}/replicas/{replica_id}."""
+
+    group: str = Field(pattern=GROUP_NAME_PATTERN, description="Replica group of the replica.")
+    address: str = Field(description="'unix:/abs/path.sock' or '127.0.0.1:PORT'.")

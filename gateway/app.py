@@ -1,0 +1,215 @@
+"""The gateway control app (aiohttp, 127.0.0.1 only): owns the routes, drives nginx, serves stats.
+
+Every route change is applied to a copy of the state, rendered, and reloaded into nginx by a
+single worker task; changes that queue up meanwhile go out together in the next reload
+(coalescing). A caller gets its answer only once nginx serves a configuration containing its
+change, so after ``DELETE .../replicas/r`` returns no new request reaches ``r``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+from aiohttp import web
+
+from gateway.api import make_app
+from gateway.nginx import Nginx, NginxError
+from gateway.render import render_config
+from gateway.stats import LogTailer, StatsCollector
+from models.gateway import GatewayState, StatsReport
+
+log = logging.getLogger("durastack.gateway")
+Op = Callable[[GatewayState], GatewayState]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayServer:
+    """Control app plus the nginx it drives. Ports of 0 are chosen at start; read them after."""
+
+    def __init__(self, runtime_dir: str | os.PathLike, *, listen_port: int = 0, control_port: int = 0,
+                 worker_processes: int = 2, rotate_bytes: int = 64 << 20, tick: float = 5.0):
+        self.runtime_dir = Path(runtime_dir).absolute()
+        self.listen_port, self.control_port = listen_port, control_port
+        self.worker_processes, self.rotate_bytes, self.tick = worker_processes, rotate_bytes, tick
+        self.access_log = self.runtime_dir / "access.log"
+        self.state_path = self.runtime_dir / "state.json"
+        self.state = GatewayState()
+        self.collector = StatsCollector()
+        self._tailer = LogTailer(self.access_log)
+        self._nginx: Nginx | None = None
+        self._runner: web.AppRunner | None = None
+        self._pending: list[tuple[Op, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._attempted = 0  # highest generation ever sent to nginx, so a generation is never reused
+        self._tasks: list[asyncio.Task] = []
+        self.reloads = 0  # nginx reloads done: fewer than changes when they were coalesced
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    async def start(self) -> None:
+        self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.state_path.exists():
+            self.state = GatewayState.model_validate_json(self.state_path.read_text())
+        self._attempted = self.state.generation
+        self._remember(self.state)
+        self._runner = web.AppRunner(make_app(self), access_log=None)
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, "127.0.0.1", self.control_port).start()
+            self.control_port = self._runner.addresses[0][1]
+            await self._start_nginx()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
+        self._tasks = [asyncio.create_task(self._apply_loop()), asyncio.create_task(self._tick_loop())]
+        endpoints = {"listen_port": self.listen_port, "control_port": self.control_port,
+                     "pid": os.getpid(), "nginx_pid": self._nginx.pid}
+        _write_private(self.runtime_dir / "endpoints.json", json.dumps(endpoints))
+
+    async def _start_nginx(self) -> None:
+        pick = self.listen_port == 0
+        for attempt in range(3 if pick else 1):  # an ephemeral pick can race another process
+            if pick:
+                self.listen_port = free_port()
+            self._nginx = Nginx(self.runtime_dir, port=self.listen_port)
+            try:
+                return await self._nginx.start(self._render(self.state), self.state.generation)
+            except NginxError:
+                if attempt == (2 if pick else 0):
+                    raise
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        _fail(self._pending, NginxError("gateway stopping"))
+        if self._nginx is not None:
+            await self._nginx.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._tailer.close()
+
+    def _render(self, state: GatewayState) -> str:
+        return render_config(state, listen_port=self.listen_port, runtime_dir=str(self.runtime_dir),
+                             access_log=str(self.access_log), control_port=self.control_port,
+                             worker_processes=self.worker_processes)
+
+    def _remember(self, state: GatewayState) -> None:
+        for route in state.services.values():
+            for u in route.upstreams:
+                self.collector.remember(route.name, u.address, u.group)
+
+    async def apply(self, op: Op) -> GatewayState:
+        """Queue a state change; return the state once nginx serves it (raises the op's error)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((op, fut))
+        self._wakeup.set()
+        # shield: a caller that goes away must not cancel a reload that others wait on
+        return await asyncio.shield(fut)
+
+    async def _apply_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    await self._apply_batch(batch)
+                finally:  # cancelled by stop(): nobody may be left waiting
+                    _fail(batch, NginxError("gateway stopping"))
+
+    async def _apply_batch(self, batch: list[tuple[Op, asyncio.Future]]) -> None:
+        state, errors = self.state, {}
+        for op, fut in batch:
+            try:
+                state = op(state)
+            except Exception as e:  # e.g. an unknown service: only that caller fails
+                errors[fut] = e
+        if state is not self.state:
+            if state.generation <= self._attempted:
+                state = state.model_copy(update={"generation": self._attempted + 1})
+            self._attempted = state.generation
+            try:
+                await self._nginx.reload(self._render(state), state.generation)
+            except Exception as e:
+                log.error("gateway reload failed, keeping generation %s: %s", self.state.generation, e)
+                errors = {fut: errors.get(fut, e) for _, fut in batch}
+            else:
+                self.reloads += 1
+                self.state = state
+                _write_private(self.state_path, state.model_dump_json(indent=1))
+                self._remember(state)
+        for op, fut in batch:
+            if fut in errors:
+                _fail([(op, fut)], errors[fut])
+            elif not fut.done():
+                fut.set_result(self.state)
+
+    def collect(self, now: float | None = None) -> StatsReport:
+        now = time.time() if now is None else now
+        self.collector.feed(self._tailer.read_lines(), now)
+        return StatsReport(collected_at=now, services={
+            name: self.collector.service_stats(name, now) for name in sorted(self.state.services)})
+
+    async def _tick_loop(self) -> None:
+        # Keeps frames bounded between stats calls, and the access log from growing forever.
+        while True:
+            await asyncio.sleep(self.tick)
+            try:
+                self.collect()
+                if self.access_log.exists() and self.access_log.stat().st_size > self.rotate_bytes:
+                    os.replace(self.access_log, self.access_log.with_name("access.log.1"))
+                    self._nginx.reopen_logs()
+            except Exception:
+                log.exception("gateway stats tick failed")
+
+
+def _fail(batch: list[tuple[Op, asyncio.Future]], error: BaseException) -> None:
+    for _, fut in batch:
+        if not fut.done():
+            fut.set_exception(error)
+            fut.exception()  # retrieved here: its caller may have gone away
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+async def run_gateway(runtime_dir: str | os.PathLike, listen_port: int, control_port: int) -> None:
+    """Run until SIGINT/SIGTERM. Actual ports are written to ``<runtime_dir>/endpoints.json``."""
+    server = GatewayServer(runtime_dir, listen_port=listen_port, control_port=control_port)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    log.info("gateway on %s, control app on %s", server.url, server.control_url)
+    try:
+        await stopping.wait()
+    finally:
+        await server.stop()

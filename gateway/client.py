@@ -1,0 +1,69 @@
+"""Typed async client of the gateway control app, for activities and the CLI.
+
+Each change call returns once the gateway serves it (the app answers only after the nginx reload).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+from urllib.parse import quote
+
+import httpx
+
+from models.gateway import GatewayState, ServiceRoute, StatsReport
+
+
+class GatewayError(RuntimeError):
+    """The gateway answered with an error status."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(f"gateway answered {status}: {text}")
+        self.status = status
+
+
+class GatewayClient:
+    """``async with GatewayClient("http://127.0.0.1:<control_port>") as gw: await gw.register(...)``"""
+
+    def __init__(self, base_url: str, *, timeout: float = 60.0, transport: Optional[httpx.AsyncBaseTransport] = None):
+        # A reload waits for nginx (bounded on the gateway side); the timeout only needs to exceed that.
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport)
+
+    async def __aenter__(self) -> "GatewayClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, json: Optional[dict] = None) -> httpx.Response:
+        resp = await self._http.request(method, path, json=json)
+        if resp.status_code >= 400:
+            raise GatewayError(resp.status_code, resp.text)
+        return resp
+
+    async def put_service(self, name: str, auth: bool = True, tokens: Iterable[str] = ()) -> ServiceRoute:
+        resp = await self._call("PUT", f"/api/services/{_seg(name)}", {"auth": auth, "tokens": list(tokens)})
+        return ServiceRoute.model_validate_json(resp.content)
+
+    async def delete_service(self, name: str) -> None:
+        await self._call("DELETE", f"/api/services/{_seg(name)}")
+
+    async def register(self, service: str, replica_id: str, group: str, address: str) -> ServiceRoute:
+        resp = await self._call("PUT", f"/api/services/{_seg(service)}/replicas/{_seg(replica_id)}",
+                                {"group": group, "address": address})
+        return ServiceRoute.model_validate_json(resp.content)
+
+    async def unregister(self, service: str, replica_id: str) -> None:
+        await self._call("DELETE", f"/api/services/{_seg(service)}/replicas/{_seg(replica_id)}")
+
+    async def services(self) -> GatewayState:
+        return GatewayState.model_validate_json((await self._call("GET", "/api/services")).content)
+
+    async def stats(self) -> StatsReport:
+        return StatsReport.model_validate_json((await self._call("GET", "/api/stats")).content)
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe="")  # replica ids contain "/"

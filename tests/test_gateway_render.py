@@ -1,0 +1,102 @@
+"""Gateway models and nginx config rendering: pure, no nginx process."""
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.render import render_config
+from models.gateway import (GatewayState, PutServiceRequest, ServiceRoute, Upstream, hash_token)
+
+KW = dict(listen_port=8080, runtime_dir="/run/gw", access_log="/run/gw/access.log", control_port=9090)
+
+
+def up(rid: str, addr: str, group: str = "0") -> Upstream:
+    return Upstream(replica_id=rid, group=group, address=addr)
+
+
+def state_with(*routes: ServiceRoute, generation: int = 7) -> GatewayState:
+    return GatewayState(services={r.name: r for r in routes}, generation=generation)
+
+
+@pytest.mark.parametrize("addr", ["unix:/tmp/r.sock", "127.0.0.1:8000", "10.0.0.5:1"])
+def test_upstream_accepts_socket_and_ipv4(addr):
+    assert up("svc/0/r3-s0", addr).address == addr
+
+
+@pytest.mark.parametrize("addr", [
+    "unix:relative.sock", "localhost:8000", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000",
+    "127.0.0.1:80; evil", "unix:/tmp/a b.sock", "unix:/" + "x" * 200, "http://127.0.0.1:80"])
+def test_upstream_rejects_bad_addresses(addr):
+    with pytest.raises(ValidationError):
+        up("r", addr)
+
+
+@pytest.mark.parametrize("name", ["Svc", "1svc", "svc_1", "svc.x", "", "a" * 64])
+def test_service_name_must_be_a_dns_label(name):
+    with pytest.raises(ValidationError):
+        ServiceRoute(name=name)
+
+
+def test_tokens_are_stored_hashed():
+    req = PutServiceRequest(tokens=("s3cret",))
+    assert req.hashes() == (hash_token("s3cret"),)
+    route = GatewayState().put_service("svc", True, req.hashes()).services["svc"]
+    assert "s3cret" not in route.model_dump_json()
+    with pytest.raises(ValidationError):
+        PutServiceRequest(tokens=("has space",))
+    with pytest.raises(ValidationError):
+        ServiceRoute(name="svc", token_sha256=("plain",))
+
+
+def test_state_transitions_bump_generation_and_are_idempotent():
+    s0 = GatewayState()
+    s1 = s0.put_service("svc", True, [hash_token("t")])
+    s2 = s1.register("svc", up("svc/0/r0-s0", "127.0.0.1:8000"))
+    assert (s1.generation, s2.generation) == (1, 2)
+    assert s2.register("svc", up("svc/0/r0-s0", "127.0.0.1:8000")) is s2  # same registration: no change
+    s3 = s2.register("svc", up("svc/0/r0-s0", "127.0.0.1:8001"))  # re-registration replaces the address
+    assert [u.address for u in s3.services["svc"].upstreams] == ["127.0.0.1:8001"]
+    assert s3.unregister("svc", "nope") is s3 and s3.unregister("other", "x") is s3
+    s4 = s3.put_service("svc", False, [])  # route settings change, replicas stay
+    assert s4.services["svc"].upstreams == s3.services["svc"].upstreams and not s4.services["svc"].auth
+    assert s4.delete_service("svc").services == {} and s4.delete_service("nope") is s4
+    with pytest.raises(KeyError):
+        s0.register("svc", up("r", "127.0.0.1:1"))
+
+
+def test_state_round_trips_through_json():
+    s = GatewayState().put_service("a", True, [hash_token("x")]).register("a", up("a/0/r0-s0", "unix:/s.sock"))
+    assert GatewayState.model_validate_json(s.model_dump_json()) == s
+
+
+def test_render_routes_upstreams_and_auth():
+    route = ServiceRoute(name="my-svc", token_sha256=(hash_token("a"), hash_token("b")), upstreams=(
+        up("my-svc/0/r0-s0", "unix:/run/r0.sock"), up("my-svc/1/r1-s0", "127.0.0.1:8001", "1")))
+    conf = render_config(state_with(route), **KW)
+    # one round-robin upstream block mixing a socket and a TCP replica, with keepalive
+    block = conf.split("upstream ds_svc_my_svc {")[1].split("}")[0]
+    assert "server unix:/run/r0.sock;" in block and "server 127.0.0.1:8001;" in block and "keepalive" in block
+    assert "listen 127.0.0.1:8080 default_server;" in conf and "server_name my-svc.localhost;" in conf
+    assert "location /services/my-svc/ {" in conf
+    assert conf.count("proxy_pass http://ds_svc_my_svc/;") == 2  # path route strips the prefix; host route too
+    # auth: both digests accepted, a missing header is 401 and a wrong token 403, before the hit flag
+    assert f'"{hash_token("a")}" "";' in conf and f'"{hash_token("b")}" "";' in conf
+    body = conf.split("location /services/my-svc/ {")[1].split("}\n        }")[0]
+    assert body.index("return 401") < body.index("return 403") < body.index("set $ds_hit 1")
+    for directive in ("proxy_buffering off;", "proxy_request_buffering off;", "proxy_http_version 1.1;",
+                      "proxy_set_header Connection $ds_connection;", "proxy_set_header Upgrade $http_upgrade;",
+                      "daemon off;", "pid /run/gw/nginx.pid;", "proxy_temp_path /run/gw/tmp/proxy;",
+                      "access_log /run/gw/access.log ds_stat;", 'return 200 "7";'):
+        assert directive in conf, directive
+
+
+def test_render_without_auth_or_replicas_uses_activator():
+    conf = render_config(state_with(ServiceRoute(name="idle", auth=False)), **KW)
+    assert "return 401" not in conf and "upstream ds_svc_idle" not in conf
+    assert conf.count("proxy_pass http://ds_control/activator/idle/;") == 2
+    assert "upstream ds_control { server 127.0.0.1:9090;" in conf
+
+
+def test_render_empty_state_has_control_locations_and_404():
+    conf = render_config(GatewayState(), **KW)
+    assert "location = /healthz" in conf and "location = /api/stats" in conf
+    assert "location / { return 404; }" in conf and 'return 200 "0";' in conf
