@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
@@ -19,7 +20,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False, soft_wrap=True)
+# Piped output (scripts, tests) gets wide lines rather than tables folded at 80 columns.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 FileOption = typer.Option(..., "-f", "--file", help="Service configuration file (YAML).", show_default=False)
@@ -90,9 +92,10 @@ def validate(
 
 
 def _register_commands() -> None:
-    from cli import offers
+    from cli import commands, offers, server  # noqa: F401  (commands registers itself on `app`)
 
     offers.register(app)
+    server.register(app)
 
 
 _register_commands()

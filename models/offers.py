@@ -113,24 +113,26 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
         checks.append(("a spot price", lambda o: o.spot))
     elif spot_policy == "on-demand":
         checks.append(("an on-demand price", lambda o: not o.spot))
-    cpu, memory, disk = resources.cpu, resources.memory, resources.disk
+    cpu, memory = resources.cpu, resources.memory
     if cpu.arch:
         checks.append((f"{cpu.arch} CPUs", lambda o: o.cpu_arch == cpu.arch))
     checks.append((f"{cpu.count} vCPUs", lambda o: cpu.count.contains(o.cpus)))
     checks.append((f"{_size(memory)} of memory", lambda o: memory.contains(o.memory_gb)))
     # Cloud disks are created at the size asked for; only this machine's free disk can be too small —
-    # and only a disk the user asked for: the 100GB.. default would rule out most laptops.
-    local_min = (disk.min or 0) if "disk" in resources.model_fields_set else 0
-    checks.append((f"{_size(disk)} of disk", lambda o: o.backend != "local" or o.disk_gb >= local_min))
+    # and only a disk the user asked for: the cloud default (100GB..) would rule out most laptops.
+    disk = resources.disk
+    if disk is not None:
+        checks.append((f"{_size(disk)} of disk", lambda o: o.backend != "local" or o.disk_gb >= (disk.min or 0)))
     checks += _gpu_checks(resources.gpu)
     if max_price is not None:  # last, so that describe_mismatch can name the cheapest offer that fits otherwise
         checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))
     return checks
 
 
-def _sized_disk(offer: InstanceOffer, disk: Range[float]) -> InstanceOffer:
+def _sized_disk(offer: InstanceOffer, disk: Optional[Range[float]]) -> InstanceOffer:
     if offer.backend == "local":
         return offer
+    disk = disk or Range[float](min=DEFAULT_DISK_GB)
     size = disk.min if disk.min is not None else DEFAULT_DISK_GB
     if disk.max is not None:
         size = min(size, disk.max)  # e.g. disk: ..50GB

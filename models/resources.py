@@ -121,7 +121,8 @@ class ResourcesSpec(Model):
     cpu: Annotated[CPUSpec, BeforeValidator(parse_cpu)] = Field(
         CPUSpec(), description="vCPUs: a count or range, optionally with an arch (arm:8, x86:4..). Default 2..")
     memory: SizeRange = Field(Range[float](min=8.0), description="RAM in GB, e.g. 16GB or 8GB.. Default 8GB..")
-    disk: SizeRange = Field(Range[float](min=100.0), description="Disk in GB. Default 100GB..")
+    disk: Optional[SizeRange] = Field(
+        None, description="Disk in GB, e.g. 200GB..; unset means 100GB.. on clouds and no check on this machine.")
     shm_size: Optional[Annotated[float, BeforeValidator(parse_size_gb)]] = Field(
         None, description="Shared memory size, e.g. 16GB.")
     gpu: Optional[Annotated[GPUSpec, BeforeValidator(parse_gpu)]] = Field(
@@ -133,7 +134,7 @@ class ResourcesSpec(Model):
         return self.gpu.count if self.gpu else Range[int](min=0)
 
     def summary(self) -> str:
-        parts = [f"cpu={self.cpu}", f"mem={_gb(self.memory)}", f"disk={_gb(self.disk)}"]
+        parts = [f"cpu={self.cpu}", f"mem={_gb(self.memory)}"] + ([f"disk={_gb(self.disk)}"] if self.disk else [])
         if self.gpu:
             parts.append(f"gpu={self.gpu}")
         return " ".join(parts)

@@ -155,6 +155,7 @@ class GroupView(BaseModel):
     desired: int
     min: int
     max: int
+    resources: str = ""
     replicas: list[ReplicaView]
 
 

@@ -70,3 +70,20 @@ class Settings(BaseModel):
         }
         env["DURASTACK_TEMPORAL_ADDRESS"] = self.address
         return env
+
+
+def load_or_create_token(home: Path) -> str:
+    """The token the gateway accepts, created on first use and kept (mode 600) in the home."""
+    import secrets
+
+    path = home / "token"
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    home.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token

@@ -90,12 +90,13 @@ class ServiceRunWorkflow:
         replica.placement = update.placement or replica.placement
         replica.reason = update.reason or replica.reason
         group = self.state.groups.get(replica.group)
+        if update.status == "terminating" and not replica.stop_requested and group is not None:
+            # A failure under way: back off before the planner reuses this replica number.
+            group.failures += 1
+            group.retry_after = backoff_until(group, workflow.now())
         if replica.finished:
             replica.finished_at = workflow.now()
             self._event("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}", replica.group)
-            if replica.status == "failed" and group is not None:
-                group.failures += 1
-                group.retry_after = backoff_until(group, workflow.now())
         elif replica.ready and group is not None:
             group.failures, group.retry_after = 0, None
         self.dirty = True
@@ -141,8 +142,11 @@ class ServiceRunWorkflow:
                 self.dirty = False  # cleared before the pass, so a message during it is never lost
                 await self._reconcile()
                 self._publish()
-                await workflow.wait_condition(lambda: self.dirty or state.stopping or self._should_continue(),
-                                              timeout=self._sleep(), timeout_summary="until something changes")
+                try:
+                    await workflow.wait_condition(lambda: self.dirty or state.stopping or self._should_continue(),
+                                                  timeout=self._sleep(), timeout_summary="until something changes")
+                except asyncio.TimeoutError:
+                    pass  # the safety tick, or a back-off that has ended: reconcile again
                 if self._should_continue() and not state.stopping:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     state.replicas = prune(state.replicas)

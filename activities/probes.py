@@ -1,0 +1,67 @@
+"""HTTP readiness probes (spec 1.7) against a replica's address: ``unix:/path.sock`` or ``host:port``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import httpx
+
+from models.service import ProbeSpec
+
+
+def client_for(address: str, timeout: float) -> tuple[httpx.AsyncClient, str]:
+    """An HTTP client that reaches ``address``, and the base URL to use with it."""
+    if address.startswith("unix:"):
+        transport = httpx.AsyncHTTPTransport(uds=address[len("unix:"):])
+        return httpx.AsyncClient(transport=transport, timeout=timeout), "http://replica"
+    return httpx.AsyncClient(timeout=timeout), f"http://{address}"
+
+
+async def run_probe(address: str, probe: ProbeSpec) -> bool:
+    """One probe run: True on a 2xx answer."""
+    client, base = client_for(address, probe.timeout)
+    async with client:
+        try:
+            response = await client.request(
+                probe.method.upper(), base + probe.url, headers={h.name: h.value for h in probe.headers},
+                content=probe.body.encode() if probe.body is not None else None)
+        except httpx.HTTPError:
+            return False
+    return 200 <= response.status_code < 300
+
+
+async def answers_http(address: str, timeout: float = 2.0) -> Optional[int]:
+    """The status of ``GET /``, or None when nothing answers HTTP yet.
+
+    A replica without probes is ready once its app answers HTTP at all (any status): the spec's
+    "ready when running" would send the first requests to an app that is still starting.
+    """
+    client, base = client_for(address, timeout)
+    async with client:
+        try:
+            return (await client.get(base + "/")).status_code
+        except httpx.HTTPError:
+            return None
+
+
+class ProbeStreaks:
+    """Success streaks of a replica's probes; ready when every streak reaches its ``ready_after``."""
+
+    def __init__(self, probes: list[ProbeSpec]):
+        self.probes = probes
+        self.streaks = [0] * len(probes)
+        self.due = [0.0] * len(probes)  # monotonic time each probe runs next
+
+    def ready(self) -> bool:
+        return all(s >= p.ready_after for s, p in zip(self.streaks, self.probes))
+
+    async def run_due(self, address: str, now: float) -> None:
+        for i, probe in enumerate(self.probes):
+            if now >= self.due[i]:
+                ok = await run_probe(address, probe)
+                self.streaks[i] = self.streaks[i] + 1 if ok else 0
+                self.due[i] = now + probe.interval
+
+    def summary(self) -> str:
+        return " ".join("✓" if s >= p.ready_after else ("~" if s else "×")
+                        for s, p in zip(self.streaks, self.probes))

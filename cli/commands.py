@@ -1,0 +1,379 @@
+"""Commands that talk to the control plane: apply, ps, stop, scale, events, exec, logs, token.
+
+Exit codes: 0 ok, 1 user error, 2 control plane down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+from urllib.parse import quote
+
+import typer
+from rich.live import Live
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from cli.client import ControlPlaneDown, connect
+from cli.client import run as _run
+from cli.main import FileOption, app, err, out, print_errors
+from cli.render import ps_table, status_json
+from models.loader import load_config_file
+from models.run import ScaleRequest, ServiceState, ServiceStatus
+from models.service import SERVICE_NAME_RE, ServiceConfiguration
+from models.settings import Settings, load_or_create_token
+from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
+
+RPC = timedelta(seconds=5)
+
+
+def _user_error(message: str) -> typer.Exit:
+    err.print(f"[red]{message}[/red]")
+    return typer.Exit(1)
+
+
+def service_url(settings: Settings, name: str) -> str:
+    return f"{settings.gateway_url}/services/{name}/"
+
+
+def ui_link(settings: Settings, name: str) -> str:
+    return f"{settings.ui_url}/namespaces/{settings.namespace}/workflows/{quote(service_workflow_id(name), safe='')}"
+
+
+async def _status(client: Client, name: str) -> Optional[ServiceStatus]:
+    """The live status of a running service, or None when no such service runs."""
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    try:
+        description = await handle.describe(rpc_timeout=RPC)
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise ControlPlaneDown(f"control plane error: {e}") from e
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        return None
+    for attempt in range(3):  # a query can meet a continue-as-new hop; ask again
+        try:
+            return await handle.query(ServiceRunWorkflow.status, rpc_timeout=RPC)
+        except RPCError as e:
+            if attempt == 2:
+                raise ControlPlaneDown(f"the worker does not answer ({e.message}); is `durastack server` up?") from e
+    return None
+
+
+def _config_or_exit(file: Path) -> ServiceConfiguration:
+    result = load_config_file(file)
+    if not result.valid:
+        print_errors(result, file)
+        raise typer.Exit(1)
+    for w in result.warnings:
+        err.print(f"[yellow]warning:[/yellow] {w}")
+    assert result.config is not None
+    return result.config
+
+
+def _resolve(config: ServiceConfiguration, file: Path, environ: dict) -> ServiceConfiguration:
+    """Fill the service name (from the file name) and `env` entries taken from the caller's environment."""
+    name = config.name or file.stem
+    if not SERVICE_NAME_RE.match(name):
+        raise _user_error(f"{file}: set `name:` (the file name {file.stem!r} is not a valid service name)")
+    missing = [k for k, v in config.env.items() if v is None and k not in environ]
+    if missing:
+        raise _user_error("env: " + ", ".join(missing) + " not set in your environment (`env` takes them from it)")
+    env = {k: (environ[k] if v is None else v) for k, v in config.env.items()}
+    return config.model_copy(update={"name": name, "env": env})
+
+
+def _print_plan(config: ServiceConfiguration) -> None:
+    from activities.catalog import local_offer
+    from models.offers import match_offers
+
+    out.print(f"[bold]Service[/bold] {config.name}  port {config.port.container_port}  "
+              f"auth {'on' if config.auth else 'off'}")
+    offers = [local_offer()]
+    for g in config.replica_groups:
+        found = match_offers(offers, g.resources, spot_policy="auto", backends=config.backends or ["local"])
+        best = f"{found[0].backend} {found[0].instance_type} ${found[0].price:g}/h" if found else "[red]no offers[/red]"
+        scaling = f", rps target {g.scaling.target:g}" if g.scaling else ""
+        out.print(f"  group={g.name} replicas={g.count}{scaling}  {g.resources.summary()}  → {best}")
+
+
+def _all_ready(status: ServiceStatus) -> bool:
+    return all(sum(1 for r in g.replicas if r.ready and r.status == "running") >= g.desired for g in status.groups)
+
+
+@app.command()
+def apply(
+    file: Path = FileOption,
+    yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the service is submitted."),
+) -> None:
+    """Submit a service: validate, show the plan, start it, and follow it until every group is ready."""
+    settings = Settings.from_env()
+    config = _resolve(_config_or_exit(file), file, dict(os.environ))
+    _print_plan(config)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise _user_error("no terminal to confirm on: pass -y to apply")
+        if not typer.confirm(f"Submit the service {config.name}?"):
+            raise typer.Exit(1)
+    _run(_apply(settings, config, detach))
+
+
+async def _apply(settings: Settings, config: ServiceConfiguration, detach: bool) -> None:
+    client = await connect(settings)
+    name = config.name or ""
+    current = await _status(client, name)
+    if current is not None:
+        handle = client.get_workflow_handle(service_workflow_id(name))
+        running = await handle.query(ServiceRunWorkflow.config, rpc_timeout=RPC)
+        if running == config:
+            out.print(f"Active service {name} already exists. Detected no changes.")
+            return
+        raise _user_error(f"Active service {name} already exists with another configuration; updating it in "
+                          f"place is not supported yet: `durastack stop {name}` first")
+    state = ServiceState(name=name, config=config)
+    # USE_EXISTING: two concurrent applies can never make two runs of one service.
+    await client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=state), id=service_workflow_id(name),
+        task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        static_summary=f"service **{name}**", rpc_timeout=RPC)
+    out.print(f"Submitted [bold]{name}[/bold]; Web UI: {ui_link(settings, name)}")
+    if not detach:
+        await _follow(client, name)
+    out.print(f"URL:   {service_url(settings, name)}")
+    if config.auth:
+        out.print(f"Token: {load_or_create_token(settings.home)}  (header `Authorization: Bearer <token>`)")
+
+
+async def _follow(client: Client, name: str) -> None:
+    """Redraw the ps table until every group has its desired replicas ready (Ctrl-C detaches)."""
+    try:
+        with Live(console=out, refresh_per_second=4) as live:
+            while True:
+                status = await _status(client, name)
+                if status is None:
+                    raise _user_error(f"service {name} ended")
+                live.update(ps_table([status]))
+                if _all_ready(status):
+                    break
+                await asyncio.sleep(0.5)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        out.print("detached; the service keeps running")
+    out.print()
+
+
+async def _running_services(client: Client) -> list[str]:
+    query = "WorkflowType='ServiceRunWorkflow' AND ExecutionStatus='Running'"
+    names = []
+    try:
+        async for wf in client.list_workflows(query, rpc_timeout=RPC):
+            names.append(wf.id.removeprefix("service/"))
+    except RPCError as e:
+        raise ControlPlaneDown(f"control plane error: {e.message}") from e
+    return sorted(names)
+
+
+@app.command()
+def ps(
+    name: Optional[str] = typer.Argument(None, help="Service name; all running services when omitted."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Resources, instance types and errors."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+    watch: bool = typer.Option(False, "-w", "--watch", help="Redraw until Ctrl-C."),
+) -> None:
+    """Show services and their replicas, group by group."""
+    settings = Settings.from_env()
+    _run(_ps(settings, name, verbose, as_json, watch))
+
+
+async def _ps(settings: Settings, name: Optional[str], verbose: bool, as_json: bool, watch: bool) -> None:
+    client = await connect(settings)
+
+    async def collect() -> list[ServiceStatus]:
+        names = [name] if name else await _running_services(client)
+        statuses = [s for s in [await _status(client, n) for n in names] if s is not None]
+        if name and not statuses:
+            raise _user_error(f"no running service named {name!r}")
+        return statuses
+
+    if as_json:
+        statuses = await collect()
+        payload = [status_json(s, service_url(settings, s.name)) for s in statuses]
+        out.print_json(json.dumps(payload[0] if name else payload))
+        return
+    if not watch:
+        out.print(ps_table(await collect(), verbose))
+        return
+    try:
+        with Live(console=out, refresh_per_second=2) as live:
+            while True:
+                live.update(ps_table(await collect(), verbose))
+                await asyncio.sleep(1)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def stop(
+    name: str = typer.Argument(..., help="Service name."),
+    yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the stop is requested."),
+) -> None:
+    """Stop a service: every replica leaves the gateway and is terminated, then the run ends."""
+    settings = Settings.from_env()
+    if not yes and sys.stdin.isatty() and not typer.confirm(f"Stop the service {name}?"):
+        raise typer.Exit(1)
+    _run(_stop(settings, name, detach))
+
+
+async def _stop(settings: Settings, name: str, detach: bool) -> None:
+    client = await connect(settings)
+    if await _status(client, name) is None:
+        raise _user_error(f"no running service named {name!r}")
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    await handle.signal(ServiceRunWorkflow.stop, rpc_timeout=RPC)
+    if detach:
+        out.print(f"stopping {name}")
+        return
+    deadline = time.monotonic() + 3600
+    while time.monotonic() < deadline:
+        description = await handle.describe(rpc_timeout=RPC)
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            out.print(f"{name} stopped")
+            return
+        await asyncio.sleep(0.5)
+
+
+@app.command()
+def scale(
+    name: str = typer.Argument(..., help="Service name."),
+    group: str = typer.Argument(..., help="Replica group name."),
+    count: int = typer.Argument(..., help="Desired replica count, within the group's range."),
+) -> None:
+    """Set a group's desired replica count now (refused when outside the group's range)."""
+    settings = Settings.from_env()
+    _run(_scale(settings, name, group, count))
+
+
+async def _scale(settings: Settings, name: str, group: str, count: int) -> None:
+    client = await connect(settings)
+    if await _status(client, name) is None:
+        raise _user_error(f"no running service named {name!r}")
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    try:
+        desired = await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group=group, count=count),
+                                              rpc_timeout=RPC)
+    except WorkflowUpdateFailedError as e:
+        raise _user_error(f"scale refused: {getattr(e.cause, 'message', e.cause)}")
+    out.print(f"{name}: group={group} desired={desired}")
+
+
+@app.command()
+def events(
+    name: str = typer.Argument(..., help="Service name."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """The decision log of a service: scaling, replica failures, stops."""
+    settings = Settings.from_env()
+    _run(_events(settings, name, as_json))
+
+
+async def _events(settings: Settings, name: str, as_json: bool) -> None:
+    client = await connect(settings)
+    if await _status(client, name) is None:
+        raise _user_error(f"no running service named {name!r}")
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    items = await handle.query(ServiceRunWorkflow.events, rpc_timeout=RPC)
+    if as_json:
+        out.print_json(json.dumps([e.model_dump(mode="json") for e in items]))
+        return
+    for e in items:
+        group = f" group={e.group}" if e.group else ""
+        out.print(f"{e.at:%Y-%m-%d %H:%M:%S} {e.kind:<8}{group} {e.message}", markup=False)
+
+
+def _replica(status: ServiceStatus, replica: Optional[int]):
+    candidates = [r for g in status.groups for r in g.replicas if r.status == "running"]
+    if replica is not None:
+        candidates = [r for g in status.groups for r in g.replicas if r.replica == replica]
+    if not candidates:
+        raise _user_error(f"{status.name}: no running replica" + (f" {replica}" if replica is not None else ""))
+    return max(candidates, key=lambda r: r.submission)
+
+
+def _local_instance(settings: Settings, name: str, replica: Optional[int]):
+    from activities.local import LocalBackend
+
+    status = asyncio.run(_status_or_exit(settings, name))
+    view = _replica(status, replica)
+    if view.backend != "local":
+        raise _user_error(f"replica {view.replica} runs on {view.backend}; exec and logs reach local replicas")
+    backend = LocalBackend(settings.home)
+    instance = backend.find_instance(f"{name}/{view.group}/r{view.replica}-s{view.submission}")
+    if instance is None:
+        raise _user_error(f"replica {view.replica} has no process on this machine")
+    return backend, instance
+
+
+async def _status_or_exit(settings: Settings, name: str) -> ServiceStatus:
+    try:
+        client = await connect(settings)
+        status = await _status(client, name)
+    except ControlPlaneDown as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2)
+    if status is None:
+        raise _user_error(f"no running service named {name!r}")
+    return status
+
+
+@app.command(name="exec", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def exec_(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Service name."),
+    replica: Optional[int] = typer.Option(None, "--replica", "-r", help="Replica number (default: the first)."),
+) -> None:
+    """Run a command inside a replica (its namespaces on the local backend): durastack exec NAME -- CMD..."""
+    argv = [a for a in ctx.args if a != "--"]
+    if not argv:
+        raise _user_error("give the command after --, e.g. durastack exec NAME -- cat /tmp/version.txt")
+    backend, instance = _local_instance(Settings.from_env(), name, replica)
+    code, output = backend.exec(instance, argv)
+    sys.stdout.write(output)
+    raise typer.Exit(code)
+
+
+@app.command()
+def logs(
+    name: str = typer.Argument(..., help="Service name."),
+    replica: Optional[int] = typer.Option(None, "--replica", "-r", help="Replica number (default: the first)."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until Ctrl-C."),
+) -> None:
+    """Print a replica's output."""
+    _, instance = _local_instance(Settings.from_env(), name, replica)
+    path = Path(instance.log_path)
+    with open(path, "rb") as f:
+        sys.stdout.write(f.read().decode(errors="replace"))
+        sys.stdout.flush()
+        try:
+            while follow:
+                chunk = f.read()
+                if chunk:
+                    sys.stdout.write(chunk.decode(errors="replace"))
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def token() -> None:
+    """Print the token the gateway accepts (created on first use, kept in the durastack home)."""
+    out.print(load_or_create_token(Settings.from_env().home), markup=False)

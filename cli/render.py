@@ -1,0 +1,87 @@
+"""Rich rendering of service status: the `ps` table in the seed's layout (spec 7.1)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Optional
+
+from rich.table import Table
+from rich.text import Text
+
+from models.run import ReplicaView, ServiceStatus
+
+
+def age(at: Optional[datetime], now: Optional[datetime] = None) -> str:
+    if at is None:
+        return ""
+    now = now or datetime.now(timezone.utc)
+    seconds = max(0, int((now - at).total_seconds()))
+    for unit, size in (("day", 86400), ("hour", 3600), ("min", 60)):
+        if seconds >= size:
+            n = seconds // size
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return f"{seconds} sec ago" if seconds else "now"
+
+
+def rollout_in_progress(status: ServiceStatus) -> bool:
+    return any(r.deployment != status.deployment and r.status not in ("terminated", "failed")
+               for g in status.groups for r in g.replicas)
+
+
+def _backend(r: ReplicaView) -> str:
+    if not r.backend:
+        return ""
+    return r.backend if r.backend == "local" else f"{r.backend} ({r.region})"
+
+
+def _status_text(r: ReplicaView) -> Text:
+    colour = {"running": "green", "failed": "red", "terminated": "grey50", "terminating": "yellow"}
+    label = r.status if r.status != "running" or r.ready else "starting"
+    return Text(label, style=colour.get(r.status, ""))
+
+
+def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
+    table = Table(box=None, pad_edge=True, show_edge=False, header_style="bold")
+    table.add_column("NAME", no_wrap=True)
+    table.add_column("BACKEND")
+    if verbose:
+        table.add_column("RESOURCES")
+        table.add_column("INSTANCE TYPE")
+    else:
+        table.add_column("GPU")
+    table.add_column("PRICE")
+    table.add_column("STATUS")
+    table.add_column("SUBMITTED")
+    if verbose:
+        table.add_column("ERROR")
+    for status in statuses:
+        show_deployment = verbose or rollout_in_progress(status)
+        name = status.name + (f" deployment={status.deployment}" if show_deployment else "")
+        row = [name, "", *([""] * 2 if verbose else ["-"]), "-", Text(status.status), age(status.submitted_at)]
+        table.add_row(*row, *([""] if verbose else []))
+        for group in status.groups:
+            label = f"group={group.name}"
+            for i, r in enumerate(sorted(group.replicas, key=lambda r: r.replica)):
+                prefix = "   " + (label if i == 0 else " " * len(label))
+                cell = f"{prefix} replica={r.replica}" + (f" deployment={r.deployment}" if show_deployment else "")
+                cols = [cell, _backend(r)]
+                cols += [group.resources or "", r.instance_type] if verbose else ["-"]
+                cols += [f"${r.price:g}" if r.backend else "", _status_text(r), age(r.submitted_at)]
+                if verbose:
+                    cols.append(r.reason)
+                table.add_row(*cols)
+            if not group.replicas:
+                table.add_row(f"   {label} (no replicas)", *[""] * (len(table.columns) - 1))
+    return table
+
+
+def status_json(status: ServiceStatus, url: str) -> dict:
+    return {
+        "name": status.name, "status": status.status, "deployment": status.deployment, "url": url,
+        "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max,
+                    "replicas": [{"replica": r.replica, "submission": r.submission, "deployment": r.deployment,
+                                  "status": r.status, "ready": r.ready, "backend": r.backend, "region": r.region,
+                                  "instance_type": r.instance_type, "price": r.price}
+                                 for r in g.replicas]}
+                   for g in status.groups],
+    }

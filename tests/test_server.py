@@ -1,0 +1,336 @@
+"""`durastack server`: the real stack (Temporal dev server, gateway with nginx, worker) in a temp home.
+
+Every server runs as a subprocess on ephemeral 127.0.0.1 ports; teardown ends each process we
+started by its PID (and the children the server recorded). Every wait is a bounded poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from temporalio.service import RPCError, RPCStatusCode
+
+from cli import client as cli_client
+from cli import stack
+from models.settings import SEARCH_ATTRIBUTES, Settings
+
+DURASTACK = str(Path(sys.executable).with_name("durastack"))
+TEMPORAL = str(Path(sys.executable).with_name("temporal"))
+UP_TIMEOUT = 90.0
+PERSIST_WF = "durastack-test-persist"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DURASTACK_")}
+    env.update(extra)
+    return env
+
+
+def alive(pid: int, start: int | None = None) -> bool:
+    ticks = stack._start_ticks(pid)
+    return ticks is not None and (start is None or ticks == start)
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def http_status(port: int, path: str = "/healthz") -> int | None:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            return int(s.recv(64).split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def temporal_cli(port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([TEMPORAL, *args, "--address", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                          timeout=30)
+
+
+class Server:
+    """One `durastack server` subprocess; remembers every child PID it ever recorded."""
+
+    def __init__(self, home: Path, ports: dict[str, int], env: dict | None = None):
+        self.home, self.ports = home, ports
+        self.out_path = home.parent / f"{home.name}-server-{time.monotonic_ns()}.out"
+        argv = [DURASTACK, "server", "--home", str(home)]
+        for flag, port in ports.items():
+            argv += [f"--{flag.replace('_', '-')}", str(port)]
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env or clean_env(), start_new_session=True)
+        self.seen: dict[int, int] = {}  # pid -> start ticks, of children seen in server.json
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def state(self) -> dict:
+        state = stack.read_state(self.home) or {}
+        for rec in (state.get("children") or {}).values():
+            if rec.get("pid") and rec.get("start") is not None:
+                self.seen[rec["pid"]] = rec["start"]
+        return state
+
+    def child(self, name: str) -> dict | None:
+        return (self.state().get("children") or {}).get(name)
+
+    def wait_up(self) -> None:
+        def up():
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.output}"
+            worker = self.child("worker")
+            return (worker and alive(worker["pid"]) and http_status(self.ports["gateway_port"]) == 200
+                    and temporal_cli(self.ports["temporal_port"], "operator", "namespace", "list").returncode == 0)
+        wait_for(up, UP_TIMEOUT, "the stack to come up")
+        assert "durastack server is up" in self.output
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=timeout)
+
+    def kill_all(self) -> None:
+        """Teardown: whatever survived, by PID."""
+        if self.proc.poll() is None:
+            try:
+                self.stop(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for pid, start in self.seen.items():
+            if alive(pid, start):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started: list[Server] = []
+    yield started
+    for s in started:
+        s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ds") / "home"
+
+
+@pytest.fixture(scope="module")
+def ports() -> dict[str, int]:
+    return dict(zip(["temporal_port", "ui_port", "gateway_port", "gateway_control_port"], free_ports(4)))
+
+
+@pytest.fixture(scope="module")
+def running(home, ports, servers) -> Server:
+    server = Server(home, ports)
+    servers.append(server)
+    server.wait_up()
+    return server
+
+
+# ---- the running stack -----------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_stack_up_with_search_attributes(running: Server):
+    state = running.state()
+    assert set(state["children"]) == {"temporal", "gateway", "worker"}
+    assert state["pid"] == running.proc.pid
+    res = temporal_cli(running.ports["temporal_port"], "operator", "search-attribute", "list", "-o", "json")
+    assert res.returncode == 0, res.stderr
+    for name in SEARCH_ATTRIBUTES:
+        assert name in res.stdout
+    for name in ("temporal", "gateway", "worker"):
+        assert (running.home / "logs" / f"{name}.log").exists()
+    assert f"http://127.0.0.1:{running.ports['ui_port']}" in running.output
+    assert (running.home / "server.lock").read_text().strip() == str(running.proc.pid)
+
+
+@pytest.mark.e2e
+def test_second_server_same_home_says_already_running(running: Server):
+    other = dict(zip(running.ports, free_ports(4)))
+    argv = [DURASTACK, "server", "--home", str(running.home)]
+    for flag, port in other.items():
+        argv += [f"--{flag.replace('_', '-')}", str(port)]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
+    assert res.returncode == 1
+    assert f"durastack server is already running (pid {running.proc.pid}, home {running.home})" in \
+        " ".join((res.stdout + res.stderr).split())
+
+
+@pytest.mark.e2e
+def test_killed_worker_is_restarted(running: Server):
+    old = running.child("worker")
+    os.kill(old["pid"], signal.SIGKILL)
+    new = wait_for(lambda: (w := running.child("worker")) and w["pid"] != old["pid"] and alive(w["pid"]) and w,
+                   30, "a new worker")
+    assert new["restarts"] == old["restarts"] + 1
+    assert "worker (pid" in running.output and "restarting" in running.output
+
+
+@pytest.mark.e2e
+def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, ports, servers):
+    # A workflow on a task queue no one polls: it stays Running, so it must survive the restart.
+    res = temporal_cli(ports["temporal_port"], "workflow", "start", "--type", "PersistCheck",
+                       "--task-queue", "durastack-test-nobody", "--workflow-id", PERSIST_WF)
+    assert res.returncode == 0, res.stderr
+    children = {rec["pid"]: rec["start"] for rec in running.state()["children"].values()}
+    gateway_pid = running.child("gateway")["pid"]
+    nginx = json.loads((home / "gateway" / "endpoints.json").read_text()).get("nginx_pid")
+
+    assert running.stop() == 0
+    wait_for(lambda: not any(alive(p, s) for p, s in children.items()), 30, "every child to exit")
+    if nginx:
+        wait_for(lambda: not alive(nginx), 10, "nginx to exit")
+    assert not stack._group_members(gateway_pid)
+    assert not (home / "server.json").exists()
+    with open(home / "server.lock", "a") as f:  # the lock is free again
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_UN)
+    assert "durastack: stopped" in running.output
+
+    again = Server(home, ports)
+    servers.append(again)
+    again.wait_up()
+    res = temporal_cli(ports["temporal_port"], "workflow", "describe", "--workflow-id", PERSIST_WF, "-o", "json")
+    assert res.returncode == 0, res.stderr
+    assert "WORKFLOW_EXECUTION_STATUS_RUNNING" in res.stdout
+    res = temporal_cli(ports["temporal_port"], "operator", "search-attribute", "list")
+    assert all(name in res.stdout for name in SEARCH_ATTRIBUTES)
+    temporal_cli(ports["temporal_port"], "workflow", "terminate", "--workflow-id", PERSIST_WF, "--reason", "test")
+    assert again.stop() == 0
+
+
+# ---- refusals: nothing is left running -------------------------------------------------------
+
+@pytest.mark.e2e
+def test_port_in_use_is_a_clear_error(tmp_path: Path, servers):
+    ports = dict(zip(["temporal_port", "ui_port", "gateway_port", "gateway_control_port"], free_ports(4)))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports["gateway_port"]))
+        busy.listen()
+        server = Server(tmp_path / "home", ports)
+        servers.append(server)
+        assert server.proc.wait(timeout=30) == 1
+    text = " ".join(server.output.split())
+    assert f"port {ports['gateway_port']} (gateway) is already in use" in text
+    assert "--gateway-port" in text and "DURASTACK_GATEWAY_PORT" in text
+    assert not (tmp_path / "home" / "server.json").exists()
+    assert http_status(ports["temporal_port"]) is None
+
+
+@pytest.mark.e2e
+def test_unreachable_external_temporal(tmp_path: Path, servers):
+    ports = dict(zip(["gateway_port", "gateway_control_port"], free_ports(2)))
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    server = Server(tmp_path / "home", ports, env=clean_env(DURASTACK_TEMPORAL_ADDRESS=address))
+    servers.append(server)
+    assert server.proc.wait(timeout=60) == 1
+    text = " ".join(server.output.split())
+    assert f"the Temporal server at {address} (DURASTACK_TEMPORAL_ADDRESS) is not reachable" in text
+    assert not (tmp_path / "home" / "logs").exists()  # no child was started
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+
+def test_temporal_argv(tmp_path: Path):
+    s = Settings.from_env({}, home=tmp_path, temporal_port=1234, ui_port=1235)
+    argv = stack.temporal_argv(s, binary="temporal")
+    assert argv[:5] == ["temporal", "server", "start-dev", "--ip", "127.0.0.1"]
+    assert argv[argv.index("--port") + 1] == "1234" and argv[argv.index("--ui-port") + 1] == "1235"
+    assert argv[argv.index("--db-filename") + 1] == str(tmp_path / "temporal.db")
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--search-attribute"] == \
+        [f"{n}=Keyword" for n in SEARCH_ATTRIBUTES]
+
+
+def test_gateway_and_worker_argv(tmp_path: Path, monkeypatch):
+    s = Settings.from_env({}, home=tmp_path, gateway_port=9000, gateway_control_port=9001)
+    assert stack.gateway_argv(s) == [sys.executable, "-m", "gateway", "--runtime-dir", str(tmp_path / "gateway"),
+                                     "--port", "9000", "--control-port", "9001"]
+    assert stack.worker_argv() == [sys.executable, "-m", "worker"]
+    monkeypatch.setenv(stack.ENV_WORKER_CMD, "python -c 'import time; time.sleep(9)'")
+    assert stack.worker_argv() == ["python", "-c", "import time; time.sleep(9)"]
+
+
+def test_lock_is_exclusive(tmp_path: Path):
+    fd = stack.acquire_lock(tmp_path)
+    try:
+        with pytest.raises(stack.AlreadyRunning, match=rf"already running \(pid {os.getpid()}, home {tmp_path}\)"):
+            stack.acquire_lock(tmp_path)
+    finally:
+        stack.release_lock(fd)
+    stack.release_lock(stack.acquire_lock(tmp_path))
+
+
+def test_check_ports(tmp_path: Path):
+    a, b = free_ports(2)
+    s = Settings.from_env({}, home=tmp_path, gateway_port=a, gateway_control_port=a)
+    with pytest.raises(stack.StackError, match="given to both"):
+        stack.check_ports(s, ["gateway_port", "gateway_control_port"])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", b))
+        busy.listen()
+        s = Settings.from_env({}, home=tmp_path, temporal_port=b)
+        with pytest.raises(stack.StackError, match=rf"port {b} \(Temporal gRPC\).*--temporal-port or DURASTACK_TEMPORAL_PORT"):
+            stack.check_ports(s, ["temporal_port"])
+
+
+async def test_connect_raises_control_plane_down(tmp_path: Path):
+    s = Settings.from_env({}, home=tmp_path, temporal_port=free_ports(1)[0])
+    with pytest.raises(cli_client.ControlPlaneDown) as info:
+        await cli_client.connect(s, timeout=5)
+    assert str(info.value) == f"control plane not running at {s.address}; start it with `durastack server`"
+
+
+async def test_rpc_maps_transport_errors_only(tmp_path: Path):
+    s = Settings.from_env({}, home=tmp_path)
+
+    async def fail(status):
+        raise RPCError("boom", status, b"")
+
+    with pytest.raises(cli_client.ControlPlaneDown):
+        await cli_client.rpc(asyncio.sleep(5), s, timeout=0.05)
+    with pytest.raises(cli_client.ControlPlaneDown):
+        await cli_client.rpc(fail(RPCStatusCode.UNAVAILABLE), s)
+    with pytest.raises(RPCError):  # an answer from a live server stays the command's business
+        await cli_client.rpc(fail(RPCStatusCode.NOT_FOUND), s)
+    assert await cli_client.rpc(asyncio.sleep(0, "ok"), s) == "ok"
+
+
+def test_run_exits_2_when_down(tmp_path: Path):
+    s = Settings.from_env({}, home=tmp_path, temporal_port=free_ports(1)[0])
+    with pytest.raises(typer.Exit) as info:
+        cli_client.run(cli_client.connect(s))
+    assert info.value.exit_code == 2
