@@ -128,6 +128,22 @@ class LocalBackend:
             return LocalInstance.model_validate_json((wd / ".durastack" / "instance.json").read_text())
         return None
 
+    def instances(self) -> list[LocalInstance]:
+        """Every instance recorded under this home, alive or not."""
+        found = []
+        for record in sorted((self.home / "replicas").glob("*/*/*/.durastack/instance.json")):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                found.append(LocalInstance.model_validate_json(record.read_text()))
+        return found
+
+    def stop_all(self, grace_seconds: float = 10.0) -> None:
+        """Stop every replica of this home (when the embedded stack shuts down), in parallel."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        live = [inst for inst in self.instances() if find_tree(inst.work_dir, None)]
+        with ThreadPoolExecutor(max(1, min(32, len(live)))) as pool:
+            list(pool.map(lambda inst: self.stop(inst, grace_seconds), live))
+
     def find(self, job: JobSpec) -> Optional[LocalInstance]:
         """What an earlier attempt to start ``job`` recorded (a worker may die before reporting it)."""
         return self.find_instance(job.replica_id)

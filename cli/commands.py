@@ -90,18 +90,26 @@ def _resolve(config: ServiceConfiguration, file: Path, environ: dict) -> Service
     return config.model_copy(update={"name": name, "env": env})
 
 
-def _print_plan(config: ServiceConfiguration) -> None:
+def _print_plan(config: ServiceConfiguration) -> list[str]:
+    """Print each group's count, resources and best offer; return the groups that have no offer."""
     from activities.catalog import local_offer
-    from models.offers import match_offers
+    from models.offers import describe_mismatch, match_offers
 
     out.print(f"[bold]Service[/bold] {config.name}  port {config.port.container_port}  "
               f"auth {'on' if config.auth else 'off'}")
-    offers = [local_offer()]
+    offers, problems = [local_offer()], []
     for g in config.replica_groups:
-        found = match_offers(offers, g.resources, spot_policy="auto", backends=config.backends or ["local"])
-        best = f"{found[0].backend} {found[0].instance_type} ${found[0].price:g}/h" if found else "[red]no offers[/red]"
+        where = dict(spot_policy="auto", max_price=config.max_price, backends=config.backends or ["local"],
+                     regions=config.regions)
+        found = match_offers(offers, g.resources, **where)
+        if found:
+            best = f"{found[0].backend} {found[0].instance_type} ${found[0].price:g}/h"
+        else:
+            best = "[red]no offers[/red]"
+            problems.append(f"group {g.name}: no offers ({describe_mismatch(offers, g.resources, **where)})")
         scaling = f", rps target {g.scaling.target:g}" if g.scaling else ""
         out.print(f"  group={g.name} replicas={g.count}{scaling}  {g.resources.summary()}  → {best}")
+    return problems
 
 
 def _all_ready(status: ServiceStatus) -> bool:
@@ -117,7 +125,9 @@ def apply(
     """Submit a service: validate, show the plan, start it, and follow it until every group is ready."""
     settings = Settings.from_env()
     config = _resolve(_config_or_exit(file), file, dict(os.environ))
-    _print_plan(config)
+    problems = _print_plan(config)
+    if problems:
+        raise _user_error("nothing was submitted: " + "; ".join(problems))
     if not yes:
         if not sys.stdin.isatty():
             raise _user_error("no terminal to confirm on: pass -y to apply")

@@ -99,3 +99,24 @@ def _register_commands() -> None:
 
 
 _register_commands()
+
+
+def entry() -> None:
+    """The `durastack` console script.
+
+    It ends with ``os._exit``: the Temporal SDK's Rust threads can still call into Python while the
+    interpreter finalizes, which aborts the process (``PyGILState_Release``) after the command's work
+    is done. Exiting directly, once output is flushed, keeps the exit code the command chose.
+    """
+    import os
+
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            sys.stderr.write(e.code + "\n")
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -39,6 +39,8 @@ BACKOFF_MIN, BACKOFF_MAX = 1.0, 30.0
 STABLE_AFTER = 60.0  # a child that ran this long gets its restart backoff reset
 READY_TIMEOUT = 60.0
 GRACE = {"temporal": 15.0, "gateway": 20.0, "worker": 15.0}  # gateway: nginx drains for up to 12 s
+# A restarted worker waits for these to be up: without Temporal it would only crash again.
+DEPENDS = {"worker": ("temporal", "gateway")}
 PORT_KNOBS = {  # Settings field -> (what, flag, environment variable)
     "temporal_port": ("Temporal gRPC", "--temporal-port", "DURASTACK_TEMPORAL_PORT"),
     "ui_port": ("Temporal Web UI", "--ui-port", "DURASTACK_UI_PORT"),
@@ -240,6 +242,7 @@ class Child:
         self.started_at = 0.0
         self.start_ticks: Optional[int] = None
         self.restarts = -1  # the first start is not a restart
+        self.up = False  # started and ready
         self._tee: Optional[asyncio.Task] = None
 
     @property
@@ -248,6 +251,9 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    def serving(self) -> bool:
+        return self.up and self.alive()
 
     async def spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +264,7 @@ class Child:
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, env=self.env, start_new_session=True,
                 stdout=asyncio.subprocess.PIPE if self.verbose else log, stderr=asyncio.subprocess.STDOUT)
         self.started_at, self.start_ticks = time.monotonic(), _start_ticks(self.proc.pid)
+        self.up = False
         self.restarts += 1
         if self.verbose:
             self._tee = asyncio.create_task(self._copy(self.proc.stdout))
@@ -344,7 +351,7 @@ class Stack:
             self._hurry = True  # a second Ctrl-C: skip the graceful waits
             self.echo("durastack: stopping now (SIGKILL)")
         else:
-            self.echo("durastack: stopping (worker, gateway, temporal)...")
+            self.echo("durastack: stopping...")
         self._stopping.set()
 
     async def run(self) -> int:
@@ -399,6 +406,7 @@ class Stack:
         self._worker_started |= child.name == "worker"
         self._write_state()
         if child.ready is None:
+            child.up = True
             return
         deadline, last = time.monotonic() + self.ready_timeout, None
         while True:
@@ -409,6 +417,7 @@ class Stack:
                                  f"last lines of {child.log_path}:\n{child.tail()}")
             try:
                 if await child.ready():
+                    child.up = True
                     return
             except Exception as e:  # not up yet: refused, timeout, namespace not ready...
                 last = e
@@ -449,6 +458,9 @@ class Stack:
                           f"restarting in {delay:g}s (log: {child.log_path})")
                 await asyncio.wait({stop}, timeout=delay)
                 delay = min(delay * 2, BACKOFF_MAX)
+                deps = [c for c in self.children if c.name in DEPENDS.get(child.name, ())]
+                while not self._stopping.is_set() and not all(d.serving() for d in deps):
+                    await asyncio.wait({stop}, timeout=POLL)
                 try:
                     await self._start(child)
                     self.echo(f"durastack: {child.name} restarted (pid {child.pid})")
@@ -474,7 +486,8 @@ class Stack:
             except Exception as e:
                 self.echo(f"durastack: warning: shutdown hook failed: {e}")
         (self.home / "server.json").unlink(missing_ok=True)
-        self.echo("durastack: stopped")
+        if any(c.proc is not None for c in self.children):
+            self.echo("durastack: stopped")
 
     def _write_state(self) -> None:
         s = self.settings

@@ -116,8 +116,10 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
     cpu, memory = resources.cpu, resources.memory
     if cpu.arch:
         checks.append((f"{cpu.arch} CPUs", lambda o: o.cpu_arch == cpu.arch))
-    checks.append((f"{cpu.count} vCPUs", lambda o: cpu.count.contains(o.cpus)))
-    checks.append((f"{_size(memory)} of memory", lambda o: memory.contains(o.memory_gb)))
+    # A cloud offer is a whole instance and must fit the range; this machine is shared by its
+    # replicas, so it only needs at least the minimum.
+    checks.append((f"{cpu.count} vCPUs", lambda o: _fits(cpu.count, o.cpus, o)))
+    checks.append((f"{_size(memory)} of memory", lambda o: _fits(memory, o.memory_gb, o)))
     # Cloud disks are created at the size asked for; only this machine's free disk can be too small —
     # and only a disk the user asked for: the cloud default (100GB..) would rule out most laptops.
     disk = resources.disk
@@ -127,6 +129,10 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
     if max_price is not None:  # last, so that describe_mismatch can name the cheapest offer that fits otherwise
         checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))
     return checks
+
+
+def _fits(rng: Range, value: float, offer: InstanceOffer) -> bool:
+    return value >= (rng.min or 0) if offer.backend == "local" else rng.contains(value)
 
 
 def _sized_disk(offer: InstanceOffer, disk: Optional[Range[float]]) -> InstanceOffer:

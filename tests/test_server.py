@@ -201,6 +201,19 @@ def test_killed_worker_is_restarted(running: Server):
 
 
 @pytest.mark.e2e
+def test_killed_temporal_and_gateway_are_restarted(running: Server):
+    old = {name: running.child(name) for name in ("temporal", "gateway", "worker")}
+    os.kill(old["temporal"]["pid"], signal.SIGKILL)
+    os.kill(old["gateway"]["pid"], signal.SIGKILL)
+
+    def restarted(name):
+        rec = running.child(name)
+        return rec and rec["pid"] != old[name]["pid"] and alive(rec["pid"])
+    wait_for(lambda: restarted("temporal") and restarted("gateway"), 60, "temporal and gateway to restart")
+    running.wait_up()  # Temporal answers, /healthz through nginx, a live worker (which may have restarted)
+
+
+@pytest.mark.e2e
 def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, ports, servers):
     # A workflow on a task queue no one polls: it stays Running, so it must survive the restart.
     res = temporal_cli(ports["temporal_port"], "workflow", "start", "--type", "PersistCheck",
@@ -334,3 +347,12 @@ def test_run_exits_2_when_down(tmp_path: Path):
     with pytest.raises(typer.Exit) as info:
         cli_client.run(cli_client.connect(s))
     assert info.value.exit_code == 2
+
+
+def test_stop_local_replicas_hook(tmp_path: Path, monkeypatch):
+    stack.stop_local_replicas(tmp_path)  # the real local backend, nothing to stop: a no-op
+    import activities.local
+    calls = []
+    monkeypatch.setattr(activities.local, "stop_all", calls.append, raising=False)
+    stack.stop_local_replicas(tmp_path)
+    assert calls == [tmp_path]

@@ -1,0 +1,266 @@
+"""End to end on this machine: `durastack server` (Temporal dev server, worker, nginx gateway), the CLI,
+the local backend with real replica processes, and real HTTP through the gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+FIXED = ROOT / "examples" / "replica-groups-fixed.yml"
+NAME = "replica-groups-fixed"
+
+SCALABLE = """
+type: service
+name: scalable
+port: 8000
+replicas:
+  - name: router
+    count: 1
+    commands: [python3 -m http.server 8000]
+    resources: {cpu: 1, memory: 1GB..}
+  - name: workers
+    count: 1..3
+    scaling: {metric: rps, target: 100}
+    commands: [python3 -m http.server 8000]
+    resources: {cpu: 1, memory: 1GB..}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
+
+
+class Stack:
+    def __init__(self, home: Path):
+        self.home = home
+        self.env = {**os.environ, "DURASTACK_HOME": str(home),
+                    "DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
+                    "DURASTACK_GATEWAY_PORT": str(free_port()), "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port())}
+        self.env.pop("DURASTACK_TEMPORAL_ADDRESS", None)
+        self.log = open(home / "server.out", "wb")
+        self.proc = subprocess.Popen([str(BIN / "durastack"), "server"], env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.gateway = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_PORT']}"
+        self.control = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_CONTROL_PORT']}"
+
+    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "durastack"), *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def ps(self, name: str) -> dict:
+        result = self.cli("ps", name, "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def worker_pid(self) -> int | None:
+        try:
+            state = json.loads((self.home / "server.json").read_text())
+            return state["children"]["worker"]["pid"]
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
+
+    def routes(self) -> dict:
+        return httpx.get(f"{self.control}/api/services", timeout=5).json()["services"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def ready(status: dict) -> dict[str, list[int]]:
+    return {g["name"]: sorted(r["replica"] for r in g["replicas"] if r["ready"] and r["status"] == "running")
+            for g in status["groups"]}
+
+
+def replica_processes(home: Path) -> dict[str, int]:
+    """Work dir → number of `http.server` processes of this home's replicas, read from /proc."""
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        marker = next((e[len(b"DURASTACK_WORK_DIR="):].decode() for e in env
+                       if e.startswith(b"DURASTACK_WORK_DIR=")), None)
+        if marker and marker.startswith(str(home)) and b"-m\0http.server" in cmdline:
+            found[marker] = found.get(marker, 0) + 1
+    return found
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    s = Stack(home)
+    try:
+        until(lambda: s.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+        until(lambda: _status(f"{s.gateway}/healthz") == 200, 30, 0.2, "gateway up")
+        yield s
+    finally:
+        s.stop()
+    # Stopping the server leaves no replica process behind.
+    assert replica_processes(home) == {}
+
+
+def _status(url: str, **kw) -> int | None:
+    try:
+        return httpx.get(url, timeout=5, **kw).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def get(url: str, token: str | None, n: int = 1) -> list[int]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # No keep-alive: every request opens its own connection, as independent clients would.
+    with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=10) as client:
+        return [client.get(url, headers=headers).status_code for _ in range(n)]
+
+
+def request_lines(stack: Stack, replica: int) -> int:
+    result = stack.cli("logs", NAME, "--replica", str(replica))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.count('"GET /')
+
+
+def test_seed_service_groups_routes_auth_and_exec(stack: Stack):
+    result = stack.cli("apply", "-f", str(FIXED), "-y")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{stack.gateway}/services/{NAME}/" in result.stdout
+    token = stack.cli("token").stdout.strip()
+    assert f"Token: {token}" in result.stdout
+    status = stack.ps(NAME)
+    assert ready(status) == {"0": [0], "1": [1, 2]}
+    text = stack.cli("ps").stdout
+    assert "group=0 replica=0" in text and "group=1 replica=1" in text and "replica=2" in text
+
+    # Each replica ran its own group's commands, in its own /tmp.
+    for replica, line in ((0, "Group 1 - Version 0"), (1, "Group 2 - Version 0"), (2, "Group 2 - Version 0")):
+        out = stack.cli("exec", NAME, "--replica", str(replica), "--", "cat", "/tmp/version.txt")
+        assert out.returncode == 0 and out.stdout.strip() == line
+
+    url = f"{stack.gateway}/services/{NAME}/"
+    host = httpx.get(f"{stack.gateway}/", headers={"Host": f"{NAME}.localhost", "Authorization": f"Bearer {token}"})
+    assert host.status_code == 200
+    before = {r: request_lines(stack, r) for r in (0, 1, 2)}
+    assert get(url, token, 30) == [200] * 30
+    after = {r: request_lines(stack, r) for r in (0, 1, 2)}
+    assert sum(after.values()) - sum(before.values()) == 30
+    assert all(after[r] > before[r] for r in (0, 1, 2)), (before, after)  # both groups served
+
+    # Without the token, or with a wrong one, nothing reaches a replica.
+    assert get(url, None, 5) == [401] * 5
+    assert get(url, "wrong-token", 5) == [403] * 5
+    assert {r: request_lines(stack, r) for r in (0, 1, 2)} == after
+
+
+def test_worker_killed_during_provisioning_and_running(stack: Stack, tmp_path: Path):
+    # While running: the replicas and their numbers survive a kill -9 of the worker.
+    before = stack.ps(NAME)
+    pid = stack.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    until(lambda: stack.worker_pid() not in (None, pid), 60, 0.2, "worker restarted")
+    token = stack.cli("token").stdout.strip()
+    assert get(f"{stack.gateway}/services/{NAME}/", token, 5) == [200] * 5
+    assert stack.ps(NAME)["groups"] == before["groups"]
+
+    # During provisioning: kill it right after the service is submitted.
+    config = tmp_path / "scalable.yml"
+    config.write_text(SCALABLE)
+    assert stack.cli("apply", "-f", str(config), "-y", "--detach").returncode == 0
+    os.kill(stack.worker_pid(), signal.SIGKILL)
+    status = until(lambda: _ready_or_none(stack, "scalable", {"router": [0], "workers": [1]}), 120, 0.5,
+                   "scalable ready after the worker restart")
+    assert all(r["submission"] == 0 for g in status["groups"] for r in g["replicas"])
+    # No replica was started twice: one app process per replica work dir.
+    procs = {wd: n for wd, n in replica_processes(stack.home).items() if "/scalable/" in wd}
+    assert sorted(procs.values()) == [1, 1] and len(procs) == 2
+
+
+def _ready_or_none(stack: Stack, name: str, expected: dict) -> dict | None:
+    result = stack.cli("ps", name, "--json")
+    if result.returncode != 0:
+        return None
+    status = json.loads(result.stdout)
+    return status if ready(status) == expected else None
+
+
+def test_scale_up_and_down_leaves_the_gateway_before_the_process_ends(stack: Stack):
+    result = stack.cli("scale", "scalable", "workers", "2")
+    assert result.returncode == 0, result.stderr
+    until(lambda: _ready_or_none(stack, "scalable", {"router": [0], "workers": [1, 2]}), 60, 0.3, "scaled up")
+    assert len(stack.routes()["scalable"]["upstreams"]) == 3
+    workdir = next(wd for wd in replica_processes(stack.home) if wd.endswith("/scalable/workers/r2-s0"))
+
+    assert stack.cli("scale", "scalable", "workers", "1").returncode == 0
+    observations = []  # (still routed, process alive), sampled until the process is gone
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        routed = any(u["replica_id"].endswith("/r2-s0") for u in stack.routes()["scalable"]["upstreams"])
+        alive = workdir in replica_processes(stack.home)
+        observations.append((routed, alive))
+        if not alive and not routed:
+            break
+        time.sleep(0.02)
+    assert observations[-1] == (False, False), "the removed replica did not go away"
+    assert (True, False) not in observations, "a replica was still routed after its process ended"
+    status = until(lambda: _ready_or_none(stack, "scalable", {"router": [0], "workers": [1]}), 30, 0.3)
+    workers = next(g for g in status["groups"] if g["name"] == "workers")
+    assert workers["desired"] == 1
+
+
+def test_bad_input_changes_nothing(stack: Stack, tmp_path: Path):
+    before = stack.ps(NAME)
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"type: service\nname: {NAME}\nport: 8000\nreplicas:\n  - count: 0..2\n")
+    result = stack.cli("apply", "-f", str(bad), "-y")
+    assert result.returncode == 1 and "replicas[0]" in result.stderr
+    result = stack.cli("scale", NAME, "nope", "1")
+    assert result.returncode == 1 and "no replica group 'nope'" in result.stderr
+    result = stack.cli("scale", NAME, "1", "3")
+    assert result.returncode == 1 and "takes 2..2 replicas, not 3" in result.stderr
+    result = stack.cli("stop", "no-such-service", "-y")
+    assert result.returncode == 1 and "no running service named 'no-such-service'" in result.stderr
+    assert stack.ps(NAME)["groups"] == before["groups"]
+
+
+def test_stop_leaves_nothing_running(stack: Stack):
+    for name in (NAME, "scalable"):
+        result = stack.cli("stop", name, "-y")
+        assert result.returncode == 0, result.stderr
+        assert name not in stack.routes()
+    assert replica_processes(stack.home) == {}
+    assert _status(f"{stack.gateway}/services/{NAME}/") == 404
