@@ -17,6 +17,7 @@ from temporalio.worker import Worker
 
 from activities.local import LocalBackend
 from activities.replica import ReplicaActivities
+from activities.stats import StatsActivities
 from gateway.client import GatewayClient
 from models.settings import Settings, load_or_create_token
 from workflows.replica import ReplicaWorkflow
@@ -35,8 +36,9 @@ def build_worker(client: Client, settings: Settings, gateway: GatewayClient) -> 
     if not local.isolated:
         log.warning("replica isolation is off (%s): each replica gets its own PORT", local.isolation_reason)
     acts = ReplicaActivities(local, gateway, tokens=lambda: [load_or_create_token(settings.home)])
+    stats = StatsActivities(gateway.stats)
     return Worker(client, task_queue=settings.task_queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
-                  activities=acts.all(), activity_executor=ThreadPoolExecutor(32),
+                  activities=[*acts.all(), stats.watch_stats], activity_executor=ThreadPoolExecutor(32),
                   max_concurrent_activities=500)
 
 

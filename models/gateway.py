@@ -20,6 +20,8 @@ GROUP_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 REPLICA_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"  # e.g. "svc/0/r3-s0"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 WINDOWS = (30, 60, 300)  # stats windows in seconds (spec 4.2)
+DEFAULT_COLD_START_TIMEOUT = 300  # seconds a request may wait in the activator for a first replica
+MAX_COLD_START_TIMEOUT = 86400
 
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL; nginx -t refuses longer paths
 _UNSAFE = re.compile(r"[\s;{}'\"\\#$]")  # would break out of an nginx `server` line
@@ -67,7 +69,11 @@ class ServiceRoute(Model):
     name: str = Field(pattern=SERVICE_NAME_PATTERN, description="Service name, routed as /services/<name>/ and <name>.localhost.")
     auth: bool = Field(True, description="Require 'Authorization: Bearer <token>' (401 without, 403 wrong token).")
     token_sha256: tuple[str, ...] = Field((), description="SHA-256 hex digests of the accepted tokens; tokens themselves are never stored.")
-    upstreams: tuple[Upstream, ...] = Field((), description="Ready replicas, sorted by replica_id; empty means the activator answers.")
+    upstreams: tuple[Upstream, ...] = Field((), description="Ready replicas, sorted by replica_id; empty means the activator holds requests.")
+    cold_start_timeout: int = Field(
+        DEFAULT_COLD_START_TIMEOUT, ge=0, le=MAX_COLD_START_TIMEOUT,
+        description="Seconds the activator holds a request while the service has no ready replica, then 503 "
+                    "with Retry-After; 0 answers 503 at once.")
 
     @field_validator("token_sha256")
     @classmethod
@@ -100,10 +106,14 @@ class GatewayState(Model):
             return self  # idempotent: no change, no new generation, no reload
         return GatewayState(services=services, generation=self.generation + 1)
 
-    def put_service(self, name: str, auth: bool, token_sha256: tuple[str, ...] | list[str]) -> "GatewayState":
+    def put_service(self, name: str, auth: bool, token_sha256: tuple[str, ...] | list[str],
+                    cold_start_timeout: int | None = None) -> "GatewayState":
+        """Create or update a route; its replicas stay. ``cold_start_timeout=None`` keeps the current one."""
         old = self.services.get(name)
+        if cold_start_timeout is None:
+            cold_start_timeout = old.cold_start_timeout if old else DEFAULT_COLD_START_TIMEOUT
         route = ServiceRoute(name=name, auth=auth, token_sha256=tuple(token_sha256),
-                             upstreams=old.upstreams if old else ())
+                             upstreams=old.upstreams if old else (), cold_start_timeout=cold_start_timeout)
         return self._with({**self.services, name: route})
 
     def delete_service(self, name: str) -> "GatewayState":
@@ -138,6 +148,8 @@ class ServiceStats(Model):
     windows: dict[int, StatsWindow] = Field(description="Keyed by window seconds: 30, 60, 300.")
     per_group: Optional[dict[str, dict[int, StatsWindow]]] = Field(
         None, description="Same windows per replica group, for hits whose replica is known (not activator hits).")
+    held: int = Field(0, ge=0, description="Requests the activator is holding right now, waiting for a first ready replica.")
+    held_total: int = Field(0, ge=0, description="Requests the activator has held since the gateway started.")
 
 
 class StatsReport(Model):
@@ -153,6 +165,10 @@ class PutServiceRequest(Model):
     auth: bool = Field(True, description="Require a bearer token.")
     tokens: tuple[str, ...] = Field((), description="Accepted tokens, in plain text.")
     token_sha256: tuple[str, ...] = Field((), description="Accepted tokens, already hashed with hash_token().")
+    cold_start_timeout: Optional[int] = Field(
+        None, ge=0, le=MAX_COLD_START_TIMEOUT,
+        description=f"Seconds a request may be held for a first replica (0: 503 at once); "
+                    f"omitted: keep the route's current value, {DEFAULT_COLD_START_TIMEOUT} for a new route.")
 
     @field_validator("tokens")
     @classmethod

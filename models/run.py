@@ -89,6 +89,7 @@ class ServiceState(BaseModel):
     events: list[Event] = Field(default_factory=list)
     submitted_at: Optional[datetime] = None
     stopping: bool = False
+    stats: Optional["StatsSnapshot"] = Field(None, description="Latest gateway snapshot; None = no stats yet.")
 
     def latest(self) -> list[Replica]:
         """The latest submission of every replica number."""
@@ -127,6 +128,7 @@ class ReplicaInput(BaseModel):
     spot_policy: str = "on-demand"
     max_price: Optional[float] = None
     stop_duration: int = 300
+    heartbeat_seconds: int = Field(30, description="Heartbeat timeout of the long activities (probes, watch).")
 
 
 class ScaleRequest(BaseModel):
@@ -202,3 +204,35 @@ class Registration(BaseModel):
 class RouteInput(BaseModel):
     service: str
     auth: bool = True
+
+
+class GroupWatch(BaseModel):
+    """What the stats watcher needs to know of one autoscaled group."""
+
+    name: str
+    target: float
+    window: int
+    lo: int
+    hi: int
+    wanted: int = Field(description="The count the last snapshot asked for; the watcher returns when it changes.")
+
+
+class StatsWatch(BaseModel):
+    service: str
+    groups: list[GroupWatch]
+    max_seconds: int = Field(3000, description="Return a snapshot after this long even without a change.")
+    poll_seconds: float = Field(1.0, description="How often the gateway's stats are read.")
+
+
+class StatsSnapshot(BaseModel):
+    """Request rates the gateway saw for a service, per window (seconds → requests per second)."""
+
+    rps: dict[int, float] = Field(default_factory=dict)
+    held: int = Field(0, description="Requests held by the gateway's activator, waiting for a replica.")
+
+    def rate(self, window: int) -> float:
+        # Held requests are arrivals too: they make a scaled-to-zero group wake at once.
+        return self.rps.get(window, 0.0) + self.held / window
+
+
+ServiceState.model_rebuild()

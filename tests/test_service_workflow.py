@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from models.loader import load_config_text
+from activities.stats import changed
+from models.loader import load_config_file
 from models.run import (InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput,
-                        ScaleRequest, ServiceState, ServiceStatus)
+                        ScaleRequest, ServiceState, ServiceStatus, StatsSnapshot, StatsWatch)
 from tests.conftest import eventually
 from workflows import names
 from workflows.replica import ReplicaWorkflow
@@ -43,6 +47,10 @@ class FakeCloud:
         self.routed: set[str] = set()
         self.crash: dict[str, asyncio.Event] = {}
         self.provisions: dict[str, int] = {}
+        self.rps: float | None = None  # what the fake gateway reports; None = no stats
+        # The time-skipping server does not skip time while an activity runs, so for long virtual
+        # waits the watchers poll instead: each attempt checks once and fails, and retries are timers.
+        self.polling = False
 
     def activities(self):
         @activity.defn(name=names.PROVISION)
@@ -71,6 +79,8 @@ class FakeCloud:
         @activity.defn(name=names.WATCH)
         async def watch(ref: InstanceRef) -> str:
             event = self.crash.setdefault(ref.job.replica_id, asyncio.Event())
+            if self.polling and not event.is_set():
+                raise ApplicationError("still running; poll again")
             while not event.is_set():
                 activity.heartbeat()
                 try:
@@ -92,7 +102,20 @@ class FakeCloud:
         async def remove_route(inp: RouteInput) -> None:
             self.log.append(("unroute", inp.service))
 
-        return [provision, wait_ready, register, unregister, watch, terminate, ensure_route, remove_route]
+        @activity.defn(name=names.WATCH_STATS)
+        async def watch_stats(watch: StatsWatch) -> StatsSnapshot:
+            while True:
+                if self.rps is not None:
+                    snap = StatsSnapshot(rps={w: self.rps for w in (30, 60, 300)})
+                    if changed(watch, snap):
+                        return snap
+                if self.polling:
+                    raise ApplicationError("no change yet; poll again")
+                activity.heartbeat()
+                await asyncio.sleep(0.1)
+
+        return [provision, wait_ready, register, unregister, watch, terminate, ensure_route, remove_route,
+                watch_stats]
 
     def running(self) -> set[str]:
         return {rid for rid, s in self.instances.items() if s == "running"}
@@ -235,6 +258,49 @@ async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
     assert cloud.running() == set()
+
+
+async def test_seed_autoscaling_with_real_default_delays(ts_env, cloud):
+    """Spec seed 004: 8 rps, target 2, delays 5 min / 10 min, groups 0..2 and 0..3."""
+    config = load_config_file(Path(__file__).resolve().parent.parent / "examples" / "replica-groups-service.yml").config
+    name = "svc-seed"
+    cloud.polling = True
+    handle = await ts_env.client.start_workflow(
+        # Long heartbeat timeouts: skipped virtual time must not time out the fakes' real-time heartbeats.
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config), heartbeat_seconds=86400),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+    await ts_env.sleep(timedelta(seconds=30))
+    assert [g.desired for g in (await status_of(handle)).groups] == [0, 0]
+    # The first requests: a small rate over the window, so each group gets one replica, at once.
+    cloud.rps = 1
+    await ts_env.sleep(timedelta(seconds=40))
+    await wait_ready(handle, {"replica-1": [0], "replica-2": [1]})
+    # The full load: both groups want ceil(8 / 2) = 4, but the up-delay (5 min) holds them.
+    cloud.rps = 8
+    await ts_env.sleep(timedelta(seconds=40))
+    await eventually(lambda: _has_event(handle, "hold", "up-delay"))
+    assert [g.desired for g in (await status_of(handle)).groups] == [1, 1]
+    await ts_env.sleep(timedelta(minutes=5))
+    await wait_ready(handle, {"replica-1": [0, 2], "replica-2": [1, 3, 4]})
+    events = await handle.query(ServiceRunWorkflow.events)
+    scale = [e.message for e in events if e.kind == "scale"]
+    assert any(m.startswith("0 → 1: from zero") for m in scale)
+    assert any(m.startswith("1 → 2: clamped to max 2; rps 8.00 over 60s, target 2") for m in scale)
+    assert any(m.startswith("1 → 3: clamped to max 3") for m in scale)
+    # Traffic stops: after the down-delay (10 min since the last scaling) both go back to zero.
+    cloud.rps = 0
+    await ts_env.sleep(timedelta(seconds=40))
+    await eventually(lambda: _has_event(handle, "hold", "down-delay"))
+    assert [g.desired for g in (await status_of(handle)).groups] == [2, 3]
+    await ts_env.sleep(timedelta(minutes=10))
+    await wait_ready(handle, {"replica-1": [], "replica-2": []})
+    await eventually(lambda: _true(not cloud.running()))
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def _has_event(handle, kind: str, text: str) -> bool:
+    return any(e.kind == kind and text in e.message for e in await handle.query(ServiceRunWorkflow.events))
 
 
 async def _true(value: bool) -> bool:

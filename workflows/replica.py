@@ -91,7 +91,7 @@ class ReplicaWorkflow:
         ref = self._ref()
         await workflow.execute_activity(
             names.WAIT_READY, ReadyInput(ref=ref, probes=self.inp.probes),
-            start_to_close_timeout=timedelta(minutes=20), heartbeat_timeout=timedelta(seconds=30),
+            start_to_close_timeout=timedelta(minutes=20), heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds),
             retry_policy=SHORT, summary="probes until ready")
         self.ready = True
         await workflow.execute_activity(
@@ -102,7 +102,7 @@ class ReplicaWorkflow:
         # One heartbeating activity while healthy: no history events until the app exits.
         return await workflow.execute_activity(
             names.WATCH, ref, result_type=str, start_to_close_timeout=timedelta(days=3650),
-            heartbeat_timeout=timedelta(seconds=20), retry_policy=FOREVER, summary="watch")
+            heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds), retry_policy=FOREVER, summary="watch")
 
     async def _until_stopped(self, work) -> str:
         """Run ``work`` until it ends (its result is a failure reason) or a stop is requested."""

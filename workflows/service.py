@@ -21,6 +21,9 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from models.run import (
         Event,
+        GroupWatch,
+        StatsSnapshot,
+        StatsWatch,
         GroupView,
         Replica,
         ReplicaUpdate,
@@ -33,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from models.service import ServiceConfiguration
     from workflows import names
     from workflows.jobs import replica_input, replica_workflow_id
+    from workflows.autoscaler import decide, next_check, wanted
     from workflows.planner import Plan, backoff_until, prune, reconcile, sync_groups
     from workflows.replica import ReplicaWorkflow
 
@@ -50,6 +54,8 @@ class ServiceRunInput(BaseModel):
     state: ServiceState
     safety_tick_seconds: int = Field(600, description="Longest sleep between passes when nothing happens.")
     history_limit: int = Field(8000, description="Continue-as-new past this many events (or when suggested).")
+    heartbeat_seconds: int = Field(
+        30, description="Heartbeat timeout of long activities: how soon a dead worker's watch is taken over.")
 
 
 @workflow.defn
@@ -60,6 +66,8 @@ class ServiceRunWorkflow:
         self.state = inp.state
         self.dirty = True
         self.published_status: Optional[str] = None
+        self.watcher: Optional[asyncio.Task] = None
+        self.fresh_stats = False  # a new snapshot arrived since the last autoscaling pass
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -140,22 +148,28 @@ class ServiceRunWorkflow:
         try:
             while not state.stopping:
                 self.dirty = False  # cleared before the pass, so a message during it is never lost
+                self._take_snapshot()
+                self._autoscale()
                 await self._reconcile()
+                self._watch_stats()
                 self._publish()
                 try:
-                    await workflow.wait_condition(lambda: self.dirty or state.stopping or self._should_continue(),
-                                                  timeout=self._sleep(), timeout_summary="until something changes")
+                    await workflow.wait_condition(
+                        lambda: self.dirty or state.stopping or self._should_continue() or self._snapshot_ready(),
+                        timeout=self._sleep(), timeout_summary="until something changes")
                 except asyncio.TimeoutError:
-                    pass  # the safety tick, or a back-off that has ended: reconcile again
+                    pass  # the safety tick, a back-off or a scaling delay has ended: decide again
                 if self._should_continue() and not state.stopping:
+                    await self._stop_watching()
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     state.replicas = prune(state.replicas)
-                    workflow.continue_as_new(ServiceRunInput(
-                        state=state, safety_tick_seconds=inp.safety_tick_seconds, history_limit=inp.history_limit))
+                    workflow.continue_as_new(inp.model_copy(update={"state": state}))
         except asyncio.CancelledError:
             state.stopping = True
+            await self._stop_watching()
             await self._shutdown()
             raise
+        await self._stop_watching()
         await self._shutdown()
         return "stopped"
 
@@ -164,11 +178,79 @@ class ServiceRunWorkflow:
         return info.is_continue_as_new_suggested() or info.get_current_history_length() > self.inp.history_limit
 
     def _sleep(self) -> timedelta:
-        """The safety tick, or less when a group's resubmission back-off ends sooner."""
+        """The safety tick, or less when a back-off or a held scaling decision ends sooner."""
         now = workflow.now()
-        waits = [(g.retry_after - now).total_seconds() for g in self.state.groups.values()
-                 if g.retry_after is not None and g.retry_after > now]
+        dues = [g.retry_after for g in self.state.groups.values() if g.retry_after is not None]
+        snap = self.state.stats
+        for spec in self.state.config.replica_groups:
+            group = self.state.groups[spec.name]
+            if spec.scaling is None or snap is None or group.last_scaled_at is None:
+                continue
+            delay = next_check(group.desired, snap.rate(spec.scaling.window), spec.scaling, spec.count.min or 0,
+                               spec.count.max or 0, group.last_scaled_at)
+            if delay is not None:
+                dues.append(group.last_scaled_at + timedelta(seconds=delay))
+        waits = [(due - now).total_seconds() for due in dues if due > now]
         return timedelta(seconds=max(1.0, min([self.inp.safety_tick_seconds, *waits])))
+
+    # --- autoscaling --------------------------------------------------------------------------------
+
+    def _autoscale(self) -> None:
+        """Apply the autoscaler to every group with `scaling`, logging each decision with its inputs."""
+        snap, now = self.state.stats, workflow.now()
+        for spec in self.state.config.replica_groups:
+            if spec.scaling is None:
+                continue
+            group, scaling = self.state.groups[spec.name], spec.scaling
+            rate = snap.rate(scaling.window) if snap is not None else None
+            d = decide(group.desired, rate, scaling, spec.count.min or 0, spec.count.max or 0,
+                       group.last_scaled_at, now)
+            seen = f"rps {rate:.2f} over {scaling.window}s, target {scaling.target:g}" if rate is not None else ""
+            if d.new != group.desired:
+                self._event("scale", f"{group.desired} → {d.new}: {d.reason}; {seen}", group.name)
+                group.desired, group.last_scaled_at = d.new, now
+            elif self.fresh_stats and "delay" in d.reason:
+                self._event("hold", f"stays at {group.desired}: {d.reason}; {seen}", group.name)
+        self.fresh_stats = False
+
+    def _watch_stats(self) -> None:
+        """Keep one stats watcher running while some group autoscales."""
+        groups = [g for g in self.state.config.replica_groups if g.scaling is not None]
+        if not groups or self.watcher is not None or self.state.stopping:
+            return
+        snap = self.state.stats
+        watch = StatsWatch(service=self.state.name, groups=[
+            GroupWatch(name=g.name, target=g.scaling.target, window=g.scaling.window, lo=g.count.min or 0,
+                       hi=g.count.max or 0,
+                       wanted=wanted(snap.rate(g.scaling.window), g.scaling.target, g.count.min or 0,
+                                     g.count.max or 0)[0] if snap is not None else -1)
+            for g in groups if g.scaling is not None])
+        self.watcher = asyncio.ensure_future(workflow.execute_activity(
+            names.WATCH_STATS, watch, result_type=StatsSnapshot, start_to_close_timeout=timedelta(hours=1),
+            heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds),
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)), summary="watch gateway stats"))
+
+    def _snapshot_ready(self) -> bool:
+        return self.watcher is not None and self.watcher.done()
+
+    def _take_snapshot(self) -> None:
+        if not self._snapshot_ready():
+            return
+        watcher, self.watcher = self.watcher, None
+        try:
+            self.state.stats = watcher.result()
+            self.fresh_stats = True
+        except Exception as e:  # noqa: BLE001 — no stats this time means no change
+            workflow.logger.warning("stats watcher ended: %s", e)
+
+    async def _stop_watching(self) -> None:
+        if self.watcher is not None and not self.watcher.done():
+            self.watcher.cancel()
+            try:
+                await self.watcher
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 — cancelled, as asked
+                pass
+        self.watcher = None
 
     async def _reconcile(self) -> None:
         plan = reconcile(self.state, workflow.now())
@@ -195,6 +277,7 @@ class ServiceRunWorkflow:
         state = self.state
         inp = replica_input(state.config, state.name, workflow.info().workflow_id, replica.group,
                             replica.replica_num, replica.submission_num, replica.deployment_num)
+        inp.heartbeat_seconds = self.inp.heartbeat_seconds
         try:
             await workflow.start_child_workflow(
                 ReplicaWorkflow.run, inp,

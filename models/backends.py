@@ -1,0 +1,323 @@
+"""Cloud backends (AWS, GCP): their configuration, provisioning keys, instances and error classes.
+
+Pure: no I/O except ``load_backends_config`` reading ``$DURASTACK_HOME/config.yml``. The activities in
+``activities/aws.py``, ``activities/gcp.py`` and ``activities/cloud.py`` do the cloud calls.
+
+Exactly-once provisioning rests on ``provisioning_key``: derived from (service, group, replica,
+submission, offer) and never from the attempt, it is the AWS ClientToken and the GCE instance name,
+so a retry after a lost response finds the instance the first attempt made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from models.offers import InstanceOffer
+
+CloudName = Literal["aws", "gcp"]
+CLOUDS: tuple[CloudName, ...] = ("aws", "gcp")
+DEFAULT_MAX_OFFERS = 25  # dstack's DSTACK_SERVER_MAX_OFFERS_TRIED
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+class AWSConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    regions: list[str] = Field(default_factory=list, description="Regions to use; empty means every catalog region.")
+    profile: Optional[str] = Field(None, description="AWS profile name; default is the standard credential chain.")
+    ami_id: Optional[str] = Field(None, description="Use this AMI everywhere instead of looking one up by name.")
+    gpu_ami_name: str = Field("Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *",
+                              description="Name pattern of the AMI for x86 GPU instances (newest wins).")
+    gpu_arm_ami_name: str = Field("Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *",
+                                  description="Name pattern of the AMI for arm GPU instances.")
+    cpu_ami_name: str = Field("ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-*",
+                              description="Name pattern of the AMI for x86 CPU instances.")
+    cpu_arm_ami_name: str = Field("ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-arm64-server-*",
+                                  description="Name pattern of the AMI for arm CPU instances.")
+    ami_owners: list[str] = Field(["amazon", "099720109477"],
+                                  description="Owners searched for AMIs (Amazon's DLAMI account, Canonical).")
+    gateway_cidrs: list[str] = Field(default_factory=list, description=(
+        "Where the gateway connects from; the service port is open to these only. Empty: the VPC's own CIDR."))
+    ssh_cidrs: list[str] = Field(default_factory=list, description="Open SSH (22) to these; empty: no SSH rule.")
+    public_ip: bool = Field(True, description="Address replicas by public IP (else private IP).")
+
+
+class GCPConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    project_id: str = Field(min_length=1, description="GCP project to create instances in.")
+    regions: list[str] = Field(default_factory=list, description="Regions to use; empty means every catalog region.")
+    endpoint: Optional[str] = Field(None, description=(
+        "Compute API endpoint, e.g. http://127.0.0.1:PORT for a fake (DURASTACK_GCP_ENDPOINT); unset for Google."))
+    gpu_image: str = Field("projects/deeplearning-platform-release/global/images/family/common-cu124-ubuntu-2204-py310",
+                           description="Boot image of GPU instances (NVIDIA driver installed on first boot).")
+    cpu_image: str = Field("projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts",
+                           description="Boot image of CPU instances.")
+    network: str = Field("global/networks/default", description="VPC network of the instances.")
+    public_ip: bool = Field(True, description="Give instances an external IP and address replicas by it.")
+    operation_timeout: float = Field(300.0, gt=0, description="Seconds to wait for an insert/delete operation.")
+
+
+class BackendsConfig(BaseModel):
+    """The ``backends:`` of ``$DURASTACK_HOME/config.yml`` (plus ``max_offers``), after env overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    aws: Optional[AWSConfig] = Field(None, description="AWS EC2; None when not configured.")
+    gcp: Optional[GCPConfig] = Field(None, description="GCP Compute Engine; None when not configured.")
+    max_offers: int = Field(DEFAULT_MAX_OFFERS, ge=1, description="Offers tried per replica before giving up.")
+
+    def configured(self) -> list[str]:
+        """Backends in use: the configured clouds, then ``local`` (always available)."""
+        return [c for c in CLOUDS if getattr(self, c) is not None] + ["local"]
+
+    def allows(self, offer: InstanceOffer) -> bool:
+        """Whether ``offer`` is on a configured backend and, if regions are configured, in one of them."""
+        if offer.backend == "local":
+            return True
+        cfg = getattr(self, offer.backend, None)
+        return cfg is not None and (not cfg.regions or offer.region in cfg.regions)
+
+    def summary(self) -> str:
+        """One line for ``durastack offers``, e.g. ``backends: aws (us-east-1), gcp (my-proj: all regions), local``."""
+        parts = []
+        if self.aws:
+            parts.append(f"aws ({', '.join(self.aws.regions) or 'all regions'})")
+        if self.gcp:
+            parts.append(f"gcp ({self.gcp.project_id}: {', '.join(self.gcp.regions) or 'all regions'})")
+        if not parts:
+            return "backends: local only (no aws or gcp in config.yml)"
+        return "backends: " + ", ".join(parts + ["local"])
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def config_path(environ: Mapping[str, str]) -> Path:
+    home = environ.get("DURASTACK_HOME") or str(Path.home() / ".durastack")
+    return Path(home).expanduser() / "config.yml"
+
+
+def backends_config_from(data: Mapping[str, Any], environ: Mapping[str, str]) -> BackendsConfig:
+    """Build the config from the parsed config.yml and apply env overrides.
+
+    DURASTACK_AWS_REGIONS / DURASTACK_GCP_PROJECT (enable a cloud), DURASTACK_GCP_REGIONS, DURASTACK_GCP_ENDPOINT,
+    DURASTACK_AWS_AMI, DURASTACK_MAX_OFFERS, and DURASTACK_BACKENDS (comma list; keeps only these).
+    """
+    backends = dict(data.get("backends") or {})
+    aws = dict(backends.get("aws") or {}) if "aws" in backends else None
+    gcp = dict(backends.get("gcp") or {}) if "gcp" in backends else None
+    if environ.get("DURASTACK_AWS_REGIONS"):
+        aws = {**(aws or {}), "regions": _csv(environ["DURASTACK_AWS_REGIONS"])}
+    if aws is not None and environ.get("DURASTACK_AWS_AMI"):
+        aws["ami_id"] = environ["DURASTACK_AWS_AMI"]
+    if environ.get("DURASTACK_GCP_PROJECT"):
+        gcp = {**(gcp or {}), "project_id": environ["DURASTACK_GCP_PROJECT"]}
+    if gcp is not None:
+        if environ.get("DURASTACK_GCP_REGIONS"):
+            gcp["regions"] = _csv(environ["DURASTACK_GCP_REGIONS"])
+        if environ.get("DURASTACK_GCP_ENDPOINT"):
+            gcp["endpoint"] = environ["DURASTACK_GCP_ENDPOINT"]
+    if environ.get("DURASTACK_BACKENDS"):
+        keep = set(_csv(environ["DURASTACK_BACKENDS"]))
+        aws = aws if "aws" in keep else None
+        gcp = gcp if "gcp" in keep else None
+    max_offers = environ.get("DURASTACK_MAX_OFFERS") or data.get("max_offers") or DEFAULT_MAX_OFFERS
+    return BackendsConfig.model_validate({"aws": aws, "gcp": gcp, "max_offers": max_offers})
+
+
+def load_backends_config(environ: Mapping[str, str], path: Optional[Path] = None) -> BackendsConfig:
+    """Read config.yml (``path`` or ``$DURASTACK_HOME/config.yml``; missing means none) and apply ``environ``."""
+    from ruamel.yaml import YAML
+
+    path = path or config_path(environ)
+    data: Any = {}
+    if path.is_file():
+        data = YAML(typ="safe").load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+    return backends_config_from(data, environ)
+
+
+# --- provisioning key, tags ---------------------------------------------------------------------
+
+KEY_MAX = 63  # GCE names and label values: [a-z]([-a-z0-9]{0,61}[a-z0-9])?; the ClientToken limit is 64
+_HASH_LEN = 12
+
+
+def slug(value: str, limit: int = 63) -> str:
+    """Lowercase ``[a-z0-9-]``, as GCE names and labels allow; ``x`` if nothing is left."""
+    s = re.sub(r"-+", "-", re.sub(r"[^a-z0-9]", "-", value.lower())).strip("-")
+    return s[:limit].rstrip("-") or "x"
+
+
+def provisioning_key(service: str, group: str, replica_num: int, submission_num: int,
+                     offer: InstanceOffer) -> str:
+    """``ds-<service>-<group>-r<N>s<M>-<type>-<region>-<hash>``: deterministic, ≤ 63 chars of ``[a-z0-9-]``.
+
+    The hash covers every input exactly (the readable parts are lossy), including what tells two offers of
+    one type apart (GPU model and count for GCP N1, spot). The zone is not in it: one key per offer, and the
+    backends look the key up in every zone before creating, so at most one instance exists per key.
+    """
+    ident = json.dumps([service, group, replica_num, submission_num, offer.backend, offer.instance_type,
+                        offer.region, offer.spot, offer.gpu_name, offer.gpu_count], separators=(",", ":"))
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:_HASH_LEN]
+    head = "-".join(["ds", slug(service, 10), slug(group, 8), f"r{replica_num}s{submission_num}",
+                     slug(offer.instance_type, 14), slug(offer.region, 12)])
+    head = head[:KEY_MAX - _HASH_LEN - 1].rstrip("-")
+    return f"{head}-{digest}"
+
+
+def replica_label(replica_num: int, submission_num: int) -> str:
+    return f"r{replica_num}-s{submission_num}"
+
+
+# Tag (AWS) and label (GCP) names; GCP label keys cannot hold ':'.
+TAG_NAMES: dict[str, dict[str, str]] = {
+    "aws": {"service": "durastack:service", "group": "durastack:group", "replica": "durastack:replica",
+            "key": "durastack:key", "port": "durastack:port"},
+    "gcp": {"service": "durastack-service", "group": "durastack-group", "replica": "durastack-replica",
+            "key": "durastack-key", "port": "durastack-port"},
+}
+
+
+def owner(backend: str, service: str, group: str, replica_num: int, submission_num: int) -> tuple[str, str, str]:
+    """(service, group, replica) as ``CloudInstance.owner`` reads them back from ``backend``'s tags/labels.
+
+    GCP labels are lowercased slugs, so compare through this function, never with raw names.
+    """
+    if backend == "gcp":
+        return slug(service), slug(group), replica_label(replica_num, submission_num)
+    return service, group, replica_label(replica_num, submission_num)
+
+
+# --- instances ----------------------------------------------------------------------------------
+
+InstanceState = Literal["pending", "running", "stopping", "stopped", "terminated"]
+
+
+class CloudInstance(BaseModel):
+    """A cloud VM made for a replica. Travels through Temporal history: no secrets, no user-data."""
+
+    model_config = ConfigDict(frozen=True)
+
+    backend: CloudName = Field(description="aws or gcp.")
+    instance_id: str = Field(description="AWS instance id (i-…), or GCE instance name.")
+    region: str = Field(description="Region, e.g. us-east-1 or us-central1.")
+    zone: str = Field("", description="Availability zone / GCE zone.")
+    instance_type: str = Field(description="Instance / machine type.")
+    key: str = Field(description="Provisioning key (ClientToken / GCE name) it was created with.")
+    state: InstanceState = Field(description="Normalised state: pending, running, stopping, stopped, terminated.")
+    spot: bool = Field(False, description="Spot / SPOT provisioning model.")
+    price: float = Field(0.0, description="Hourly price of the offer it came from, USD; 0 when unknown (listed).")
+    address: str = Field("", description="ip:port the gateway reaches the app at (public IP if used, else private).")
+    private_ip: str = Field("", description="Private IP, when assigned.")
+    public_ip: str = Field("", description="Public IP, when assigned.")
+    launched_at: Optional[datetime] = Field(None, description="Launch / creation time reported by the cloud.")
+    tags: dict[str, str] = Field(default_factory=dict, description="AWS tags / GCE labels.")
+
+    @property
+    def owner(self) -> tuple[str, str, str]:
+        """(service, group, ``r<N>-s<M>``) from the tags; compare with ``owner(...)``."""
+        names = TAG_NAMES[self.backend]
+        return self.tags.get(names["service"], ""), self.tags.get(names["group"], ""), self.tags.get(names["replica"], "")
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class ErrorKind(str, Enum):
+    CAPACITY = "capacity"    # no capacity for this offer (or zone): try the next offer
+    QUOTA = "quota"          # account quota: skip the offer's region and quota class
+    TRANSIENT = "transient"  # throttling, 5xx, network, lost response: retry the same call (same key)
+    FATAL = "fatal"          # credentials, permissions, bad configuration: fail the replica with the message
+
+
+AWS_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity",
+                "InsufficientHostCapacity", "SpotMaxPriceTooLow", "Unsupported", "InvalidInstanceType",
+                "InvalidInstanceType.NotFound",
+                # The launch under this key ran before and its instance is gone: that offer is spent.
+                "IdempotentInstanceTerminated"}
+AWS_QUOTA = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
+AWS_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
+                 "ServiceUnavailable", "Unavailable", "RequestTimeout", "RequestExpired"}
+
+
+def classify_aws(code: str, http_status: int = 400) -> ErrorKind:
+    """EC2 error code → kind (cloud-testing.md 4.2). Unknown 5xx are transient; unknown 4xx fatal (fail fast)."""
+    if code in AWS_CAPACITY:
+        return ErrorKind.CAPACITY
+    if code in AWS_QUOTA:
+        return ErrorKind.QUOTA
+    if code in AWS_TRANSIENT or http_status >= 500:
+        return ErrorKind.TRANSIENT
+    return ErrorKind.FATAL
+
+
+GCP_CAPACITY = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                "REGION_RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT", "insufficientCapacity", "UNSUPPORTED_OPERATION",
+                "RESOURCE_NOT_READY", "resourceNotReady"}
+GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
+GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
+                 "internalError"}
+
+
+def classify_gcp(codes: list[str], http_status: int) -> ErrorKind:
+    """GCE error codes/reasons (by string, not exception class) → kind; then the HTTP status decides."""
+    if any(c in GCP_CAPACITY for c in codes):
+        return ErrorKind.CAPACITY
+    if any(c in GCP_QUOTA for c in codes):
+        return ErrorKind.QUOTA
+    if any(c in GCP_TRANSIENT for c in codes) or http_status >= 500 or http_status in (408, 429):
+        return ErrorKind.TRANSIENT
+    return ErrorKind.FATAL
+
+
+def aws_quota_class(offer: InstanceOffer) -> str:
+    """EC2 vCPU quota class of an offer: P, G (G and VT) or standard — spot and on-demand quotas are separate."""
+    family = offer.instance_type.split(".")[0].lower()
+    cls = "P" if family.startswith("p") else "G" if family.startswith(("g", "vt")) else "standard"
+    return f"{'spot' if offer.spot else 'on-demand'}:{cls}"
+
+
+class QuotaScope(BaseModel):
+    """Offers a quota error rules out for the rest of one walk."""
+
+    model_config = ConfigDict(frozen=True)
+
+    backend: str = Field(description="aws or gcp.")
+    region: Optional[str] = Field(None, description="The region; None means every region (a global quota).")
+    quota_class: Optional[str] = Field(None, description="aws_quota_class value; None means every class.")
+    spot_only: bool = Field(False, description="Only spot offers (MaxSpotInstanceCountExceeded).")
+
+    def covers(self, offer: InstanceOffer) -> bool:
+        return (offer.backend == self.backend and (self.region is None or offer.region == self.region)
+                and (self.quota_class is None or aws_quota_class(offer) == self.quota_class)
+                and (not self.spot_only or offer.spot))
+
+    def __str__(self) -> str:
+        what = "spot" if self.spot_only else (self.quota_class or "all")
+        return f"{self.backend} {self.region or 'all regions'} ({what})"
+
+
+class CloudError(Exception):
+    """A classified cloud failure. ``message`` is safe to show and to keep in history (no secrets)."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, code: str = "", scope: Optional[QuotaScope] = None):
+        super().__init__(message)
+        self.kind, self.message, self.code, self.scope = kind, message, code, scope
+
+
+__all__ = ["AWSConfig", "BackendsConfig", "CLOUDS", "CloudError", "CloudInstance", "ErrorKind", "GCPConfig",
+           "QuotaScope", "TAG_NAMES", "aws_quota_class", "backends_config_from", "classify_aws", "classify_gcp",
+           "config_path", "load_backends_config", "owner", "provisioning_key", "replica_label", "slug"]

@@ -1,0 +1,105 @@
+"""The RPS autoscaler (spec 3.2, 3.6) and the stats watcher's snapshot logic, without Temporal."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from activities.stats import changed, snapshot_of
+from models.gateway import ServiceStats, StatsReport, StatsWindow
+from models.run import GroupWatch, StatsSnapshot, StatsWatch
+from models.service import ScalingSpec
+from workflows.autoscaler import decide, next_check, wanted
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+SPEC = ScalingSpec(metric="rps", target=10, window=60, scale_up_delay=300, scale_down_delay=600)
+
+
+def ago(seconds):
+    return NOW - timedelta(seconds=seconds) if seconds is not None else None
+
+
+@pytest.mark.parametrize("current, requests, last, expected", [
+    (1, 600, 3600, 1),
+    (1, 1200, 3600, 2),
+    (2, 3000, 3600, 5),
+    (2, 60000, 3600, 5),      # clamped to max
+    (2, 300, 3600, 1),
+    (1, 1200, 60, 1),         # up-delay holds
+    (2, 300, 300, 2),         # down-delay holds
+    (0, 300, None, 1),        # from zero, never scaled
+    (0, 300, 1, 1),           # from zero ignores the up-delay
+    (2, 0, 3600, 0),          # to zero
+])
+def test_worked_examples_of_spec_3_6(current, requests, last, expected):
+    d = decide(current, requests / 60, SPEC, 0, 5, ago(last), NOW)
+    assert d.new == expected
+
+
+@pytest.mark.parametrize("window, expected", [(30, 3), (60, 2), (300, 1)])
+def test_window_choice(window, expected):
+    snap = StatsSnapshot(rps={30: 900 / 30, 60: 1200 / 60, 300: 1500 / 300})
+    spec = SPEC.model_copy(update={"window": window})
+    assert decide(1, snap.rate(window), spec, 0, 5, ago(3600), NOW).new == expected
+
+
+def test_reasons_name_the_rule():
+    assert decide(2, 1000, SPEC, 0, 5, ago(3600), NOW).reason == "clamped to max 5"
+    assert decide(0, 5, SPEC, 0, 5, ago(1), NOW).reason == "from zero"
+    assert "up-delay" in decide(1, 20, SPEC, 0, 5, ago(60), NOW).reason
+    assert "down-delay" in decide(2, 5, SPEC, 0, 5, ago(60), NOW).reason
+    assert decide(3, 0, SPEC, 2, 5, ago(3600), NOW) .reason == "clamped to min 2"
+
+
+def test_no_stats_means_no_change():
+    d = decide(3, None, SPEC, 0, 5, ago(3600), NOW)
+    assert d.new == 3 and d.reason == "no stats"
+
+
+def test_constant_load_never_oscillates():
+    # At 25 rps and target 10 the group wants 3; once there, the same load keeps it there.
+    assert decide(2, 25, SPEC, 0, 5, ago(3600), NOW).new == 3
+    assert all(decide(3, 25, SPEC, 0, 5, ago(s), NOW).new == 3 for s in (0, 1, 599, 601, 3600))
+
+
+def test_last_scaled_none_disables_delays():
+    assert decide(1, 50, SPEC, 0, 5, None, NOW).new == 5
+    assert decide(5, 0, SPEC, 0, 5, None, NOW).new == 0
+
+
+def test_raising_min_waits_for_the_up_delay_unless_from_zero():
+    assert decide(1, 0, SPEC, 2, 5, ago(60), NOW).new == 1
+    assert decide(1, 0, SPEC, 2, 5, ago(301), NOW).new == 2
+    assert decide(0, 0, SPEC, 2, 5, ago(60), NOW).new == 2
+
+
+def test_next_check_tells_when_a_held_decision_is_due():
+    assert next_check(1, 20, SPEC, 0, 5, ago(60)) == 300
+    assert next_check(2, 5, SPEC, 0, 5, ago(60)) == 600
+    assert next_check(2, 20, SPEC, 0, 5, ago(60)) is None
+    assert next_check(0, 20, SPEC, 0, 5, ago(60)) is None  # from zero is never held
+
+
+def test_wanted_clamps():
+    assert wanted(0.0001, 10, 0, 5) == (1, "target")
+    assert wanted(0, 10, 1, 5) == (1, "clamped to min 1")
+
+
+def test_held_requests_count_as_traffic():
+    snap = StatsSnapshot(rps={60: 0.0}, held=1)
+    assert snap.rate(60) > 0 and decide(0, snap.rate(60), SPEC, 0, 5, None, NOW).new == 1
+
+
+def test_watcher_returns_only_when_a_groups_wanted_count_changes():
+    report = StatsReport(collected_at=0, services={"svc": ServiceStats(
+        service="svc", windows={30: StatsWindow(requests=240), 60: StatsWindow(requests=480),
+                                300: StatsWindow(requests=480)})})
+    snap = snapshot_of(report, "svc")
+    assert snap.rate(60) == 8
+    watch = StatsWatch(service="svc", groups=[GroupWatch(name="0", target=2, window=60, lo=0, hi=2, wanted=2),
+                                              GroupWatch(name="1", target=2, window=60, lo=0, hi=3, wanted=3)])
+    assert not changed(watch, snap)  # 8 rps / 2 = 4, clamped to 2 and 3: what they already want
+    watch.groups[1].wanted = 1
+    assert changed(watch, snap)
+    assert snapshot_of(report, "other") is None
