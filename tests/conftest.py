@@ -31,14 +31,27 @@ def tool(name: str) -> str:
     return path
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def ts_env():
-    """The Java time-skipping test server, with durastack's search attributes registered."""
+async def _time_skipping_env() -> WorkflowEnvironment:
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=tool("temporal-test-server"), data_converter=pydantic_data_converter)
     await env.client.operator_service.add_search_attributes(AddSearchAttributesRequest(
         namespace=env.client.namespace,
         search_attributes={n: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for n in SEARCH_ATTRIBUTES}))
+    return env
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def ts_env():
+    """The Java time-skipping test server, with durastack's search attributes registered."""
+    env = await _time_skipping_env()
+    yield env
+    await env.shutdown()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def ts_env_alone():
+    """A test server of its own: it skips time only while no activity runs anywhere on it."""
+    env = await _time_skipping_env()
     yield env
     await env.shutdown()
 

@@ -121,16 +121,27 @@ class FakeCloud:
         return {rid for rid, s in self.instances.items() if s == "running"}
 
 
-@pytest.fixture
-async def cloud(ts_env):
+async def _fake_cloud(env):
     fake = FakeCloud()
     queue = f"tq-{uuid.uuid4()}"
-    async with Worker(ts_env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
+    async with Worker(env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
                       activities=fake.activities()):
         fake.queue = queue
         yield fake
     for event in fake.crash.values():
         event.set()
+
+
+@pytest.fixture
+async def cloud(ts_env):
+    async for fake in _fake_cloud(ts_env):
+        yield fake
+
+
+@pytest.fixture
+async def cloud_alone(ts_env_alone):
+    async for fake in _fake_cloud(ts_env_alone):
+        yield fake
 
 
 async def start(env, cloud, name: str, **kwargs):
@@ -260,8 +271,9 @@ async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
     assert cloud.running() == set()
 
 
-async def test_seed_autoscaling_with_real_default_delays(ts_env, cloud):
+async def test_seed_autoscaling_with_real_default_delays(ts_env_alone, cloud_alone):
     """Spec seed 004: 8 rps, target 2, delays 5 min / 10 min, groups 0..2 and 0..3."""
+    ts_env, cloud = ts_env_alone, cloud_alone
     config = load_config_file(Path(__file__).resolve().parent.parent / "examples" / "replica-groups-service.yml").config
     name = "svc-seed"
     cloud.polling = True
