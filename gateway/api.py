@@ -33,7 +33,7 @@ def make_app(gw: GatewayServer) -> web.Application:
 
     async def put_service(request: web.Request) -> web.Response:
         name, spec = request.match_info["name"], await body(request, PutServiceRequest)
-        state = await change(lambda s: s.put_service(name, spec.auth, spec.hashes()))
+        state = await change(lambda s: s.put_service(name, spec.auth, spec.hashes(), spec.cold_start_timeout))
         return _json(state.services[name])
 
     async def delete_service(request: web.Request) -> web.Response:
@@ -65,11 +65,6 @@ def make_app(gw: GatewayServer) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "generation": gw.state.generation})
 
-    async def activator(request: web.Request) -> web.Response:
-        # Scale-from-zero holding comes later; for now dstack's answer (spec 3.5), logged as a hit.
-        return web.Response(status=503, headers={"Retry-After": "5"},
-                            text=f"service {request.match_info['service']} has no ready replica yet, retry\n")
-
     app = web.Application()
     app.add_routes([
         web.get("/healthz", healthz),
@@ -79,7 +74,7 @@ def make_app(gw: GatewayServer) -> web.Application:
         web.delete("/api/services/{name}", delete_service),
         web.put("/api/services/{name}/replicas/{replica_id:.+}", register),
         web.delete("/api/services/{name}/replicas/{replica_id:.+}", unregister),
-        web.route("*", "/activator/{service}/{tail:.*}", activator),
+        web.route("*", "/activator/{service}/{tail:.*}", gw.activator.handle),
     ])
     return app
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from gateway.activator import MAX_HELD, Activator
 from gateway.api import make_app
 from gateway.nginx import Nginx, NginxError
 from gateway.render import render_config
@@ -40,7 +41,8 @@ class GatewayServer:
     """Control app plus the nginx it drives. Ports of 0 are chosen at start; read them after."""
 
     def __init__(self, runtime_dir: str | os.PathLike, *, listen_port: int = 0, control_port: int = 0,
-                 worker_processes: int = 2, rotate_bytes: int = 64 << 20, tick: float = 5.0):
+                 worker_processes: int = 2, rotate_bytes: int = 64 << 20, tick: float = 5.0,
+                 max_held: int = MAX_HELD):
         self.runtime_dir = Path(runtime_dir).absolute()
         self.listen_port, self.control_port = listen_port, control_port
         self.worker_processes, self.rotate_bytes, self.tick = worker_processes, rotate_bytes, tick
@@ -48,6 +50,7 @@ class GatewayServer:
         self.state_path = self.runtime_dir / "state.json"
         self.state = GatewayState()
         self.collector = StatsCollector()
+        self.activator = Activator(lambda: self.state, self.collector, max_held=max_held)
         self._tailer = LogTailer(self.access_log)
         self._nginx: Nginx | None = None
         self._runner: web.AppRunner | None = None
@@ -71,7 +74,8 @@ class GatewayServer:
             self.state = GatewayState.model_validate_json(self.state_path.read_text())
         self._attempted = self.state.generation
         self._remember(self.state)
-        self._runner = web.AppRunner(make_app(self), access_log=None)
+        # Handler cancellation: a request held by the activator is released when its client goes.
+        self._runner = web.AppRunner(make_app(self), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, "127.0.0.1", self.control_port).start()
@@ -103,6 +107,7 @@ class GatewayServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         _fail(self._pending, NginxError("gateway stopping"))
+        await self.activator.stop()  # held requests answer now: nginx need not wait for them
         if self._nginx is not None:
             await self._nginx.stop()
         if self._runner is not None:
@@ -160,6 +165,7 @@ class GatewayServer:
                 self.state = state
                 _write_private(self.state_path, state.model_dump_json(indent=1))
                 self._remember(state)
+                await self.activator.notify()  # nginx serves the change: held requests may go
         for op, fut in batch:
             if fut in errors:
                 _fail([(op, fut)], errors[fut])
@@ -169,8 +175,11 @@ class GatewayServer:
     def collect(self, now: float | None = None) -> StatsReport:
         now = time.time() if now is None else now
         self.collector.feed(self._tailer.read_lines(), now)
+        held, total = self.activator.held, self.activator.held_total
         return StatsReport(collected_at=now, services={
-            name: self.collector.service_stats(name, now) for name in sorted(self.state.services)})
+            name: self.collector.service_stats(name, now).model_copy(
+                update={"held": held[name], "held_total": total[name]})
+            for name in sorted(self.state.services)})
 
     async def _tick_loop(self) -> None:
         # Keeps frames bounded between stats calls, and the access log from growing forever.

@@ -43,8 +43,14 @@ class GatewayClient:
             raise GatewayError(resp.status_code, resp.text)
         return resp
 
-    async def put_service(self, name: str, auth: bool = True, tokens: Iterable[str] = ()) -> ServiceRoute:
-        resp = await self._call("PUT", f"/api/services/{_seg(name)}", {"auth": auth, "tokens": list(tokens)})
+    async def put_service(self, name: str, auth: bool = True, tokens: Iterable[str] = (),
+                          cold_start_timeout: int | None = None) -> ServiceRoute:
+        """Create or update a route. ``cold_start_timeout`` (seconds a request may wait for a first
+        replica, 0: 503 at once): None keeps the route's current value (300 for a new route)."""
+        body: dict = {"auth": auth, "tokens": list(tokens)}
+        if cold_start_timeout is not None:
+            body["cold_start_timeout"] = cold_start_timeout
+        resp = await self._call("PUT", f"/api/services/{_seg(name)}", body)
         return ServiceRoute.model_validate_json(resp.content)
 
     async def delete_service(self, name: str) -> None:

@@ -2,8 +2,9 @@
 
 Layout: a default server on 127.0.0.1:<listen_port> that routes ``/services/<name>/...`` (prefix
 stripped) and one server per service for ``Host: <name>.localhost``. Both run the same location
-body: auth checks in the rewrite phase (maps, no auth_request round-trip), then ``$ds_hit 1`` and
-proxy_pass to the service's upstream, or to the control app's activator while it has no replica.
+body: auth checks in the rewrite phase (maps, no auth_request round-trip), then the hit flag and
+proxy_pass to the service's upstream, or to the control app's activator while it has no replica
+(which holds the request until a replica registers, see :mod:`gateway.activator`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ function token_sha256(r) {
 export default {token_sha256};
 """
 # Fields are space separated; $upstream_addr goes last because retries make it "a, b".
+# $ds_hit: 0 = not a replica hit (auth/unknown), 1 = replica hit, 2 = handed to the activator. An
+# activator line is written only when the request completes, after its hold, so the control app
+# counts those requests itself when they arrive and the log collector skips "2" lines.
 LOG_FORMAT = "$msec $ds_hit $status $request_time $ds_service $upstream_addr"
+HIT_ACTIVATOR = "2"
+# What a request to a replica may take between two reads/writes, through nginx or the activator.
+PROXY_TIMEOUT = 3600
 
 
 def _var(name: str) -> str:
@@ -42,8 +49,15 @@ def _service_body(route: ServiceRoute, target: str, indent: str) -> str:
             'if ($http_authorization = "") { add_header WWW-Authenticate "Bearer" always; return 401; }',
             f"if ($ds_auth_{_var(route.name)}) {{ return 403; }}",
         ]
-    # Set only after auth passed: rejected requests log hit 0 (spec 4.1); activator ones log 1.
-    lines += ["set $ds_hit 1;", f"proxy_pass {target};"]
+    # Set only after auth passed: rejected requests log hit 0 (spec 4.1).
+    if route.upstreams:
+        lines += ["set $ds_hit 1;", f"proxy_pass {target};"]
+    else:
+        # The activator holds the request up to the cold-start timeout before the replica's own
+        # answer starts: nothing is read (nor the body sent) meanwhile. Streams pass unbuffered.
+        hold = route.cold_start_timeout + PROXY_TIMEOUT
+        lines += [f"set $ds_hit {HIT_ACTIVATOR};", f"proxy_read_timeout {hold}s;", f"proxy_send_timeout {hold}s;",
+                  "proxy_buffering off;", f"proxy_pass {target};"]
     return "".join(f"{indent}{line}\n" for line in lines)
 
 
@@ -104,8 +118,8 @@ def render_config(
         "    proxy_buffering off;",  # SSE and chunked streams pass as they come
         "    proxy_request_buffering off;",
         "    proxy_connect_timeout 10s;",
-        "    proxy_read_timeout 3600s;",
-        "    proxy_send_timeout 3600s;",
+        f"    proxy_read_timeout {PROXY_TIMEOUT}s;",
+        f"    proxy_send_timeout {PROXY_TIMEOUT}s;",
         f"    upstream ds_control {{ server 127.0.0.1:{control_port}; keepalive 8; }}",
     ]
     for route in services:

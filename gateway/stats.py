@@ -1,7 +1,9 @@
 """Access-log statistics (spec 4.2): an incremental tailer, 1-second frames, 30/60/300 s windows.
 
 Everything except :class:`LogTailer` is pure and takes ``now`` as an argument. Log lines follow
-``gateway.render.LOG_FORMAT``: ``msec hit status request_time service upstream_addr``.
+``gateway.render.LOG_FORMAT``: ``msec hit status request_time service upstream_addr``. Only lines
+with hit ``1`` count: requests handed to the activator (hit ``2``) are counted by the activator
+itself when they arrive (:meth:`StatsCollector.count`), since their log line comes after the hold.
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ class StatsCollector:
         group = self._addr_group.get((entry.service, entry.upstream_addr or ""))
         if group is not None:
             _bump(self._group_frames.setdefault(entry.service, {}).setdefault(group, {}), second, entry.request_time)
+
+    def count(self, service: str, at: float) -> None:
+        """Count one replica hit that arrived at ``at`` (the activator's requests, not in the log)."""
+        _bump(self._frames.setdefault(service, {}), int(at), 0.0)
+
+    def add_request_time(self, service: str, at: float, request_time: float) -> None:
+        """Add the time of a request counted by :meth:`count` once it completed, if its frame is kept."""
+        frame = self._frames.get(service, {}).get(int(at))
+        if frame is not None:
+            frame[1] += request_time
 
     def feed(self, lines: Iterable[str], now: float) -> None:
         for line in lines:

@@ -211,7 +211,7 @@ async def test_websocket_echo_passes_through(gateway, client, replicas):
 
 async def test_stats_count_hits_not_rejections(gateway, client, replicas):
     await serve_two(client, replicas)
-    await client.put_service("idle", tokens=[TOKEN])  # no replica: activator 503s count
+    await client.put_service("idle", tokens=[TOKEN], cold_start_timeout=0)  # no replica, no hold: 503s count
     await burst(f"{gateway.url}/services/svc/x", 7)
     await burst(f"{gateway.url}/services/svc/x", 3, headers={"X": "1"})  # 401
     await burst(f"{gateway.url}/services/svc/x", 2, headers={"Authorization": "Bearer bad"})  # 403

@@ -1,10 +1,12 @@
 """Gateway models and nginx config rendering: pure, no nginx process."""
 
 import pytest
+from multidict import CIMultiDict
 from pydantic import ValidationError
 
+from gateway.activator import end_to_end, rotate
 from gateway.render import render_config
-from models.gateway import (GatewayState, PutServiceRequest, ServiceRoute, Upstream, hash_token)
+from models.gateway import (GatewayState, PutServiceRequest, ServiceRoute, ServiceStats, Upstream, hash_token)
 
 KW = dict(listen_port=8080, runtime_dir="/run/gw", access_log="/run/gw/access.log", control_port=9090)
 
@@ -94,6 +96,52 @@ def test_render_without_auth_or_replicas_uses_activator():
     assert "return 401" not in conf and "upstream ds_svc_idle" not in conf
     assert conf.count("proxy_pass http://ds_control/activator/idle/;") == 2
     assert "upstream ds_control { server 127.0.0.1:9090;" in conf
+
+
+def test_activator_location_allows_the_hold_and_streams():
+    route = ServiceRoute(name="idle", token_sha256=(hash_token("a"),), cold_start_timeout=120)
+    conf = render_config(state_with(route), **KW)
+    body = conf.split("location /services/idle/ {")[1].split("}\n        }")[0]
+    # hold (cold start) plus what a replica may take, like a direct request; hit "2": the activator counts it
+    for directive in ("set $ds_hit 2;", "proxy_read_timeout 3720s;", "proxy_send_timeout 3720s;",
+                      "proxy_buffering off;", "proxy_pass http://ds_control/activator/idle/;"):
+        assert directive in body and conf.count(" " * 12 + directive) == 2, directive
+    assert body.index("return 403") < body.index("set $ds_hit 2")
+    # with a replica: the plain location, a replica hit, global timeouts
+    conf = render_config(state_with(route.model_copy(update={"upstreams": (up("idle/0/r0", "127.0.0.1:1"),)})), **KW)
+    assert "set $ds_hit 1;" in conf and "set $ds_hit 2;" not in conf and "3720s" not in conf
+    assert "    proxy_read_timeout 3600s;" in conf
+
+
+def test_cold_start_timeout_defaults_validates_and_is_kept():
+    assert ServiceRoute(name="a").cold_start_timeout == 300
+    old_json = '{"services": {"a": {"name": "a", "auth": false, "token_sha256": [], "upstreams": []}}, "generation": 3}'
+    assert GatewayState.model_validate_json(old_json).services["a"].cold_start_timeout == 300  # older state.json
+    assert PutServiceRequest.model_validate_json('{"auth": true, "tokens": ["t"]}').cold_start_timeout is None
+    for bad in (-1, 86401, "soon"):
+        with pytest.raises(ValidationError):
+            PutServiceRequest(cold_start_timeout=bad)
+    s = GatewayState().put_service("a", True, [], cold_start_timeout=5)
+    assert s.put_service("a", False, []).services["a"].cold_start_timeout == 5  # omitted: kept
+    assert s.put_service("a", True, [], 0).services["a"].cold_start_timeout == 0
+    assert s.put_service("a", True, [], 5) is s  # same settings: no new generation
+
+
+def test_service_stats_held_fields_default_to_zero():
+    old = '{"service": "a", "windows": {"30": {"requests": 1, "request_time": 0.1}}, "per_group": null}'
+    stats = ServiceStats.model_validate_json(old)
+    assert (stats.held, stats.held_total) == (0, 0)
+    assert ServiceStats.model_json_schema()["properties"]["held"]["description"]
+
+
+def test_round_robin_order_and_hop_by_hop_headers():
+    ups = tuple(up(f"s/0/r{i}", f"127.0.0.1:{8000 + i}") for i in range(3))
+    assert [u.replica_id for u in rotate(ups, 4)] == ["s/0/r1", "s/0/r2", "s/0/r0"]
+    assert [rotate(ups, k)[0].replica_id for k in range(4)] == ["s/0/r0", "s/0/r1", "s/0/r2", "s/0/r0"]
+    h = CIMultiDict([("Connection", "keep-alive, X-Private"), ("Keep-Alive", "5"), ("X-Private", "1"),
+                     ("Transfer-Encoding", "chunked"), ("Upgrade", "h2c"), ("TE", "trailers"),
+                     ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"), ("Content-Length", "3")])
+    assert list(end_to_end(h).items()) == [("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"), ("Content-Length", "3")]
 
 
 def test_render_empty_state_has_control_locations_and_404():

@@ -46,6 +46,24 @@ def test_misses_and_stale_lines_are_skipped():
     assert c.service_stats("svc", NOW).windows[300].requests == 1  # only the 503 hit (activator)
 
 
+def test_activator_lines_are_skipped_and_arrivals_counted_directly():
+    c = StatsCollector()
+    # nginx logs a request handed to the activator with hit 2, when it completes: not counted from the log
+    c.feed([line(NOW - 1, hit=2, rt=40.0, addr="127.0.0.1:9090")] * 3, NOW)
+    assert c.service_stats("svc", NOW).windows[300].requests == 0
+    # the activator counts each one when it arrives, then adds its time once it completed
+    for _ in range(3):
+        c.count("svc", NOW - 40)
+    assert c.service_stats("svc", NOW).windows[60].requests == 3
+    assert c.service_stats("svc", NOW).windows[60].request_time == 0.0
+    c.add_request_time("svc", NOW - 40, 30.0)
+    assert c.service_stats("svc", NOW).windows[60].request_time == 10.0
+    assert c.service_stats("svc", NOW).windows[30].requests == 0 and c.service_stats("svc", NOW).per_group is None
+    c.add_request_time("svc", NOW - 1000, 1.0)  # frame long gone: ignored
+    c.add_request_time("other", NOW, 1.0)
+    assert "other" not in c._frames
+
+
 def test_frames_expire_after_ttl():
     c = StatsCollector()
     c.feed([line(NOW - 10)], NOW)
