@@ -61,22 +61,6 @@ async def rpc(call: Awaitable[T], settings: Settings, timeout: float = RPC_TIMEO
         raise
 
 
-def hard_exit(code: int) -> None:
-    """Flush and ``os._exit``: a process that used a Temporal client can abort (SIGABRT/SIGSEGV,
-    "PyGILState_Release ... finalizing") when the interpreter finalizes while the SDK's Rust threads
-    still run (temporalio/sdk-python#300; seen here in ~4% of exits under load). Call it only as the
-    last act of a real process, never under CliRunner."""
-    import os
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
-
-
 def run(main: Awaitable[T]) -> T:
     """Run a command's coroutine; ControlPlaneDown → message on stderr and exit 2."""
     import typer

@@ -10,7 +10,6 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from cli.client import hard_exit
 from cli.stack import Stack, StackError
 from models.settings import Settings
 
@@ -43,6 +42,4 @@ def register(app: typer.Typer) -> None:
         except (StackError, OSError) as e:  # OSError: e.g. a home we cannot write
             err.print(str(e), style="red", markup=False)
             code = 1
-        # Children are stopped and the lock released by now; skip interpreter finalization, which
-        # can crash after a Temporal client was used (see hard_exit) and turn exit 0/1 into 134.
-        hard_exit(code)
+        raise typer.Exit(code)  # cli.main.entry ends the process with os._exit (Temporal SDK threads)

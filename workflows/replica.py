@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Optional
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
@@ -27,6 +27,9 @@ with workflow.unsafe.imports_passed_through():
         Registration,
     )
     from workflows import names
+
+SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
+SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
 # Teardown never gives up: back off to one attempt a minute, forever.
 FOREVER = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1))
@@ -151,7 +154,11 @@ class ReplicaWorkflow:
 
     async def _report(self, status: ReplicaStatus, reason: str = "") -> None:
         self.status = status
-        workflow.set_current_details(f"**{status}** {reason}".strip())
+        where = f" on {self.placement.backend} {self.placement.instance_type}" if self.placement else ""
+        workflow.set_current_details(f"**{status}**{where} {reason}".strip())
+        # Indexed so that the Web UI's list filters replicas by status and backend.
+        workflow.upsert_search_attributes([SA_STATUS.value_set(status)] + (
+            [SA_BACKEND.value_set(self.placement.backend)] if self.placement else []))
         try:
             await workflow.get_external_workflow_handle(self.inp.service_workflow_id).signal(
                 "replica_changed", self._update(reason))
