@@ -114,7 +114,8 @@ class ReplicaActivities:
 
     @activity.defn(name=names.ENSURE_ROUTE)
     async def ensure_route(self, inp: RouteInput) -> None:
-        await self.gateway.put_service(inp.service, auth=inp.auth, tokens=self.tokens())
+        await self.gateway.put_service(inp.service, auth=inp.auth, tokens=self.tokens(),
+                                       cold_start_timeout=inp.cold_start_timeout)
 
     @activity.defn(name=names.REMOVE_ROUTE)
     async def remove_route(self, inp: RouteInput) -> None:

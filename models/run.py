@@ -204,6 +204,7 @@ class Registration(BaseModel):
 class RouteInput(BaseModel):
     service: str
     auth: bool = True
+    cold_start_timeout: Optional[int] = Field(None, description="How long the gateway holds a request at zero.")
 
 
 class GroupWatch(BaseModel):

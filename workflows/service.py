@@ -142,7 +142,8 @@ class ServiceRunWorkflow:
             self._event("apply", f"service submitted, deployment {state.deployment_num}")
         state.groups = sync_groups(state.config, state.groups)
         await workflow.execute_activity(
-            names.ENSURE_ROUTE, RouteInput(service=state.name, auth=state.config.auth),
+            names.ENSURE_ROUTE, RouteInput(service=state.name, auth=state.config.auth,
+                                           cold_start_timeout=state.config.cold_start_timeout),
             start_to_close_timeout=timedelta(seconds=60), retry_policy=RetryPolicy(maximum_interval=timedelta(
                 seconds=30)), summary="gateway route")
         try:
