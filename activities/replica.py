@@ -109,8 +109,13 @@ class ReplicaActivities:
     @activity.defn(name=names.UNREGISTER)
     async def unregister(self, reg: Registration) -> None:
         # Returns once nginx serves a configuration without this replica; requests already in flight
-        # on it are finished by nginx's old workers (a graceful reload).
+        # on it are finished by nginx's old workers (a graceful reload): wait for those, within
+        # the service's stop_duration, before the replica may be stopped.
         await self.gateway.unregister(reg.service, reg.replica_id)
+        deadline = time.monotonic() + reg.drain_seconds
+        while time.monotonic() < deadline and not await self.gateway.drained():
+            activity.heartbeat("draining")
+            await asyncio.sleep(0.2)
 
     @activity.defn(name=names.ENSURE_ROUTE)
     async def ensure_route(self, inp: RouteInput) -> None:

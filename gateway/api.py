@@ -65,11 +65,17 @@ def make_app(gw: GatewayServer) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "generation": gw.state.generation})
 
+    async def drained(request: web.Request) -> web.Response:
+        # Old nginx workers finish in-flight requests after a reload; none left = drained.
+        draining = gw.draining()
+        return web.json_response({"drained": draining == 0, "draining_workers": draining})
+
     app = web.Application()
     app.add_routes([
         web.get("/healthz", healthz),
         web.get("/api/services", services),
         web.get("/api/stats", stats),
+        web.get("/api/drained", drained),
         web.put("/api/services/{name}", put_service),
         web.delete("/api/services/{name}", delete_service),
         web.put("/api/services/{name}/replicas/{replica_id:.+}", register),

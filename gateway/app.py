@@ -115,6 +115,9 @@ class GatewayServer:
             self._runner = None
         self._tailer.close()
 
+    def draining(self) -> int:
+        return self._nginx.draining() if self._nginx is not None else 0
+
     def _render(self, state: GatewayState) -> str:
         return render_config(state, listen_port=self.listen_port, runtime_dir=str(self.runtime_dir),
                              access_log=str(self.access_log), control_port=self.control_port,

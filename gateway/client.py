@@ -64,6 +64,10 @@ class GatewayClient:
     async def unregister(self, service: str, replica_id: str) -> None:
         await self._call("DELETE", f"/api/services/{_seg(service)}/replicas/{_seg(replica_id)}")
 
+    async def drained(self) -> bool:
+        """True once no nginx worker of an earlier configuration is still serving requests."""
+        return bool((await self._call("GET", "/api/drained")).json()["drained"])
+
     async def services(self) -> GatewayState:
         return GatewayState.model_validate_json((await self._call("GET", "/api/services")).content)
 

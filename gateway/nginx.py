@@ -186,6 +186,10 @@ class Nginx:
                 except ProcessLookupError:
                     pass
 
+    def draining(self) -> int:
+        """Workers of earlier configurations still finishing their in-flight requests."""
+        return sum(1 for pid in self._workers() if _is_nginx(pid) and not _still_accepting(pid))
+
     def _workers(self) -> tuple[int, ...]:
         return _children(self._proc.pid) if self._proc else ()
 

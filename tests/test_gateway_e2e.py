@@ -324,3 +324,39 @@ async def test_python_m_gateway_runs_until_sigterm(tmpdir_short):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+
+async def test_drained_waits_for_in_flight_requests_on_old_workers(tmp_path):
+    """After an unregister, /api/drained stays false while a request to the removed replica runs."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(request):
+        arrived.set()
+        await release.wait()
+        return web.Response(text="done")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, str(tmp_path / "slow.sock")).start()
+    gw = GatewayServer(tmp_path / "gw")
+    await gw.start()
+    try:
+        async with GatewayClient(gw.control_url) as client, httpx.AsyncClient(timeout=30) as http:
+            await client.put_service("svc", auth=False)
+            await client.register("svc", "svc/0/r0-s0", "0", f"unix:{tmp_path / 'slow.sock'}")
+            in_flight = asyncio.create_task(http.get(f"{gw.url}/services/svc/x"))
+            await asyncio.wait_for(arrived.wait(), 10)
+            await client.unregister("svc", "svc/0/r0-s0")
+            assert await client.drained() is False  # an old worker still serves the slow request
+            release.set()
+            assert (await in_flight).text == "done"
+            deadline = time.monotonic() + 15
+            while not await client.drained():
+                assert time.monotonic() < deadline, "old nginx workers never finished"
+                await asyncio.sleep(0.05)
+    finally:
+        await gw.stop()
+        await runner.cleanup()
