@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -38,8 +37,7 @@ def build_worker(client: Client, settings: Settings, gateway: GatewayClient) -> 
     acts = ReplicaActivities(local, gateway, tokens=lambda: [load_or_create_token(settings.home)])
     stats = StatsActivities(gateway.stats)
     return Worker(client, task_queue=settings.task_queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
-                  activities=[*acts.all(), stats.watch_stats], activity_executor=ThreadPoolExecutor(32),
-                  max_concurrent_activities=500)
+                  activities=[*acts.all(), stats.watch_stats], max_concurrent_activities=500)
 
 
 async def main() -> None:

@@ -25,7 +25,8 @@ from models.run import InstanceRef, Placement, Provisioned, ReadyInput, Registra
 from models.service import ProbeSpec
 from workflows import names
 
-POLL_SECONDS = 1.0
+POLL_SECONDS = 1.0  # process liveness
+READY_POLL_SECONDS = 0.2  # an app that just started answers within a few of these
 
 
 def _fatal(message: str, kind: str) -> ApplicationError:
@@ -80,7 +81,7 @@ class ReplicaActivities:
             elif await answers_http(instance.address) is not None:
                 return
             activity.heartbeat(streaks.summary())
-            await asyncio.sleep(POLL_SECONDS)
+            await asyncio.sleep(READY_POLL_SECONDS)
 
     @activity.defn(name=names.WATCH)
     async def watch(self, ref: InstanceRef) -> str:

@@ -81,7 +81,7 @@ def status_json(status: ServiceStatus, url: str) -> dict:
         "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max,
                     "replicas": [{"replica": r.replica, "submission": r.submission, "deployment": r.deployment,
                                   "status": r.status, "ready": r.ready, "backend": r.backend, "region": r.region,
-                                  "instance_type": r.instance_type, "price": r.price}
+                                  "instance_type": r.instance_type, "price": r.price, "address": r.address}
                                  for r in g.replicas]}
                    for g in status.groups],
     }
