@@ -230,7 +230,8 @@ class CloudInstance(BaseModel):
     def owner(self) -> tuple[str, str, str]:
         """(service, group, ``r<N>-s<M>``) from the tags; compare with ``owner(...)``."""
         names = TAG_NAMES[self.backend]
-        return self.tags.get(names["service"], ""), self.tags.get(names["group"], ""), self.tags.get(names["replica"], "")
+        service, group, replica = (self.tags.get(names[n], "") for n in ("service", "group", "replica"))
+        return service, group, replica
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class Replica(BaseModel):
     finished_at: Optional[datetime] = Field(None, description="When it reached terminated/failed.")
     reason: str = Field("", description="Why it stopped or failed: scaled_down, stopped, exited (N), no offers, …")
     stop_requested: bool = Field(False, description="The service asked it to stop.")
+    spec_hash: str = Field("", description="What it runs (workflows.changes.spec_hash); equal = no restart needed.")
 
     @property
     def active(self) -> bool:
@@ -66,6 +67,7 @@ class GroupState(BaseModel):
     last_scaled_at: Optional[datetime] = Field(None, description="This group's last scaling event (not retries).")
     failures: int = Field(0, description="Consecutive replica failures; sets the resubmission back-off.")
     retry_after: Optional[datetime] = Field(None, description="No resubmission in this group before this time.")
+    rollout_failed: str = Field("", description="Why this group's rollout stopped; old replicas keep serving.")
 
 
 class Event(BaseModel):
@@ -82,6 +84,7 @@ class ServiceState(BaseModel):
 
     name: str
     config: ServiceConfiguration
+    previous_config: Optional[ServiceConfiguration] = Field(None, description="For `durastack rollback`.")
     deployment_num: int = 0
     groups: dict[str, GroupState] = Field(default_factory=dict)
     replicas: list[Replica] = Field(default_factory=list)
@@ -131,6 +134,18 @@ class ReplicaInput(BaseModel):
     heartbeat_seconds: int = Field(30, description="Heartbeat timeout of the long activities (probes, watch).")
 
 
+class ApplyRequest(BaseModel):
+    """A new configuration for a running service, as JSON: validated again by the workflow."""
+
+    config: dict
+
+
+class ApplyResult(BaseModel):
+    deployment: int
+    in_place: list[str] = Field(default_factory=list)
+    rolling: list[str] = Field(default_factory=list)
+
+
 class ScaleRequest(BaseModel):
     group: str
     count: int
@@ -158,6 +173,7 @@ class GroupView(BaseModel):
     min: int
     max: int
     resources: str = ""
+    rollout: str = Field("", description="Rollout state of the group: '', 'rolling', or why it failed.")
     replicas: list[ReplicaView]
 
 

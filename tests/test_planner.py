@@ -116,3 +116,70 @@ def test_prune_keeps_latest_submission_and_bounds_finished_rows():
     assert replica(0, "a", sub=1) in kept and not any(r.replica_num == 0 and r.submission_num == 0 for r in kept)
     finished = [r for r in kept if r.finished]
     assert len(finished) == KEEP_FINISHED and min(r.replica_num for r in finished) == 80 - KEEP_FINISHED
+
+
+# --- rolling deployment (spec 6.5) -----------------------------------------------------------------
+
+def rolling_state(replicas, desired=2, dep=1, failed=""):
+    st = state(a="2", b="1..4", replicas=replicas, desired={"a": desired, "b": 1}, next_num=10)
+    st.deployment_num = dep
+    st.groups["a"].rollout_failed = failed
+    return st
+
+
+def test_roll_surges_one_and_stops_nothing_while_old_replicas_serve():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0), replica(2, "b", deployment=1)])
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("a", 10, 0)] and plan.stop == []
+
+
+def test_roll_stops_one_old_replica_once_a_new_one_serves():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0),
+                        replica(10, "a", deployment=1), replica(2, "b", deployment=1)])
+    plan = reconcile(st, NOW)
+    assert plan.start == [] and plan.stop == [Stop(1, 0, "replaced")]  # out of date, newest first
+
+
+def test_roll_waits_while_a_new_replica_is_not_ready():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0),
+                        replica(10, "a", deployment=1, ready=False), replica(2, "b", deployment=1)])
+    assert not reconcile(st, NOW)
+
+
+def test_roll_counts_terminating_replicas_against_the_surge():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0, stop_requested=True),
+                        replica(10, "a", deployment=1), replica(2, "b", deployment=1)])
+    assert not reconcile(st, NOW)  # 3 unfinished = desired + 1: wait for replica 1 to end
+
+
+def test_roll_stops_old_replicas_that_serve_nobody_at_once():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0, status="provisioning"),
+                        replica(2, "b", deployment=1)])
+    plan = reconcile(st, NOW)
+    assert Stop(1, 0, "replaced") in plan.stop and plan.start == [Start("a", 10, 0)]
+
+
+def test_failed_rollout_touches_nothing():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0), replica(2, "b", deployment=1)],
+                       failed="exited (1)")
+    assert not reconcile(st, NOW)
+
+
+def test_groups_roll_independently_and_up_to_date_groups_scale():
+    st = rolling_state([replica(0, "a", deployment=0), replica(1, "a", deployment=0), replica(2, "b", deployment=1)])
+    st.groups["b"].desired = 2
+    plan = reconcile(st, NOW)
+    assert Start("a", 10, 0) in plan.start and Start("b", 11, 0) in plan.start
+
+
+def test_classify_changes_and_spec_hash():
+    from workflows.changes import classify, spec_hash
+    old = load_config_text(CONFIG.format(a="2", b="1..4")).config
+    counts = load_config_text(CONFIG.format(a="3", b="1..4")).config
+    assert classify(old, counts).in_place == ["groups"] and not classify(old, counts).rolling
+    assert spec_hash(old, "a") == spec_hash(counts, "a")  # a count change restarts nothing
+    commands = load_config_text(CONFIG.format(a="2", b="1..4").replace("[x]", "[x2]")).config
+    assert spec_hash(old, "a") != spec_hash(commands, "a") and spec_hash(old, "b") == spec_hash(commands, "b")
+    auth = old.model_copy(update={"auth": False, "env": {"A": "1"}})
+    changes = classify(old, auth)
+    assert changes.not_updatable == ["auth"] and changes.rolling == ["env"]

@@ -17,7 +17,7 @@ from models.loader import load_config_text
 from activities.stats import changed
 from models.loader import load_config_file
 from models.run import (InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput,
-                        ScaleRequest, ServiceState, ServiceStatus, StatsSnapshot, StatsWatch)
+                        ScaleRequest, ServiceState, ServiceStatus, StatsSnapshot, StatsWatch, ApplyRequest)
 from tests.conftest import eventually
 from workflows import names
 from workflows.replica import ReplicaWorkflow
@@ -51,14 +51,21 @@ class FakeCloud:
         # The time-skipping server does not skip time while an activity runs, so for long virtual
         # waits the watchers poll instead: each attempt checks once and fails, and retries are timers.
         self.polling = False
+        self.max_alive: dict[str, int] = {}  # most instances of a group alive at once
 
     def activities(self):
         @activity.defn(name=names.PROVISION)
         async def provision(inp: ReplicaInput) -> Provisioned:
             rid = inp.job.replica_id
+            if any("crash" in c for c in inp.job.commands):
+                self.log.append(("crash", rid))
+                raise ApplicationError("exited (1)", non_retryable=True)
             self.provisions[rid] = self.provisions.get(rid, 0) + 1
             self.instances[rid] = "running"
             self.log.append(("provision", rid))
+            group = inp.job.group
+            alive = sum(1 for r, st in self.instances.items() if st == "running" and r.split("/")[1] == group)
+            self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
             return Provisioned(placement=Placement(backend="local", region="local", address=f"unix:/x/{rid}"),
                                instance={"id": rid})
 
@@ -328,3 +335,120 @@ async def _group_ready(handle, group: str, count: int) -> bool:
     g = next(g for g in status.groups if g.name == group)
     return sum(1 for r in g.replicas if r.ready and r.status == "running") == count and \
         not any(r.status == "terminating" for r in g.replicas)
+
+
+ROLLING = """
+type: service
+name: {name}
+port: 8000
+replicas:
+  - name: a
+    count: 2
+    commands: ["{cmd_a}"]
+  - name: b
+    count: 1
+    commands: [serve b]
+"""
+
+
+def rolling_config(name: str, cmd_a: str = "serve a") -> dict:
+    return load_config_text(ROLLING.format(name=name, cmd_a=cmd_a)).config.model_dump(mode="json")
+
+
+async def start_rolling(env, cloud, name: str):
+    config = load_config_text(ROLLING.format(name=name, cmd_a="serve a")).config
+    handle = await env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+    await wait_ready(handle, {"a": [0, 1], "b": [2]})
+    return handle
+
+
+def deployments(status: ServiceStatus) -> dict[str, list[tuple[int, int]]]:
+    return {g.name: sorted((r.replica, r.deployment) for r in g.replicas if r.status == "running" and r.ready)
+            for g in status.groups}
+
+
+async def test_count_change_applies_in_place_without_restarts(ts_env, cloud):
+    handle = await start_rolling(ts_env, cloud, "svc-inplace")
+    provisions = dict(cloud.provisions)
+    config = rolling_config("svc-inplace")
+    config["groups"][1]["count"] = {"min": 2, "max": 2}
+    result = await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config))
+    assert result.deployment == 1 and result.in_place == ["groups"] and result.rolling == []
+    status = await wait_ready(handle, {"a": [0, 1], "b": [2, 3]})
+    assert deployments(status)["a"] == [(0, 1), (1, 1)]  # bumped, not replaced
+    assert all(cloud.provisions[rid] == n for rid, n in provisions.items())
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_rolling_replaces_each_changed_replica_one_at_a_time(ts_env, cloud):
+    handle = await start_rolling(ts_env, cloud, "svc-roll")
+    result = await handle.execute_update(ServiceRunWorkflow.apply,
+                                         ApplyRequest(config=rolling_config("svc-roll", "serve a v2")))
+    assert result.rolling == ["groups"] or result.in_place == ["groups"]
+    async def rolled():
+        status = await status_of(handle)
+        d = deployments(status)
+        return status if [dep for _, dep in d["a"]] == [1, 1] and len(d["a"]) == 2 \
+            and not any(g.rollout for g in status.groups) else None
+    status = await eventually(rolled)
+    assert deployments(status)["b"] == [(2, 1)]  # group b's job did not change: bumped, not restarted
+    assert cloud.provisions["svc-roll/b/r2-s0"] == 1
+    assert cloud.max_alive["a"] <= 3  # desired 2 + surge 1
+    for old in ("svc-roll/a/r0-s0", "svc-roll/a/r1-s0"):
+        assert cloud.instances[old] == "terminated"
+    # Each old replica left the gateway only after some new replica had registered.
+    first_new = min(i for i, (op, rid) in enumerate(cloud.log) if op == "register" and "/a/" in rid
+                    and rid not in ("svc-roll/a/r0-s0", "svc-roll/a/r1-s0"))
+    assert all(cloud.log.index(("unregister", old)) > first_new for old in ("svc-roll/a/r0-s0",))
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_failed_rollout_keeps_old_replicas_and_rollback_restores(ts_env, cloud):
+    handle = await start_rolling(ts_env, cloud, "svc-fail")
+    await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=rolling_config("svc-fail", "crash")))
+    async def failed():
+        status = await status_of(handle)
+        return status if status.groups[0].rollout.startswith("failed") else None
+    status = await eventually(failed)
+    assert "exited (1)" in status.groups[0].rollout
+    assert cloud.running() >= {"svc-fail/a/r0-s0", "svc-fail/a/r1-s0", "svc-fail/b/r2-s0"}
+    events = await handle.query(ServiceRunWorkflow.events)
+    assert any(e.kind == "rollout" and "old replicas keep serving" in e.message for e in events)
+    result = await handle.execute_update(ServiceRunWorkflow.rollback)
+    assert result.deployment == 2
+    status = await eventually(lambda: _rollout_done(handle))
+    assert deployments(status)["a"] == [(0, 2), (1, 2)]  # the old replicas, kept in place
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def _rollout_done(handle):
+    status = await status_of(handle)
+    return status if not any(g.rollout for g in status.groups) and deployments(status)["a"] else None
+
+
+async def test_invalid_update_is_refused_and_changes_nothing(ts_env, cloud):
+    handle = await start_rolling(ts_env, cloud, "svc-badapply")
+    bad = rolling_config("svc-badapply")
+    bad["groups"][0]["image"] = "x"
+    bad["groups"][0]["nvcc"] = True
+    missing = rolling_config("svc-badapply")
+    missing["groups"][1]["commands"] = []
+    auth = rolling_config("svc-badapply")
+    auth["auth"] = False
+    for config, text in [(bad, "groups[0].nvcc: `image` and `nvcc` are mutually exclusive"),
+                         (missing, "groups[1]: replica group 'b': either `commands` or `image`"),
+                         (auth, "cannot be updated in place: auth")]:
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config))
+        assert text in str(info.value.cause)
+    status = await status_of(handle)
+    assert status.deployment == 0 and deployments(status) == {"a": [(0, 0), (1, 0)], "b": [(2, 0)]}
+    history = await handle.fetch_history()
+    assert not [e for e in history.events if e.HasField("workflow_execution_update_accepted_event_attributes")]
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()

@@ -66,30 +66,62 @@ def removal_order(replicas: list[Replica], deployment_num: int) -> list[Replica]
     return sorted(replicas, key=lambda r: (r.deployment_num < deployment_num, -importance(r), r.replica_num))
 
 
+def serving(replica: Replica) -> bool:
+    return replica.status == "running" and replica.ready and replica.registered and not replica.stop_requested
+
+
 def reconcile(state: ServiceState, now: datetime) -> Plan:
+    """Per group, in config order: roll it if it has out-of-date replicas, otherwise scale it."""
     plan = Plan()
+    numbers = iter(range(state.next_replica_num, 1 << 62))
     latest = state.latest()
-    next_num = state.next_replica_num
     names = [g.name for g in state.config.replica_groups]
     for name in names:
         group = state.groups[name]
         mine = [r for r in latest if r.group == name]
-        active = [r for r in mine if r.active]
-        diff = group.desired - len(active)
-        if diff > 0 and (group.retry_after is None or group.retry_after <= now):
-            # Reuse this group's inactive replica numbers first, then allocate new ones.
-            for r in sorted((r for r in mine if not r.active), key=lambda r: r.replica_num)[:diff]:
-                plan.start.append(Start(name, r.replica_num, r.submission_num + 1))
-            for _ in range(diff - min(diff, len(mine) - len(active))):
-                plan.start.append(Start(name, next_num, 0))
-                next_num += 1
-        elif diff < 0:
-            for r in removal_order(active, state.deployment_num)[diff:]:
-                plan.stop.append(Stop(r.replica_num, r.submission_num, "scaled_down"))
+        can_start = group.retry_after is None or group.retry_after <= now
+        if any(r.active and r.deployment_num < state.deployment_num for r in mine):
+            if not group.rollout_failed:  # a failed rollout stops here: the old replicas keep serving
+                _roll(plan, state, group, mine, numbers, can_start)
+        else:
+            _scale(plan, state, group, mine, numbers, can_start)
     for r in latest:
         if r.active and r.group not in names:
             plan.stop.append(Stop(r.replica_num, r.submission_num, "group removed"))
     return plan
+
+
+def _starts(name: str, mine: list[Replica], count: int, numbers) -> list[Start]:
+    """Reuse the group's inactive replica numbers first (a new submission), then allocate new ones."""
+    reuse = sorted((r for r in mine if not r.active), key=lambda r: r.replica_num)[:count]
+    starts = [Start(name, r.replica_num, r.submission_num + 1) for r in reuse]
+    return starts + [Start(name, next(numbers), 0) for _ in range(count - len(reuse))]
+
+
+def _scale(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start) -> None:
+    active = [r for r in mine if r.active]
+    diff = group.desired - len(active)
+    if diff > 0 and can_start:
+        plan.start += _starts(group.name, mine, diff, numbers)
+    elif diff < 0:
+        for r in removal_order(active, state.deployment_num)[diff:]:
+            plan.stop.append(Stop(r.replica_num, r.submission_num, "scaled_down"))
+
+
+def _roll(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start) -> None:
+    """Spec 6.5: at most one extra replica; an old one stops only when a new one serves."""
+    # Replicas still terminating count, also when a newer submission reuses their number.
+    unfinished = {r.replica_num for r in state.replicas if r.group == group.name and not r.finished}
+    surge = group.desired + 1 - len(unfinished)
+    if surge > 0 and can_start:
+        plan.start += _starts(group.name, mine, surge, numbers)
+    active = [r for r in mine if r.active]
+    idle_old = [r for r in active if r.deployment_num < state.deployment_num and not serving(r)]
+    serving_now = [r for r in active if serving(r)]
+    to_stop = len(idle_old) + max(0, len(serving_now) - group.desired)
+    if to_stop:
+        for r in removal_order(active, state.deployment_num)[-to_stop:]:
+            plan.stop.append(Stop(r.replica_num, r.submission_num, "replaced"))
 
 
 def backoff_until(group: GroupState, now: datetime) -> Optional[datetime]:

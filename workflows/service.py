@@ -19,7 +19,10 @@ from temporalio.exceptions import ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from models.loader import load_config_data
     from models.run import (
+        ApplyRequest,
+        ApplyResult,
         Event,
         GroupWatch,
         StatsSnapshot,
@@ -37,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import names
     from workflows.jobs import replica_input, replica_workflow_id
     from workflows.autoscaler import decide, next_check, wanted
+    from workflows.changes import classify, spec_hash
     from workflows.planner import Plan, backoff_until, prune, reconcile, sync_groups
     from workflows.replica import ReplicaWorkflow
 
@@ -102,6 +106,12 @@ class ServiceRunWorkflow:
             # A failure under way: back off before the planner reuses this replica number.
             group.failures += 1
             group.retry_after = backoff_until(group, workflow.now())
+            if self._rolling(group.name) and replica.deployment_num == self.state.deployment_num:
+                # A new replica of a rollout failed: stop the rollout, keep the old replicas serving.
+                group.rollout_failed = update.reason or "failed"
+                self._event("rollout", f"rollout to deployment {self.state.deployment_num} stopped: replica "
+                                       f"{replica.replica_num} {group.rollout_failed}; old replicas keep serving "
+                                       "(apply the previous file or `durastack rollback`)", group.name)
         if replica.finished:
             replica.finished_at = workflow.now()
             self._event("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}", replica.group)
@@ -131,6 +141,68 @@ class ServiceRunWorkflow:
         if not lo <= request.count <= hi:
             raise ApplicationError(f"group '{request.group}' takes {lo}..{hi} replicas, not {request.count}",
                                    type="OutOfRange")
+
+    @workflow.update
+    def apply(self, request: ApplyRequest) -> ApplyResult:
+        """A new configuration: counts apply at once, changed jobs roll out replica by replica."""
+        state = self.state
+        new = load_config_data(request.config).config
+        assert new is not None  # the validator refused anything else
+        changes = classify(state.config, new)
+        state.previous_config, state.config = state.config, new
+        state.deployment_num += 1
+        state.groups = sync_groups(new, state.groups)
+        for group in state.groups.values():
+            group.rollout_failed = ""
+        bumped = self._bump_in_place()
+        changed = ", ".join(changes.in_place + changes.rolling) or "nothing"
+        self._event("apply", f"deployment {state.deployment_num}: changed {changed}; "
+                             f"{bumped} replica(s) kept in place")
+        self.dirty = True
+        return ApplyResult(deployment=state.deployment_num, in_place=changes.in_place, rolling=changes.rolling)
+
+    @apply.validator
+    def _validate_apply(self, request: ApplyRequest) -> None:
+        if self.state.stopping:
+            raise ApplicationError("the service is stopping", type="Stopping")
+        result = load_config_data(request.config)
+        if result.errors:
+            raise ApplicationError("invalid configuration: " + "; ".join(str(e) for e in result.errors),
+                                   type="InvalidConfiguration")
+        assert result.config is not None
+        if result.config.name not in (None, self.state.name):
+            raise ApplicationError(f"name: the configuration is for {result.config.name!r}, not {self.state.name!r}",
+                                   type="InvalidConfiguration")
+        changes = classify(self.state.config, result.config)
+        if changes.not_updatable:
+            raise ApplicationError("cannot be updated in place: " + ", ".join(changes.not_updatable)
+                                   + "; stop the service and apply again", type="NotUpdatable")
+        if not changes.any:
+            raise ApplicationError("no changes", type="NoChanges")
+
+    @workflow.update
+    def rollback(self) -> ApplyResult:
+        """Back to the configuration before the last apply."""
+        previous = self.state.previous_config
+        assert previous is not None
+        return self.apply(ApplyRequest(config=previous.model_dump(mode="json")))
+
+    @rollback.validator
+    def _validate_rollback(self) -> None:
+        if self.state.previous_config is None:
+            raise ApplicationError("nothing to roll back to: the service has had one configuration",
+                                   type="NoPrevious")
+        self._validate_apply(ApplyRequest(config=self.state.previous_config.model_dump(mode="json")))
+
+    def _bump_in_place(self) -> int:
+        """Replicas whose job does not change join the new deployment without a restart (spec 6.4)."""
+        hashes = {g.name: spec_hash(self.state.config, g.name) for g in self.state.config.replica_groups}
+        bumped = 0
+        for r in self.state.replicas:
+            if not r.finished and r.deployment_num < self.state.deployment_num and hashes.get(r.group) == r.spec_hash:
+                r.deployment_num = self.state.deployment_num
+                bumped += 1
+        return bumped
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -173,6 +245,10 @@ class ServiceRunWorkflow:
         await self._stop_watching()
         await self._shutdown()
         return "stopped"
+
+    def _rolling(self, group: str) -> bool:
+        return any(r.group == group and r.active and r.deployment_num < self.state.deployment_num
+                   for r in self.state.replicas)
 
     def _should_continue(self) -> bool:
         info = workflow.info()
@@ -263,7 +339,8 @@ class ServiceRunWorkflow:
         starts = []
         for s in plan.start:
             replica = Replica(replica_num=s.replica_num, submission_num=s.submission_num, group=s.group,
-                              deployment_num=state.deployment_num, submitted_at=now)
+                              deployment_num=state.deployment_num, submitted_at=now,
+                              spec_hash=spec_hash(state.config, s.group))
             state.replicas.append(replica)
             state.next_replica_num = max(state.next_replica_num, s.replica_num + 1)
             starts.append(self._start_child(replica))
@@ -365,8 +442,11 @@ def _status_view(state: ServiceState) -> ServiceStatus:
     groups = []
     for spec in config.replica_groups:
         g = state.groups.get(spec.name)
+        rolling = any(r.group == spec.name and r.active and r.deployment_num < state.deployment_num
+                      for r in state.replicas)
+        rollout = (f"failed: {g.rollout_failed}" if g and g.rollout_failed else "rolling") if rolling else ""
         groups.append(GroupView(name=spec.name, desired=g.desired if g else 0, min=spec.count.min or 0,
-                                max=spec.count.max or 0, resources=spec.resources.summary(),
+                                max=spec.count.max or 0, resources=spec.resources.summary(), rollout=rollout,
                                 replicas=[_view(r) for r in latest if r.group == spec.name]))
     names_ = {g.name for g in config.replica_groups}
     return ServiceStatus(name=state.name, status=_service_status(state), deployment=state.deployment_num,
