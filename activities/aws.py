@@ -1,0 +1,258 @@
+"""AWS EC2 backend (boto3): launch, find, list and terminate replica instances. Blocking; call via to_thread.
+
+Exactly once: RunInstances carries ``ClientToken=key`` (``models.backends.provisioning_key``), so a retry
+after a lost response returns the instance the first call made. botocore's own retries are off for
+RunInstances (``total_max_attempts: 1``): capacity errors come back as HTTP 500 and must reach the offer
+walker at once, and every other retry belongs to Temporal. Credentials come from the standard chain; the
+endpoint from ``AWS_ENDPOINT_URL_EC2`` when set (tests point it at moto).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from typing import Any, Iterator, Optional
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
+                                 PartialCredentialsError, ProfileNotFound)
+
+from activities.userdata import cloud_init
+from models.backends import (TAG_NAMES, AWSConfig, CloudError, CloudInstance, ErrorKind, QuotaScope, aws_quota_class,
+                             classify_aws, replica_label)
+from models.offers import InstanceOffer
+from models.replica import JobSpec
+
+TAGS = TAG_NAMES["aws"]
+AMI_TTL = 600.0  # dstack caches AMI lookups for 10 minutes too
+LIVE_STATES = ["pending", "running", "stopping", "stopped"]
+_STATES = {"pending": "pending", "running": "running", "stopping": "stopping", "shutting-down": "stopping",
+           "stopped": "stopped", "terminated": "terminated"}
+_FATAL_BOTO = (NoCredentialsError, PartialCredentialsError, ProfileNotFound, NoRegionError)
+_GONE = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+@contextlib.contextmanager
+def _errors(what: str) -> Iterator[None]:
+    """ClientError / botocore errors → CloudError with a kind. Messages carry codes, never credentials."""
+    try:
+        yield
+    except ClientError as e:
+        err, meta = e.response.get("Error", {}), e.response.get("ResponseMetadata", {})
+        code = err.get("Code", "Unknown")
+        raise CloudError(classify_aws(code, int(meta.get("HTTPStatusCode") or 400)),
+                         _short(f"{what}: {code}: {err.get('Message', '')}"), code=code) from e
+    except _FATAL_BOTO as e:
+        raise CloudError(ErrorKind.FATAL, f"{what}: AWS credentials/configuration: {e}", code=type(e).__name__) from e
+    except BotoCoreError as e:  # connection, timeout, unparsable response: the call may have happened
+        raise CloudError(ErrorKind.TRANSIENT, _short(f"{what}: {e}"), code=type(e).__name__) from e
+
+
+class AWSBackend:
+    name = "aws"
+
+    def __init__(self, config: AWSConfig, *, regions: Optional[list[str]] = None,
+                 session: Optional[boto3.session.Session] = None):
+        """``regions``: used when the config names none (the catalog's AWS regions)."""
+        self.config = config
+        self.regions = list(config.regions or regions or [])
+        self._session = session
+        self._lock = threading.Lock()  # boto3 sessions are not thread-safe; the clients they make are
+        self._clients: dict[tuple[str, bool], Any] = {}
+        self._amis: dict[tuple[str, str], tuple[float, dict]] = {}
+        self._groups: dict[tuple[str, str, int], str] = {}
+
+    # --- clients, AMIs, security groups -----------------------------------------------------------
+
+    def _client(self, region: str, run: bool = False):
+        with self._lock:
+            if (region, run) not in self._clients:
+                if self._session is None:
+                    self._session = boto3.session.Session(profile_name=self.config.profile)
+                retries = {"total_max_attempts": 1} if run else {"mode": "standard", "total_max_attempts": 3}
+                config = Config(retries=retries, connect_timeout=10, read_timeout=60)
+                self._clients[(region, run)] = self._session.client("ec2", region_name=region, config=config)
+            return self._clients[(region, run)]
+
+    def _ami(self, region: str, offer: InstanceOffer) -> dict:
+        """The configured AMI, or the newest available one whose name matches the pattern for the offer."""
+        c = self.config
+        if c.ami_id:
+            cache_key, query = c.ami_id, {"ImageIds": [c.ami_id]}
+        else:
+            arm = offer.cpu_arch == "arm"
+            pattern = (c.gpu_arm_ami_name if arm else c.gpu_ami_name) if offer.gpu_count else \
+                (c.cpu_arm_ami_name if arm else c.cpu_ami_name)
+            cache_key = pattern
+            query = {"Owners": c.ami_owners, "Filters": [{"Name": "name", "Values": [pattern]},
+                                                         {"Name": "state", "Values": ["available"]}]}
+        hit = self._amis.get((region, cache_key))
+        if hit and hit[0] > time.monotonic():
+            return hit[1]
+        with _errors("DescribeImages"):
+            images = self._client(region).describe_images(**query)["Images"]
+        if not images:
+            raise CloudError(ErrorKind.FATAL, f"no AMI {cache_key!r} in {region} (owners {', '.join(c.ami_owners)}); "
+                             "set backends.aws.ami_id or the AMI name patterns", code="NoAMI")
+        image = max(images, key=lambda i: (i.get("CreationDate", ""), i["ImageId"]))
+        self._amis[(region, cache_key)] = (time.monotonic() + AMI_TTL, image)
+        return image
+
+    def _security_group(self, region: str, job: JobSpec) -> str:
+        """The service's group: its port open to the gateway only, SSH only if configured. Created once."""
+        cache_key = (region, job.service, job.port)
+        if cache_key in self._groups:
+            return self._groups[cache_key]
+        ec2, name = self._client(region), f"durastack-{job.service}"
+        with _errors("security group"):
+            vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
+            if not vpcs:
+                raise CloudError(ErrorKind.FATAL, f"no default VPC in {region}", code="NoDefaultVpc")
+            vpc = vpcs[0]
+            group_id = self._find_group(ec2, name, vpc["VpcId"])
+            if group_id is None:
+                try:
+                    group_id = ec2.create_security_group(
+                        GroupName=name, VpcId=vpc["VpcId"], Description=f"durastack service {job.service}",
+                        TagSpecifications=[{"ResourceType": "security-group",
+                                            "Tags": [{"Key": TAGS["service"], "Value": job.service}]}])["GroupId"]
+                except ClientError as e:  # another replica created it first
+                    if e.response["Error"]["Code"] != "InvalidGroup.Duplicate":
+                        raise
+                    group_id = self._find_group(ec2, name, vpc["VpcId"])
+            sources = self.config.gateway_cidrs or [vpc["CidrBlock"]]
+            rules = [(job.port, sources)] + ([(22, self.config.ssh_cidrs)] if self.config.ssh_cidrs else [])
+            for port, cidrs in rules:
+                try:
+                    ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[{
+                        "IpProtocol": "tcp", "FromPort": port, "ToPort": port,
+                        "IpRanges": [{"CidrIp": cidr} for cidr in cidrs]}])
+                except ClientError as e:
+                    if e.response["Error"]["Code"] != "InvalidPermission.Duplicate":
+                        raise
+        self._groups[cache_key] = group_id
+        return group_id
+
+    @staticmethod
+    def _find_group(ec2, name: str, vpc_id: str) -> Optional[str]:
+        groups = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": [name]},
+                                                       {"Name": "vpc-id", "Values": [vpc_id]}])["SecurityGroups"]
+        return groups[0]["GroupId"] if groups else None
+
+    # --- the backend interface ------------------------------------------------------------------
+
+    def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
+        """RunInstances for one offer under ``key``; raises CloudError (capacity, quota, transient, fatal)."""
+        region = offer.region
+        image = self._ami(region, offer)
+        group_id = self._security_group(region, job)
+        tags = [{"Key": k, "Value": v} for k, v in self._tags(job, key).items()]
+        params: dict[str, Any] = dict(
+            ImageId=image["ImageId"], InstanceType=offer.instance_type, MinCount=1, MaxCount=1, ClientToken=key,
+            UserData=cloud_init(job, gpu=offer.gpu_count > 0, nvcc=nvcc), SecurityGroupIds=[group_id],
+            BlockDeviceMappings=[{"DeviceName": image.get("RootDeviceName") or "/dev/sda1",
+                                  "Ebs": {"VolumeSize": max(8, math.ceil(offer.disk_gb)), "VolumeType": "gp3",
+                                          "DeleteOnTermination": True}}],
+            # A shutdown from inside must not leave a stopped instance (and its disk) behind.
+            InstanceInitiatedShutdownBehavior="terminate",
+            TagSpecifications=[{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": tags}])
+        if offer.spot:
+            params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        try:
+            with _errors(f"RunInstances {offer.instance_type} in {region}"):
+                raw = self._client(region, run=True).run_instances(**params)["Instances"][0]
+        except CloudError as e:
+            if e.code == "IdempotentParameterMismatch":
+                # Same key, other parameters: e.g. a newer AMI was published between a lost response and this
+                # retry. The key is ours alone, so the instance under it is the one we launched: adopt it.
+                found = self.find_key(region, key)
+                if found:
+                    return found.model_copy(update={"price": offer.price})
+            if e.kind is ErrorKind.QUOTA:
+                e.scope = QuotaScope(backend="aws", region=region, spot_only=True) \
+                    if e.code == "MaxSpotInstanceCountExceeded" else \
+                    QuotaScope(backend="aws", region=region, quota_class=aws_quota_class(offer))
+            raise
+        return self._instance(raw, region, price=offer.price)
+
+    def find_key(self, region: str, key: str) -> Optional[CloudInstance]:
+        found = self._describe(region, [{"Name": f"tag:{TAGS['key']}", "Values": [key]}])
+        return found[0] if found else None
+
+    def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]:
+        """Live instances of this replica submission (any offer) in ``regions`` (default: all configured)."""
+        filters = [{"Name": f"tag:{TAGS['service']}", "Values": [job.service]},
+                   {"Name": f"tag:{TAGS['group']}", "Values": [job.group]},
+                   {"Name": f"tag:{TAGS['replica']}", "Values": [replica_label(job.replica_num, job.submission_num)]}]
+        return [i for r in (regions or self.regions) for i in self._describe(r, filters)]
+
+    def list_tagged(self, regions: Optional[list[str]] = None, *, service: Optional[str] = None) -> list[CloudInstance]:
+        """Every live durastack instance (of ``service`` if given) in ``regions`` (default: all configured)."""
+        filters = [{"Name": "tag-key", "Values": [TAGS["key"]]}]
+        if service:
+            filters.append({"Name": f"tag:{TAGS['service']}", "Values": [service]})
+        return [i for r in (regions or self.regions) for i in self._describe(r, filters)]
+
+    def get(self, instance: CloudInstance) -> Optional[CloudInstance]:
+        """The instance as it is now; None once it is gone (terminated or unknown)."""
+        try:
+            with _errors("DescribeInstances"):
+                res = self._client(instance.region).describe_instances(InstanceIds=[instance.instance_id])
+        except CloudError as e:
+            if e.code in _GONE:
+                return None
+            raise
+        raws = [i for r in res["Reservations"] for i in r["Instances"]]
+        if not raws or raws[0]["State"]["Name"] == "terminated":
+            return None
+        return self._instance(raws[0], instance.region, price=instance.price)
+
+    def terminate(self, instance: CloudInstance) -> None:
+        """Terminate; an instance that is already gone is success."""
+        try:
+            with _errors("TerminateInstances"):
+                self._client(instance.region).terminate_instances(InstanceIds=[instance.instance_id])
+        except CloudError as e:
+            if e.code not in _GONE:
+                raise
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _tags(job: JobSpec, key: str) -> dict[str, str]:
+        return {"Name": f"durastack-{job.service}-{job.group}-r{job.replica_num}-s{job.submission_num}",
+                TAGS["service"]: job.service, TAGS["group"]: job.group,
+                TAGS["replica"]: replica_label(job.replica_num, job.submission_num), TAGS["key"]: key,
+                TAGS["port"]: str(job.port)}
+
+    def _describe(self, region: str, filters: list[dict]) -> list[CloudInstance]:
+        filters = filters + [{"Name": "instance-state-name", "Values": LIVE_STATES}]
+        with _errors(f"DescribeInstances in {region}"):
+            pages = self._client(region).get_paginator("describe_instances").paginate(Filters=filters)
+            raws = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+        return sorted((self._instance(raw, region) for raw in raws), key=lambda i: (i.launched_at is None,
+                                                                                   i.launched_at, i.instance_id))
+
+    def _instance(self, raw: dict, region: str, *, price: float = 0.0) -> CloudInstance:
+        tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}
+        public, private = raw.get("PublicIpAddress") or "", raw.get("PrivateIpAddress") or ""
+        ip = (public or private) if self.config.public_ip else private
+        port = tags.get(TAGS["port"], "")
+        return CloudInstance(
+            backend="aws", instance_id=raw["InstanceId"], region=region,
+            zone=raw.get("Placement", {}).get("AvailabilityZone", ""), instance_type=raw["InstanceType"],
+            key=tags.get(TAGS["key"], ""), state=_STATES.get(raw["State"]["Name"], "pending"),
+            spot=raw.get("InstanceLifecycle") == "spot", price=price,
+            address=f"{ip}:{port}" if ip and port else "", private_ip=private, public_ip=public,
+            launched_at=raw.get("LaunchTime"), tags=tags)
+
+
+__all__ = ["AWSBackend", "AMI_TTL"]

@@ -1,0 +1,277 @@
+"""GCP Compute Engine backend (google-cloud-compute, REST): launch, find, list, delete. Blocking.
+
+Exactly once: the instance name *is* the provisioning key, and the insert's ``requestId`` is a uuid5 of it
+and the zone, so a retried insert either returns the first operation or gets 409 and adopts the instance.
+``insert_unary`` + our own ZoneOperationsClient, never ``insert().result()``: the latter polls
+compute.googleapis.com whatever endpoint was configured (cloud-testing.md 2.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+import uuid
+from datetime import datetime
+from typing import Iterator, Optional
+
+import requests
+from google.api_core import exceptions as gexc
+from google.api_core import retry as gretry
+from google.api_core.client_options import ClientOptions
+from google.auth import exceptions as auth_exc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import compute_v1
+
+from activities.userdata import startup_script
+from models.backends import (TAG_NAMES, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope, classify_gcp,
+                             replica_label, slug)
+from models.offers import InstanceOffer
+from models.replica import JobSpec
+
+LABELS = TAG_NAMES["gcp"]
+REQUEST_NS = uuid.UUID("5b0c8a52-8a5e-4d0e-9a3c-6f1f1d2c7a10")  # durastack's uuid5 namespace for requestIds
+# N1 takes attachable GPUs; A2, A3 and G2 machine types come with theirs.
+ACCELERATORS = {"t4": "nvidia-tesla-t4", "v100": "nvidia-tesla-v100", "p100": "nvidia-tesla-p100",
+                "p4": "nvidia-tesla-p4", "k80": "nvidia-tesla-k80"}
+_STATES = {"PROVISIONING": "pending", "STAGING": "pending", "RUNNING": "running", "REPAIRING": "running",
+           "STOPPING": "stopping", "SUSPENDING": "stopping", "STOPPED": "stopped", "SUSPENDED": "stopped",
+           "TERMINATED": "stopped"}  # GCE's TERMINATED is a stopped VM (its disk still bills)
+_READ_RETRY = gretry.Retry(predicate=gretry.if_exception_type(gexc.ServiceUnavailable, gexc.DeadlineExceeded),
+                           initial=0.5, maximum=5.0, timeout=30.0)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _reasons(e: gexc.GoogleAPICallError) -> list[str]:
+    return [str(err.get("reason", "")) for err in (e.errors or []) if isinstance(err, dict)]
+
+
+@contextlib.contextmanager
+def _errors(what: str) -> Iterator[None]:
+    """API/auth/network errors → CloudError, classified by reason strings first, then the HTTP status."""
+    try:
+        yield
+    except gexc.GoogleAPICallError as e:
+        reasons, status = _reasons(e), int(e.code or 500)
+        code = next((r for r in reasons if r), type(e).__name__)
+        # The REST transport prefixes the message with the method and URL; the error's own message is enough.
+        message = next((err.get("message") for err in (e.errors or []) if isinstance(err, dict) and err.get("message")),
+                       e.message)
+        raise CloudError(classify_gcp(reasons, status), _short(f"{what}: {code}: {message}"), code=code) from e
+    except (auth_exc.DefaultCredentialsError, auth_exc.RefreshError) as e:
+        raise CloudError(ErrorKind.FATAL, f"{what}: GCP credentials: {e}", code=type(e).__name__) from e
+    except (gexc.RetryError, requests.exceptions.RequestException, auth_exc.TransportError) as e:
+        raise CloudError(ErrorKind.TRANSIENT, _short(f"{what}: {e}"), code=type(e).__name__) from e
+
+
+def region_of(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+class GCPBackend:
+    name = "gcp"
+
+    def __init__(self, config: GCPConfig, *, regions: Optional[list[str]] = None, credentials=None):
+        """``regions``: used when the config names none. ``credentials``: default is application default
+        credentials — or anonymous for a plain-http endpoint (a fake), so real tokens never go over http."""
+        self.config = config
+        self.project = config.project_id
+        self.regions = list(config.regions or regions or [])
+        self._credentials = credentials
+        self._lock = threading.Lock()
+        self._instances: Optional[compute_v1.InstancesClient] = None
+        self._operations: Optional[compute_v1.ZoneOperationsClient] = None
+
+    def _clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
+        with self._lock:
+            if self._instances is None:
+                endpoint = self.config.endpoint
+                opts = ClientOptions(api_endpoint=endpoint) if endpoint else None
+                creds = self._credentials
+                if creds is None and endpoint and endpoint.startswith("http://"):
+                    creds = AnonymousCredentials()
+                with _errors("GCP client"):
+                    self._instances = compute_v1.InstancesClient(credentials=creds, transport="rest",
+                                                                 client_options=opts)
+                    self._operations = compute_v1.ZoneOperationsClient(credentials=creds, transport="rest",
+                                                                       client_options=opts)
+            return self._instances, self._operations
+
+    # --- the backend interface --------------------------------------------------------------------
+
+    def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
+        """Insert in each of the offer's zones until one has capacity; raises CloudError."""
+        zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
+        exhausted = []
+        for zone in zones:
+            try:
+                return self._create_in_zone(job, offer, key, zone, nvcc)
+            except CloudError as e:
+                if e.kind is ErrorKind.CAPACITY:
+                    exhausted.append(f"{zone}: {e.code}")
+                    continue
+                if e.kind is ErrorKind.QUOTA:
+                    # GPUS_ALL_REGIONS is project-wide: no other region can help either.
+                    e.scope = QuotaScope(backend="gcp", region=None if "ALL_REGIONS" in e.message else offer.region)
+                raise
+        raise CloudError(ErrorKind.CAPACITY, _short(f"no capacity for {offer.instance_type} in any zone of "
+                                                    f"{offer.region} ({'; '.join(exhausted)})"),
+                         code=exhausted[-1].split(": ", 1)[-1] if exhausted else "NoZones")
+
+    def _create_in_zone(self, job: JobSpec, offer: InstanceOffer, key: str, zone: str, nvcc: bool) -> CloudInstance:
+        instances, _ = self._clients()
+        request = compute_v1.InsertInstanceRequest(
+            project=self.project, zone=zone, instance_resource=self._resource(job, offer, key, zone, nvcc),
+            request_id=str(uuid.uuid5(REQUEST_NS, f"{key}/{zone}")))
+        try:
+            with _errors(f"insert {offer.instance_type} in {zone}"):
+                op = instances.insert_unary(request=request)
+        except CloudError as e:
+            if e.code != "alreadyExists":
+                raise
+            return self._adopt(zone, key, offer)  # an earlier attempt made it
+        self._wait(zone, op, f"insert {offer.instance_type} in {zone}")
+        found = self._get(zone, key)
+        if found is None or found.state in ("stopping", "stopped"):
+            raise CloudError(ErrorKind.CAPACITY, f"instance {key} vanished in {zone}", code="Vanished")
+        return found.model_copy(update={"price": offer.price})
+
+    def _adopt(self, zone: str, key: str, offer: InstanceOffer) -> CloudInstance:
+        found = self._get(zone, key)
+        if found is None or found.state in ("stopping", "stopped"):
+            # A failed insert (capacity) leaves the instance briefly, then GCE deletes it.
+            raise CloudError(ErrorKind.CAPACITY, f"instance {key} in {zone} is gone or going", code="Vanished")
+        if found.key != key:
+            raise CloudError(ErrorKind.FATAL, f"instance name {key} in {zone} is taken by an instance durastack "
+                             "did not label", code="NameTaken")
+        return found.model_copy(update={"price": offer.price})
+
+    def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]:
+        """Instances of this replica submission (any offer, any zone) in ``regions`` (default: configured)."""
+        return self._aggregated(regions, {LABELS["service"]: slug(job.service), LABELS["group"]: slug(job.group),
+                                          LABELS["replica"]: replica_label(job.replica_num, job.submission_num)})
+
+    def list_tagged(self, regions: Optional[list[str]] = None, *, service: Optional[str] = None) -> list[CloudInstance]:
+        """Every durastack instance (of ``service`` if given) in ``regions`` (default: all configured)."""
+        labels = {"managed-by": "durastack"} | ({LABELS["service"]: slug(service)} if service else {})
+        return self._aggregated(regions, labels)
+
+    def get(self, instance: CloudInstance) -> Optional[CloudInstance]:
+        found = self._get(instance.zone, instance.instance_id)
+        return found.model_copy(update={"price": instance.price}) if found else None
+
+    def terminate(self, instance: CloudInstance) -> None:
+        """Delete and wait for it; an instance that is already gone is success."""
+        instances, _ = self._clients()
+        try:
+            with _errors(f"delete {instance.instance_id}"):
+                op = instances.delete_unary(project=self.project, zone=instance.zone, instance=instance.instance_id)
+        except CloudError as e:
+            if e.code == "notFound":
+                return
+            if e.kind is ErrorKind.CAPACITY:  # e.g. resourceNotReady: a delete is already under way
+                raise CloudError(ErrorKind.TRANSIENT, e.message, code=e.code) from e
+            raise
+        self._wait(instance.zone, op, f"delete {instance.instance_id}")
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _resource(self, job: JobSpec, offer: InstanceOffer, key: str, zone: str, nvcc: bool) -> compute_v1.Instance:
+        gpu = offer.gpu_count > 0
+        accelerators = []
+        if gpu and offer.instance_type.startswith("n1-"):
+            accelerator = ACCELERATORS.get((offer.gpu_name or "").lower())
+            if accelerator is None:
+                raise CloudError(ErrorKind.CAPACITY, f"no N1 accelerator type for {offer.gpu_name}", code="Unsupported")
+            accelerators = [compute_v1.AcceleratorConfig(
+                accelerator_type=f"zones/{zone}/acceleratorTypes/{accelerator}", accelerator_count=offer.gpu_count)]
+        scheduling = compute_v1.Scheduling(
+            # GPU VMs cannot live-migrate; SPOT VMs must terminate too. Plain CPU VMs keep the default (MIGRATE).
+            on_host_maintenance="TERMINATE" if gpu or offer.spot else "MIGRATE",
+            automatic_restart=not offer.spot, provisioning_model="SPOT" if offer.spot else "STANDARD")
+        if offer.spot:
+            scheduling.instance_termination_action = "DELETE"  # a preempted replica is gone; its disk must not bill
+        metadata = [compute_v1.Items(key="startup-script", value=startup_script(job, gpu=gpu, nvcc=nvcc))]
+        if gpu:
+            metadata.append(compute_v1.Items(key="install-nvidia-driver", value="True"))  # Deep Learning VM images
+        nic = compute_v1.NetworkInterface(network=self.config.network)
+        if self.config.public_ip:
+            nic.access_configs = [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
+        labels = {"managed-by": "durastack", LABELS["service"]: slug(job.service), LABELS["group"]: slug(job.group),
+                  LABELS["replica"]: replica_label(job.replica_num, job.submission_num), LABELS["key"]: key,
+                  LABELS["port"]: str(job.port)}
+        boot = compute_v1.AttachedDiskInitializeParams(
+            source_image=self.config.gpu_image if gpu else self.config.cpu_image,
+            disk_size_gb=max(10, math.ceil(offer.disk_gb)), disk_type=f"zones/{zone}/diskTypes/pd-balanced")
+        return compute_v1.Instance(
+            name=key, machine_type=f"zones/{zone}/machineTypes/{offer.instance_type}", labels=labels,
+            guest_accelerators=accelerators, scheduling=scheduling, network_interfaces=[nic],
+            metadata=compute_v1.Metadata(items=metadata),
+            tags=compute_v1.Tags(items=["durastack", f"durastack-{slug(job.service, 52)}"]),  # network tags ≤ 63
+            disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=boot)])
+
+    def _wait(self, zone: str, op: compute_v1.Operation, what: str) -> None:
+        """Poll our own operations client until DONE (bounded); raise the operation's error, classified."""
+        _, operations = self._clients()
+        deadline = time.monotonic() + self.config.operation_timeout
+        while compute_v1.Operation.Status(op.status).name != "DONE":
+            if time.monotonic() > deadline:
+                # The insert may still succeed: a retry meets 409 and adopts the instance.
+                raise CloudError(ErrorKind.TRANSIENT, f"{what}: operation {op.name} still running", code="Timeout")
+            with _errors(f"{what} (operation)"):
+                # wait() returns when DONE or after about two minutes server-side, so this is not a busy loop.
+                op = operations.wait(project=self.project, zone=zone, operation=op.name)
+        if op.error and op.error.errors:
+            codes = [e.code for e in op.error.errors]
+            message = "; ".join(f"{e.code}: {e.message}" for e in op.error.errors)
+            raise CloudError(classify_gcp(codes, op.http_error_status_code or 500), _short(f"{what}: {message}"),
+                             code=codes[0])
+
+    def _get(self, zone: str, name: str) -> Optional[CloudInstance]:
+        instances, _ = self._clients()
+        try:
+            with _errors(f"get {name}"):
+                raw = instances.get(project=self.project, zone=zone, instance=name, retry=_READ_RETRY)
+        except CloudError as e:
+            if e.code == "notFound":
+                return None
+            raise
+        return self._instance(raw, zone)
+
+    def _aggregated(self, regions: Optional[list[str]], labels: dict[str, str]) -> list[CloudInstance]:
+        instances, _ = self._clients()
+        wanted = set(regions or self.regions)
+        request = compute_v1.AggregatedListInstancesRequest(
+            project=self.project, filter=" AND ".join(f'(labels.{k} = "{v}")' for k, v in sorted(labels.items())))
+        found = []
+        with _errors("aggregatedList instances"):
+            for scope, scoped in instances.aggregated_list(request=request, retry=_READ_RETRY):
+                zone = scope.rsplit("/", 1)[-1]
+                if not wanted or region_of(zone) in wanted:
+                    found += [self._instance(raw, zone) for raw in scoped.instances]
+        return sorted(found, key=lambda i: (i.launched_at is None, i.launched_at, i.zone, i.instance_id))
+
+    def _instance(self, raw: compute_v1.Instance, zone: str) -> CloudInstance:
+        labels = dict(raw.labels)
+        nic = raw.network_interfaces[0] if raw.network_interfaces else None
+        private = nic.network_i_p if nic else ""
+        public = nic.access_configs[0].nat_i_p if nic and nic.access_configs else ""
+        ip = (public or private) if self.config.public_ip else private
+        port = labels.get(LABELS["port"], "")
+        launched = None
+        if raw.creation_timestamp:
+            with contextlib.suppress(ValueError):
+                launched = datetime.fromisoformat(raw.creation_timestamp)
+        return CloudInstance(
+            backend="gcp", instance_id=raw.name, region=region_of(zone), zone=zone,
+            instance_type=raw.machine_type.rsplit("/", 1)[-1], key=labels.get(LABELS["key"], ""),
+            state=_STATES.get(raw.status, "pending"), spot=raw.scheduling.provisioning_model == "SPOT",
+            address=f"{ip}:{port}" if ip and port else "", private_ip=private, public_ip=public,
+            launched_at=launched, tags=labels)
+
+
+__all__ = ["ACCELERATORS", "GCPBackend", "REQUEST_NS", "region_of"]

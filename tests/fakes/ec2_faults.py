@@ -1,0 +1,225 @@
+"""moto's EC2 server behind a WSGI middleware that adds what moto lacks (cloud-testing.md 1.3).
+
+* a RunInstances fault table: an EC2 XML error for matching instance type / region, N times or forever;
+* real ClientToken semantics: same token + same params → the original reservation; other params →
+  IdempotentParameterMismatch; instance terminated → IdempotentInstanceTerminated; > 64 chars → invalid;
+* "lost responses": the instance is launched, then the client gets a 503 (as if the reply never came);
+* a log of RunInstances requests, so tests can count what reached EC2.
+
+Served by werkzeug on 127.0.0.1:<ephemeral> in a thread; ``ec2_server`` (session) and ``fake_ec2`` (per test:
+reset + env) are the fixtures. Import both into a test module to use them.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import parse_qs
+from xml.sax.saxutils import escape
+
+import boto3
+import pytest
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from werkzeug.serving import make_server
+
+GPU_AMI = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20250101"
+CPU_AMI = "ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-20250101"
+_STATUS = {"InsufficientInstanceCapacity": 500, "InternalError": 500, "ServiceUnavailable": 503,
+           "RequestLimitExceeded": 503}
+_REGION = re.compile(r"Credential=[^/]+/\d+/([a-z0-9-]+)/ec2/")
+
+
+@dataclass
+class Fault:
+    code: str
+    instance_type: Optional[str] = None
+    region: Optional[str] = None
+    times: Optional[int] = None  # None: forever
+    message: str = ""
+
+    def matches(self, params: dict, region: str) -> bool:
+        return (self.times is None or self.times > 0) and \
+            self.instance_type in (None, params.get("InstanceType")) and self.region in (None, region)
+
+
+@dataclass
+class _Launch:
+    fingerprint: tuple
+    body: bytes
+    headers: list
+    instance_ids: list[str] = field(default_factory=list)
+
+
+def _error(code: str, message: str, status: Optional[int] = None) -> tuple[int, list, bytes]:
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Response><Errors><Error><Code>{escape(code)}</Code>'
+            f'<Message>{escape(message or code)}</Message></Error></Errors>'
+            f'<RequestID>{uuid.uuid4()}</RequestID></Response>').encode()
+    return status or _STATUS.get(code, 400), [("Content-Type", "text/xml")], body
+
+
+class EC2FaultMiddleware:
+    def __init__(self, app):
+        self.app = app
+        self.lock = threading.Lock()  # RunInstances are serialised, as EC2 serialises one token's requests
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        self.faults: list[Fault] = []
+        self.launches: dict[tuple, _Launch] = {}
+        self.requests: list[dict] = []  # RunInstances params
+        self.actions: list[str] = []  # every EC2 Action, in order
+        self.lose = 0
+
+    def __call__(self, environ, start_response):
+        body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+        environ["wsgi.input"] = io.BytesIO(body)
+        if environ.get("PATH_INFO") == "/moto-api/reset":
+            with self.lock:
+                self.reset_state()
+            return self.app(environ, start_response)
+        params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True).items()}
+        with self.lock:
+            self.actions.append(params.get("Action", ""))
+        if params.get("Action") != "RunInstances":
+            return self.app(environ, start_response)
+        m = _REGION.search(environ.get("HTTP_AUTHORIZATION", ""))
+        region = m.group(1) if m else "us-east-1"
+        with self.lock:
+            status, headers, out = self._run_instances(environ, params, region)
+        start_response(f"{status} {'OK' if status == 200 else 'ERROR'}", headers)
+        return [out]
+
+    def _run_instances(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
+        self.requests.append({"region": region, **params})
+        token = params.get("ClientToken", "")
+        if len(token) > 64:
+            return _error("InvalidParameterValue", "ClientToken must be at most 64 characters")
+        fingerprint = tuple(sorted((k, v) for k, v in params.items()
+                                   if k not in ("ClientToken", "Placement.AvailabilityZone")))
+        cache_key = (region, token, params.get("Placement.AvailabilityZone"))  # zonal idempotency when an AZ is given
+        if token and cache_key in self.launches:
+            launch = self.launches[cache_key]
+            if launch.fingerprint != fingerprint:
+                return _error("IdempotentParameterMismatch", "The client token was used with other parameters")
+            if any(_moto_state(region, i) == "terminated" for i in launch.instance_ids):
+                return _error("IdempotentInstanceTerminated", "The instance launched with this token is terminated")
+            return self._maybe_lose(200, launch.headers, launch.body)
+        for fault in self.faults:
+            if fault.matches(params, region):
+                if fault.times is not None:
+                    fault.times -= 1
+                return _error(fault.code, fault.message or f"{fault.code} for {params.get('InstanceType')} "
+                                                           f"in {region} (injected)")
+        captured: dict = {}
+
+        def capture(status, headers, exc_info=None):
+            captured.update(status=int(status.split()[0]), headers=headers)
+
+        out = b"".join(self.app(environ, capture))
+        if captured["status"] == 200:
+            ids = re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", out)
+            if token:
+                self.launches[cache_key] = _Launch(fingerprint, out, captured["headers"], [i.decode() for i in ids])
+            return self._maybe_lose(200, captured["headers"], out)
+        return captured["status"], captured["headers"], out
+
+    def _maybe_lose(self, status: int, headers: list, body: bytes) -> tuple[int, list, bytes]:
+        """The launch happened (or was found by its token), but the client is told 503."""
+        if self.lose > 0:
+            self.lose -= 1
+            return _error("ServiceUnavailable", "response lost (injected; the instance was launched)", 503)
+        return status, headers, body
+
+
+def _moto_state(region: str, instance_id: str) -> str:
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    try:
+        return ec2_backends[DEFAULT_ACCOUNT_ID][region].get_instance(instance_id).state
+    except Exception:  # unknown to moto: treat as gone
+        return "terminated"
+
+
+class _QuietHandler(MotoRequestHandler):
+    def log_request(self, *args, **kwargs):  # one line per request would drown the test output
+        pass
+
+
+class EC2FaultServer:
+    def __init__(self):
+        self.middleware = EC2FaultMiddleware(DomainDispatcherApplication(create_backend_app))
+        self.server = make_server("127.0.0.1", 0, self.middleware, threaded=True, request_handler=_QuietHandler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="ec2-fake", daemon=True)
+
+    def start(self) -> "EC2FaultServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+    def reset(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(self.url + "/moto-api/reset", method="POST"), timeout=10).read()
+
+    # --- what tests use -----------------------------------------------------------------------------
+
+    def fail(self, code: str, *, instance_type: Optional[str] = None, region: Optional[str] = None,
+             times: Optional[int] = None, message: str = "") -> None:
+        with self.middleware.lock:
+            self.middleware.faults.append(Fault(code, instance_type, region, times, message))
+
+    def lose_responses(self, n: int) -> None:
+        with self.middleware.lock:
+            self.middleware.lose = n
+
+    def count(self, action: str) -> int:
+        with self.middleware.lock:
+            return self.middleware.actions.count(action)
+
+    @property
+    def run_requests(self) -> list[dict]:
+        with self.middleware.lock:
+            return list(self.middleware.requests)
+
+    def seed_amis(self, *regions: str) -> None:
+        """Register AMIs under the real names the backend looks up (found with Owners=["self"])."""
+        for region in regions:
+            ec2 = boto3.client("ec2", region_name=region, endpoint_url=self.url)
+            for name in (GPU_AMI, CPU_AMI):
+                ec2.register_image(Name=name, Description=name)
+
+
+@pytest.fixture(scope="session")
+def ec2_server():
+    server = EC2FaultServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake_ec2(ec2_server, monkeypatch, tmp_path):
+    """The shared server, reset, with this process's AWS env pointed at it (dummy credentials)."""
+    import moto.settings
+
+    env = {"AWS_ENDPOINT_URL_EC2": ec2_server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+           "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+           "MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION": "true"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(k, raising=False)
+    # moto reads this setting at import time; the server runs in this process, so set the module value too.
+    monkeypatch.setattr(moto.settings, "EC2_ENABLE_INSTANCE_TYPE_VALIDATION", True)
+    ec2_server.reset()  # before, not after: a failing test leaves its state for inspection
+    yield ec2_server

@@ -1,0 +1,259 @@
+"""A fake of the Compute Engine v1 REST API — just what durastack's GCP backend uses (cloud-testing.md 2.4).
+
+instances insert / get / list (label and status filter) / delete / aggregatedList, zone operations get and
+wait; requestId dedupe; 409 on a duplicate name in a zone; faults: capacity and quota in the operation,
+synchronous quota (403) or any HTTP error, and "lost responses" (created, then answered 503). A stdlib
+ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it into a test module).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/(?P<kind>instances|operations)"
+                        r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
+_AGGREGATED = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/aggregated/instances$")
+_TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name)\s*(=|!=)\s*"?([^")\s]*)"?\s*\)?')
+_REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "alreadyExists",
+            429: "rateLimitExceeded", 500: "backendError", 503: "backendError"}
+
+
+@dataclass
+class GCEFault:
+    kind: str  # capacity | quota (in the operation) | quota_sync (403) | http (status, reason)
+    zone: Optional[str] = None
+    machine_type: Optional[str] = None
+    times: Optional[int] = None
+    status: int = 503
+    reason: str = ""
+    message: str = ""
+
+    def matches(self, zone: str, machine_type: str) -> bool:
+        return (self.times is None or self.times > 0) and self.zone in (None, zone) and \
+            self.machine_type in (None, machine_type)
+
+
+def _http_error(status: int, message: str, reason: str = "") -> tuple[int, dict]:
+    reason = reason or _REASONS.get(status, "error")
+    return status, {"error": {"code": status, "message": message,
+                              "errors": [{"message": message, "domain": "global", "reason": reason}]}}
+
+
+def _matches(instance: dict, flt: str) -> bool:
+    for field, op, value in _TERM.findall(flt):
+        have = instance.get("labels", {}).get(field[7:]) if field.startswith("labels.") else instance.get(field)
+        if (have == value) != (op == "="):
+            return False
+    rest = _TERM.sub("", flt).replace("AND", "").strip()
+    if rest:
+        raise ValueError(f"unsupported filter: {flt!r}")
+    return True
+
+
+class FakeGCE:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1000)
+        self.reset()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _handle(self):
+                url = urlparse(self.path)
+                query = {k: v[0] for k, v in parse_qs(url.query).items()}
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+                with fake.lock:
+                    fake.requests.append({"method": self.command, "path": url.path, "query": query, "body": body})
+                    status, payload = fake.route(self.command, url.path, query, body)
+                out = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = do_DELETE = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       name="gce-fake", daemon=True)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.instances: dict[tuple[str, str, str], dict] = {}
+            self.operations: dict[tuple[str, str, str], dict] = {}
+            self.polls: dict[str, int] = {}
+            self.request_ids: dict[tuple[str, str, str], str] = {}
+            self.faults: list[GCEFault] = []
+            self.requests: list[dict] = []
+            self.lose = 0
+            self.op_polls = 1  # new operations report RUNNING for this many polls, then DONE
+
+    def start(self) -> "FakeGCE":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+    # --- test controls ----------------------------------------------------------------------------
+
+    def fail(self, kind: str, *, zone: Optional[str] = None, machine_type: Optional[str] = None,
+             times: Optional[int] = None, status: int = 503, reason: str = "", message: str = "") -> None:
+        with self.lock:
+            self.faults.append(GCEFault(kind, zone, machine_type, times, status, reason, message))
+
+    def lose_responses(self, n: int) -> None:
+        with self.lock:
+            self.lose = n
+
+    def inserts(self) -> list[dict]:
+        with self.lock:
+            return [r for r in self.requests if r["method"] == "POST" and r["path"].endswith("/instances")]
+
+    def all_instances(self) -> list[dict]:
+        with self.lock:
+            return list(self.instances.values())
+
+    # --- routes -----------------------------------------------------------------------------------
+
+    def route(self, method: str, path: str, query: dict, body: dict) -> tuple[int, dict]:
+        m = _AGGREGATED.match(path)
+        if m and method == "GET":
+            return self._aggregated(m["p"], query.get("filter", ""))
+        m = _ZONE_PATH.match(path)
+        if not m:
+            return _http_error(404, f"no route {method} {path}")
+        p, z, name = m["p"], m["z"], m["name"]
+        if m["kind"] == "operations" and name:
+            return self._operation(p, z, name, wait=bool(m["wait"]))
+        if method == "POST" and not name:
+            return self._insert(p, z, body, query.get("requestId", ""))
+        if method == "GET" and not name:
+            return self._list(p, z, query.get("filter", ""))
+        if method == "GET":
+            inst = self.instances.get((p, z, name))
+            return (200, inst) if inst else _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/"
+                                                              f"{name}' was not found")
+        if method == "DELETE":
+            if self.instances.pop((p, z, name), None) is None:
+                return _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/{name}' was not found")
+            return 200, self._new_op(p, z, "delete", name)
+        return _http_error(405, f"{method} not supported")
+
+    def _insert(self, p: str, z: str, body: dict, request_id: str) -> tuple[int, dict]:
+        name = body.get("name", "")
+        if not _NAME.match(name):
+            return _http_error(400, f"Invalid value for field 'resource.name': '{name}'.", "invalid")
+        if request_id and (p, z, request_id) in self.request_ids:
+            return 200, self.operations[(p, z, self.request_ids[(p, z, request_id)])]
+        if (p, z, name) in self.instances:
+            return _http_error(409, f"The resource 'projects/{p}/zones/{z}/instances/{name}' already exists")
+        machine_type = body.get("machineType", "").rsplit("/", 1)[-1]
+        for fault in self.faults:
+            if fault.matches(z, machine_type):
+                if fault.times is not None:
+                    fault.times -= 1
+                return self._fault(p, z, name, fault, request_id)
+        n = next(self.ids)
+        instance = {**body, "id": str(n), "status": "RUNNING", "zone": f"{self.url}/compute/v1/projects/{p}/zones/{z}",
+                    "machineType": f"{self.url}/compute/v1/projects/{p}/zones/{z}/machineTypes/{machine_type}",
+                    "creationTimestamp": "2026-01-01T00:00:00.000-00:00",
+                    "selfLink": f"{self.url}/compute/v1/projects/{p}/zones/{z}/instances/{name}"}
+        nics = [dict(nic) for nic in instance.get("networkInterfaces", [{}])]
+        for i, nic in enumerate(nics):
+            nic["networkIP"] = f"10.128.{n % 250}.{i + 2}"
+            nic["accessConfigs"] = [{**ac, "natIP": f"34.1.{n % 250}.{i + 2}"} for ac in nic.get("accessConfigs", [])]
+        instance["networkInterfaces"] = nics
+        self.instances[(p, z, name)] = instance
+        op = self._new_op(p, z, "insert", name, request_id)
+        if self.lose > 0:
+            self.lose -= 1
+            return _http_error(503, "response lost (injected; the instance was created)")
+        return 200, op
+
+    def _fault(self, p: str, z: str, name: str, fault: GCEFault, request_id: str) -> tuple[int, dict]:
+        if fault.kind == "capacity":
+            return 200, self._new_op(p, z, "insert", name, request_id, error=(
+                503, "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                fault.message or f"The zone 'projects/{p}/zones/{z}' does not have enough resources available "
+                                 "to fulfill the request. (injected)"))
+        if fault.kind == "quota":
+            return 200, self._new_op(p, z, "insert", name, request_id, error=(
+                403, "QUOTA_EXCEEDED", fault.message or f"Quota 'NVIDIA_T4_GPUS' exceeded.  Limit: 0.0 in region "
+                                                        f"{z.rsplit('-', 1)[0]}. (injected)"))
+        if fault.kind == "quota_sync":
+            return _http_error(403, fault.message or "Quota 'GPUS_ALL_REGIONS' exceeded.  Limit: 0.0 globally.",
+                               "quotaExceeded")
+        return _http_error(fault.status, fault.message or f"injected HTTP {fault.status}", fault.reason)
+
+    def _new_op(self, p: str, z: str, kind: str, target: str, request_id: str = "",
+                error: Optional[tuple[int, str, str]] = None) -> dict:
+        name = f"operation-{next(self.ids)}-{kind}"
+        op = {"kind": "compute#operation", "id": str(next(self.ids)), "name": name, "operationType": kind,
+              "zone": f"{self.url}/compute/v1/projects/{p}/zones/{z}", "progress": 0, "status": "RUNNING",
+              "targetLink": f"{self.url}/compute/v1/projects/{p}/zones/{z}/instances/{target}",
+              "selfLink": f"{self.url}/compute/v1/projects/{p}/zones/{z}/operations/{name}"}
+        if error:
+            status, code, message = error
+            op.update(error={"errors": [{"code": code, "message": message}]}, httpErrorStatusCode=status,
+                      httpErrorMessage="SERVICE UNAVAILABLE" if status == 503 else "FORBIDDEN")
+        self.operations[(p, z, name)] = op
+        self.polls[name] = self.op_polls
+        if request_id:
+            self.request_ids[(p, z, request_id)] = name
+        if not self.op_polls:
+            op.update(status="DONE", progress=100)
+        return op
+
+    def _operation(self, p: str, z: str, name: str, *, wait: bool) -> tuple[int, dict]:
+        op = self.operations.get((p, z, name))
+        if op is None:
+            return _http_error(404, f"operation {name} not found")
+        if wait or self.polls.get(name, 0) <= 0:
+            op.update(status="DONE", progress=100)
+        else:
+            self.polls[name] -= 1
+        return 200, op
+
+    def _list(self, p: str, z: str, flt: str) -> tuple[int, dict]:
+        try:
+            items = [i for (ip, iz, _), i in sorted(self.instances.items()) if (ip, iz) == (p, z) and _matches(i, flt)]
+        except ValueError as e:
+            return _http_error(400, str(e))
+        return 200, {"kind": "compute#instanceList", "items": items}
+
+    def _aggregated(self, p: str, flt: str) -> tuple[int, dict]:
+        scopes: dict[str, dict] = {}
+        try:
+            for (ip, iz, _), inst in sorted(self.instances.items()):
+                if ip == p and _matches(inst, flt):
+                    scopes.setdefault(f"zones/{iz}", {"instances": []})["instances"].append(inst)
+        except ValueError as e:
+            return _http_error(400, str(e))
+        return 200, {"kind": "compute#instanceAggregatedList", "items": scopes}
+
+
+@pytest.fixture
+def gce():
+    server = FakeGCE().start()
+    yield server
+    server.stop()

@@ -1,0 +1,334 @@
+"""AWS backend: boto3 against moto on 127.0.0.1, behind the fault + ClientToken middleware (tests/fakes).
+
+Covers the launch itself (type, AMI, tags, user-data, disk, spot, security group), exactly-once under lost
+responses and killed workers, the offer walk on capacity and quota errors, error classes, listing, and stop.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+from activities.aws import AWSBackend
+from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_service
+from activities.ledger import Ledger
+from activities.userdata import cloud_init
+from models.backends import AWSConfig, BackendsConfig, CloudError, ErrorKind, provisioning_key
+from models.offers import InstanceOffer
+from models.replica import JobSpec
+from models.resources import ResourcesSpec
+from tests.fakes.ec2_faults import CPU_AMI, GPU_AMI, ec2_server, fake_ec2  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = [sys.executable, "-m", "tests.fakes.provision_child"]
+GPU = ResourcesSpec.model_validate({"gpu": "1..", "disk": "150GB"})
+
+
+def offer(instance_type: str, price: float, *, region="us-east-1", gpu=("A10G", 24.0, 1), spot=False,
+          cpus=4, memory=16.0) -> InstanceOffer:
+    name, mem, count = gpu or (None, 0.0, 0)
+    return InstanceOffer(backend="aws", instance_type=instance_type, region=region, zones=[f"{region}a"], cpus=cpus,
+                         memory_gb=memory, gpu_vendor="nvidia" if gpu else None, gpu_name=name, gpu_memory_gb=mem,
+                         gpu_count=count, spot=spot, price=price)
+
+
+G4 = offer("g4dn.xlarge", 0.526, gpu=("T4", 16.0, 1))
+G5 = offer("g5.xlarge", 1.006)
+G5_WEST = offer("g5.xlarge", 1.1, region="us-west-2")
+P4 = offer("p4d.24xlarge", 21.96, gpu=("A100", 40.0, 8), cpus=96, memory=1152.0)
+M5 = offer("m5.xlarge", 0.192, gpu=None)
+
+
+def job(replica=0, submission=0, service="svc", group="llm") -> JobSpec:
+    return JobSpec(service=service, group=group, replica_num=replica, submission_num=submission, port=8000,
+                   commands=["vllm serve Qwen/Qwen2.5-0.5B --port 8000"], env={"HF_TOKEN": "hf_x"})
+
+
+@pytest.fixture
+def aws(fake_ec2):
+    fake_ec2.seed_amis("us-east-1", "us-west-2")
+    return AWSBackend(AWSConfig(regions=["us-east-1", "us-west-2"], ami_owners=["self"],
+                                gateway_cidrs=["203.0.113.7/32"]))
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    return Ledger(tmp_path / "ledger" / "instances.jsonl")
+
+
+def ec2(region="us-east-1"):
+    return boto3.client("ec2", region_name=region)
+
+
+def all_instances(region="us-east-1", states=("pending", "running")) -> list[dict]:
+    res = ec2(region).describe_instances(Filters=[{"Name": "instance-state-name", "Values": list(states)}])
+    return [i for r in res["Reservations"] for i in r["Instances"]]
+
+
+def walk(aws_backend, ledger, offers, j=None, **kw):
+    return provision_cloud(j or job(), GPU, offers, backends={"aws": aws_backend}, ledger=ledger, max_offers=25, **kw)
+
+
+# --- the launch -----------------------------------------------------------------------------------
+
+def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_ec2):
+    chosen, inst = walk(aws, ledger, [G5, P4])
+    assert chosen.instance_type == inst.instance_type == "g5.xlarge" and inst.state in ("pending", "running")
+    (raw,) = all_instances()
+    assert raw["InstanceId"] == inst.instance_id and raw["InstanceType"] == "g5.xlarge"
+    key = provisioning_key("svc", "llm", 0, 0, chosen)
+    tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
+    assert tags == {"Name": "durastack-svc-llm-r0-s0", "durastack:service": "svc", "durastack:group": "llm",
+                    "durastack:replica": "r0-s0", "durastack:key": key, "durastack:port": "8000"}
+    image = ec2().describe_images(ImageIds=[raw["ImageId"]])["Images"][0]
+    assert image["Name"] == GPU_AMI
+    user_data = ec2().describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")
+    text = base64.b64decode(user_data["UserData"]["Value"]).decode()
+    assert text == cloud_init(job(), gpu=True) and "--gpus all" in text
+    volumes = ec2().describe_volumes(Filters=[{"Name": "attachment.instance-id", "Values": [inst.instance_id]}])
+    assert [v["Size"] for v in volumes["Volumes"]] == [150]
+    run = fake_ec2.run_requests[-1]
+    assert run["ClientToken"] == key and run["MinCount"] == run["MaxCount"] == "1"
+    assert run["InstanceInitiatedShutdownBehavior"] == "terminate"
+    assert inst.address == f"{raw['PublicIpAddress']}:8000" and inst.price == 1.006
+    assert [e["phase"] for e in ledger.entries(key)] == ["intent", "created"]
+    assert "hf_x" not in ledger.path.read_text()  # env values (secrets) never reach the ledger
+
+
+def test_security_group_opens_the_port_to_the_gateway_only(aws, fake_ec2):
+    inst = aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    (raw,) = all_instances()
+    (sg_ref,) = raw["SecurityGroups"]
+    assert sg_ref["GroupName"] == "durastack-svc"
+    sg = ec2().describe_security_groups(GroupIds=[sg_ref["GroupId"]])["SecurityGroups"][0]
+    rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"])) for p in sg["IpPermissions"]}
+    assert rules == {(8000, ("203.0.113.7/32",))}  # no SSH unless ssh_cidrs is set
+    aws.create(job(replica=1), G5, provisioning_key("svc", "llm", 1, 0, G5))  # reused, not duplicated
+    assert fake_ec2.count("CreateSecurityGroup") == 1 and inst
+
+
+def test_ssh_rule_only_when_configured_and_default_gateway_source_is_the_vpc(fake_ec2):
+    fake_ec2.seed_amis("us-east-1")
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], ssh_cidrs=["198.51.100.0/24"]))
+    backend.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    sg = ec2().describe_security_groups(Filters=[{"Name": "group-name", "Values": ["durastack-svc"]}])
+    vpc = ec2().describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"][0]
+    perms = sg["SecurityGroups"][0]["IpPermissions"]
+    rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"])) for p in perms}
+    assert rules == {(8000, (vpc["CidrBlock"],)), (22, ("198.51.100.0/24",))}
+
+
+def test_spot_offer_uses_instance_market_options(aws, fake_ec2):
+    spot = offer("g5.xlarge", 0.41, spot=True)
+    inst = aws.create(job(), spot, provisioning_key("svc", "llm", 0, 0, spot))
+    assert inst.spot and all_instances()[0]["InstanceLifecycle"] == "spot"
+    assert fake_ec2.run_requests[-1]["InstanceMarketOptions.MarketType"] == "spot"
+
+
+def test_cpu_instance_gets_the_cpu_ami_and_no_gpu_flag(aws):
+    inst = aws.create(job(), M5, provisioning_key("svc", "llm", 0, 0, M5))
+    raw = all_instances()[0]
+    assert ec2().describe_images(ImageIds=[raw["ImageId"]])["Images"][0]["Name"] == CPU_AMI
+    text = base64.b64decode(ec2().describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")
+                            ["UserData"]["Value"]).decode()
+    assert "--gpus" not in text
+
+
+def test_ami_lookup_is_cached_and_overridable(aws, fake_ec2):
+    aws.create(job(0), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    aws.create(job(1), G5, provisioning_key("svc", "llm", 1, 0, G5))
+    assert fake_ec2.count("DescribeImages") == 1
+    image_id = ec2().register_image(Name="my-own-image")["ImageId"]
+    custom = AWSBackend(AWSConfig(regions=["us-east-1"], ami_id=image_id))
+    inst = custom.create(job(2), G5, provisioning_key("svc", "llm", 2, 0, G5))
+    assert next(i for i in all_instances() if i["InstanceId"] == inst.instance_id)["ImageId"] == image_id
+
+
+def test_missing_ami_is_fatal_with_a_clear_message(fake_ec2):
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"]))  # nothing registered
+    with pytest.raises(CloudError, match="no AMI 'Deep Learning Base OSS") as e:
+        backend.create(job(), G5, "k")
+    assert e.value.kind is ErrorKind.FATAL
+
+
+# --- exactly once -----------------------------------------------------------------------------------
+
+def test_same_key_returns_the_same_instance(aws, fake_ec2):
+    key = provisioning_key("svc", "llm", 0, 0, G5)
+    first = aws.create(job(), G5, key)
+    again = aws.create(job(), G5, key)
+    assert again.instance_id == first.instance_id and len(all_instances()) == 1
+    assert len(fake_ec2.run_requests) == 2  # both calls reached EC2; the token made the second a no-op
+
+
+def test_lost_responses_ten_times_then_one_instance(aws, ledger, fake_ec2):
+    """RunInstances succeeds but its answer is lost (503) ten times in a row; each retry carries the same token."""
+    key = provisioning_key("svc", "llm", 0, 0, G5)
+    fake_ec2.lose_responses(10)
+    for _ in range(10):
+        with pytest.raises(CloudError) as e:
+            aws.create(job(), G5, key)
+        assert e.value.kind is ErrorKind.TRANSIENT
+    inst = aws.create(job(), G5, key)
+    assert [i["InstanceId"] for i in all_instances()] == [inst.instance_id]
+    assert len(fake_ec2.run_requests) == 11  # botocore did not retry on its own
+
+
+def test_walker_retries_the_unresolved_key_first(aws, ledger, fake_ec2):
+    """Cheapest offer out of capacity, the next launched but its answer lost; when capacity is back, the retry
+    must not launch the cheaper one: it finds the launched instance instead."""
+    fake_ec2.fail("InsufficientInstanceCapacity", instance_type="g4dn.xlarge", times=1)
+    fake_ec2.lose_responses(1)
+    with pytest.raises(CloudError) as e:
+        walk(aws, ledger, [G4, G5])
+    assert e.value.kind is ErrorKind.TRANSIENT
+    for _ in range(10):
+        chosen, inst = walk(aws, ledger, [G4, G5])
+        assert chosen.instance_type == "g5.xlarge"
+    assert [i["InstanceType"] for i in all_instances()] == ["g5.xlarge"]
+
+
+def test_parameter_mismatch_after_a_new_ami_adopts_the_instance(aws, fake_ec2):
+    key = provisioning_key("svc", "llm", 0, 0, G5)
+    first = aws.create(job(), G5, key)
+    # A newer DLAMI replaces the old one (deregistered, so the lookup cannot tie on creation time).
+    ec2().deregister_image(ImageId=fake_ec2.run_requests[0]["ImageId"])
+    ec2().register_image(Name=GPU_AMI.replace("20250101", "20991231"))
+    fresh = AWSBackend(aws.config)  # another worker: no AMI cache
+    again = fresh.create(job(), G5, key)
+    assert again.instance_id == first.instance_id and len(all_instances()) == 1
+    assert fake_ec2.run_requests[-1]["ImageId"] != fake_ec2.run_requests[0]["ImageId"]
+
+
+def _spec(tmp_path, fake_ec2, n: int, kill: bool) -> Path:
+    spec = {"config": {"aws": {"regions": ["us-east-1"], "ami_owners": ["self"]}},
+            "job": job().model_dump(mode="json"), "resources": GPU.model_dump(mode="json"),
+            "offers": [o.model_dump(mode="json") for o in (G4, G5)], "ledger": str(tmp_path / "ledger.jsonl"),
+            "kill": kill}
+    path = tmp_path / f"spec{n}.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_worker_killed_after_the_cloud_call_ten_times_leaves_one_instance(aws, tmp_path, fake_ec2):
+    fake_ec2.fail("InsufficientInstanceCapacity", instance_type="g4dn.xlarge", times=1)
+    for n in range(10):
+        proc = subprocess.run([*CHILD, str(_spec(tmp_path, fake_ec2, n, True))], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+    proc = subprocess.run([*CHILD, str(_spec(tmp_path, fake_ec2, 99, False))], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)
+    result = json.loads(proc.stdout)
+    (raw,) = all_instances()
+    assert raw["InstanceId"] == result["instance"]["instance_id"] and raw["InstanceType"] == "g5.xlarge"
+    assert len(fake_ec2.run_requests) == 2  # g4dn (no capacity) and g5 once: later workers adopted it
+
+
+# --- the offer walk ---------------------------------------------------------------------------------
+
+def test_capacity_error_on_the_cheapest_offer_uses_the_next(aws, ledger, fake_ec2):
+    fake_ec2.fail("InsufficientInstanceCapacity", instance_type="g4dn.xlarge")
+    chosen, inst = walk(aws, ledger, [G5, G4])
+    assert chosen.instance_type == inst.instance_type == "g5.xlarge"
+    types = [r["InstanceType"] for r in fake_ec2.run_requests]
+    assert types == ["g4dn.xlarge", "g5.xlarge"]  # one request per offer: botocore's retries are off for HTTP 500
+    last = ledger.entries(provisioning_key("svc", "llm", 0, 0, G4))[-1]
+    assert last["data"]["code"] == "InsufficientInstanceCapacity"
+
+
+@pytest.mark.parametrize("code", ["SpotMaxPriceTooLow", "Unsupported"])
+def test_other_capacity_codes_move_on(aws, ledger, fake_ec2, code):
+    fake_ec2.fail(code, instance_type="g4dn.xlarge")
+    assert walk(aws, ledger, [G4, G5])[0].instance_type == "g5.xlarge"
+
+
+@pytest.mark.parametrize("code", ["VcpuLimitExceeded", "InstanceLimitExceeded"])
+def test_quota_error_skips_the_region_and_class(aws, ledger, fake_ec2, code):
+    fake_ec2.fail(code, region="us-east-1")
+    chosen, _ = walk(aws, ledger, [G4, G5, G5_WEST])
+    assert (chosen.instance_type, chosen.region) == ("g5.xlarge", "us-west-2")
+    assert [(r["InstanceType"], r["region"]) for r in fake_ec2.run_requests] == \
+        [("g4dn.xlarge", "us-east-1"), ("g5.xlarge", "us-west-2")]  # g5 in us-east-1 (same G quota) skipped
+
+
+def test_quota_of_one_class_does_not_skip_another(aws, ledger, fake_ec2):
+    fake_ec2.fail("VcpuLimitExceeded", instance_type="g4dn.xlarge")
+    fake_ec2.fail("InsufficientInstanceCapacity", instance_type="g5.xlarge")
+    chosen, _ = walk(aws, ledger, [G4, G5, P4])
+    assert chosen.instance_type == "p4d.24xlarge"  # the P quota is separate from the G quota
+
+
+def test_all_offers_failed_lists_the_reasons(aws, ledger, fake_ec2):
+    fake_ec2.fail("InsufficientInstanceCapacity")
+    with pytest.raises(NoCapacity, match=r"^all offers failed: aws g4dn.xlarge in us-east-1 \(\$0.526/h\): .*"
+                                         r"InsufficientInstanceCapacity.*; aws g5.xlarge"):
+        walk(aws, ledger, [G4, G5])
+
+
+@pytest.mark.parametrize("code,kind", [("AuthFailure", ErrorKind.FATAL), ("UnauthorizedOperation", ErrorKind.FATAL),
+                                       ("RequestLimitExceeded", ErrorKind.TRANSIENT),
+                                       ("InternalError", ErrorKind.TRANSIENT)])
+def test_fatal_and_transient_errors_stop_the_walk(aws, ledger, fake_ec2, code, kind):
+    fake_ec2.fail(code, instance_type="g4dn.xlarge", message=f"{code} for you")
+    with pytest.raises(CloudError, match=f"{code}: {code} for you") as e:
+        walk(aws, ledger, [G4, G5])
+    assert e.value.kind is kind
+    assert [r["InstanceType"] for r in fake_ec2.run_requests] == ["g4dn.xlarge"]
+
+
+def test_missing_credentials_fail_the_replica_with_that_message(aws, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"]))
+    with pytest.raises(CloudError, match="credentials") as e:
+        backend.create(job(), G5, "k")
+    assert e.value.kind is ErrorKind.FATAL
+
+
+# --- listing, termination, stop ---------------------------------------------------------------------
+
+def test_list_tagged_sees_only_durastack_instances_in_every_region(aws, ledger):
+    walk(aws, ledger, [G5], j=job(0))
+    walk(aws, ledger, [G5_WEST], j=job(1, service="other"))
+    untagged = ec2().run_instances(ImageId=all_instances()[0]["ImageId"], InstanceType="t3.micro", MinCount=1,
+                                   MaxCount=1)["Instances"][0]["InstanceId"]
+    listed = aws.list_tagged()
+    assert sorted((i.region, i.owner) for i in listed) == [("us-east-1", ("svc", "llm", "r0-s0")),
+                                                           ("us-west-2", ("other", "llm", "r1-s0"))]
+    assert untagged not in {i.instance_id for i in listed}
+    assert [i.region for i in aws.list_tagged(service="other")] == ["us-west-2"]
+
+
+def test_terminating_a_gone_instance_is_success(aws, ledger):
+    _, inst = walk(aws, ledger, [G5])
+    terminate_cloud(inst, backends={"aws": aws}, ledger=ledger)
+    assert aws.get(inst) is None
+    terminate_cloud(inst, backends={"aws": aws}, ledger=ledger)  # again
+    aws.terminate(inst.model_copy(update={"instance_id": "i-0123456789abcdef0"}))  # never existed
+    assert ledger.entries(inst.key)[-1]["phase"] == "terminated"
+
+
+def test_stopping_the_service_leaves_no_instance_tagged_for_it(aws, ledger):
+    for n in range(3):
+        walk(aws, ledger, [G5 if n % 2 else G5_WEST], j=job(n))
+    walk(aws, ledger, [G5], j=job(9, service="keep"))
+    assert terminate_service({"aws": aws}, "svc", ledger=ledger) == 3
+    assert aws.list_tagged(service="svc") == []
+    assert [i.owner[0] for i in aws.list_tagged()] == ["keep"]
+    running = [i for r in ("us-east-1", "us-west-2") for i in all_instances(r)
+               if {"Key": "durastack:service", "Value": "svc"} in i.get("Tags", [])]
+    assert running == []
+
+
+def test_make_backends_from_config_uses_catalog_regions_when_none_configured():
+    from activities.cloud import make_backends
+
+    backends = make_backends(BackendsConfig(aws=AWSConfig()), catalog=[G5, G5_WEST])
+    assert list(backends) == ["aws"] and backends["aws"].regions == ["us-east-1", "us-west-2"]

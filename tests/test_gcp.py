@@ -1,0 +1,261 @@
+"""GCP backend: google-cloud-compute (REST) against the fake Compute server in tests/fakes/gce.py.
+
+The client is pointed at the fake with the endpoint setting and anonymous credentials; it never reaches
+Google (insert_unary + our own ZoneOperationsClient, so even operation polling stays on the fake).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from activities.cloud import NoCapacity, make_backends, provision_cloud, terminate_cloud, terminate_service
+from activities.gcp import REQUEST_NS, GCPBackend
+from activities.ledger import Ledger
+from activities.userdata import startup_script
+from models.backends import BackendsConfig, CloudError, ErrorKind, GCPConfig, owner, provisioning_key
+from models.offers import InstanceOffer
+from models.replica import JobSpec
+from models.resources import ResourcesSpec
+from tests.fakes.gce import gce  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = [sys.executable, "-m", "tests.fakes.provision_child"]
+GPU = ResourcesSpec.model_validate({"gpu": "1..", "disk": "200GB"})
+CENTRAL = ["us-central1-a", "us-central1-b", "us-central1-c"]
+
+
+def offer(instance_type: str, price: float, *, region="us-central1", zones=None, gpu=("T4", 16.0, 1),
+          spot=False) -> InstanceOffer:
+    name, mem, count = gpu or (None, 0.0, 0)
+    return InstanceOffer(backend="gcp", instance_type=instance_type, region=region,
+                         zones=zones if zones is not None else [f"{region}-a", f"{region}-b"], cpus=4, memory_gb=15.0,
+                         gpu_vendor="nvidia" if gpu else None, gpu_name=name, gpu_memory_gb=mem, gpu_count=count,
+                         spot=spot, price=price)
+
+
+N1_T4 = offer("n1-standard-4", 0.54, zones=CENTRAL)
+N1_T4_SPOT = offer("n1-standard-4", 0.18, zones=CENTRAL, spot=True)
+G2 = offer("g2-standard-4", 0.71, gpu=("L4", 24.0, 1))
+G2_EAST = offer("g2-standard-4", 0.72, region="us-east1", gpu=("L4", 24.0, 1))
+
+
+def job(replica=0, submission=0, service="Svc.One", group="llm") -> JobSpec:
+    return JobSpec(service=service, group=group, replica_num=replica, submission_num=submission, port=8000,
+                   commands=["vllm serve Qwen/Qwen2.5-0.5B --port 8000"], env={"HF_TOKEN": "hf_x"})
+
+
+@pytest.fixture
+def gcp(gce):
+    return GCPBackend(GCPConfig(project_id="proj", regions=["us-central1", "us-east1"], endpoint=gce.url))
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    return Ledger(tmp_path / "ledger" / "instances.jsonl")
+
+
+def walk(backend, ledger, offers, j=None):
+    return provision_cloud(j or job(), GPU, offers, backends={"gcp": backend}, ledger=ledger, max_offers=25)
+
+
+# --- the launch -----------------------------------------------------------------------------------
+
+def test_gpu_group_comes_up_with_accelerators_spot_labels_and_startup_script(gcp, ledger, gce):
+    chosen, inst = walk(gcp, ledger, [N1_T4_SPOT, G2])
+    key = provisioning_key("Svc.One", "llm", 0, 0, N1_T4_SPOT)
+    assert chosen == N1_T4_SPOT.model_copy(update={"disk_gb": 200.0})
+    assert (inst.instance_id, inst.zone, inst.state, inst.spot) == (key, "us-central1-a", "running", True)
+    (req,) = gce.inserts()
+    body = req["body"]
+    assert req["path"] == "/compute/v1/projects/proj/zones/us-central1-a/instances"
+    assert req["query"]["requestId"] == str(__import__("uuid").uuid5(REQUEST_NS, f"{key}/us-central1-a"))
+    assert body["name"] == key and body["machineType"] == "zones/us-central1-a/machineTypes/n1-standard-4"
+    assert body["guestAccelerators"] == [{"acceleratorType": "zones/us-central1-a/acceleratorTypes/nvidia-tesla-t4",
+                                          "acceleratorCount": 1}]
+    assert body["scheduling"] == {"provisioningModel": "SPOT", "onHostMaintenance": "TERMINATE",
+                                  "automaticRestart": False, "instanceTerminationAction": "DELETE"}
+    assert body["labels"] == {"managed-by": "durastack", "durastack-service": "svc-one", "durastack-group": "llm",
+                              "durastack-replica": "r0-s0", "durastack-key": key, "durastack-port": "8000"}
+    (disk,) = body["disks"]
+    assert disk["boot"] and disk["autoDelete"] and disk["initializeParams"]["diskSizeGb"] == "200"
+    assert "deeplearning-platform-release" in disk["initializeParams"]["sourceImage"]
+    items = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    assert items == {"startup-script": startup_script(job(), gpu=True), "install-nvidia-driver": "True"}
+    assert inst.address == "34.1.{}.2:8000".format(inst.public_ip.split(".")[2]) and inst.price == 0.18
+    assert [e["phase"] for e in ledger.entries(key)] == ["intent", "created"]
+    assert inst.owner == owner("gcp", "Svc.One", "llm", 0, 0)
+
+
+def test_machine_types_with_built_in_gpus_get_no_accelerators_and_on_demand_scheduling(gcp, gce):
+    inst = gcp.create(job(), G2, provisioning_key("Svc.One", "llm", 0, 0, G2))
+    body = gce.inserts()[-1]["body"]
+    assert "guestAccelerators" not in body and not inst.spot
+    assert body["scheduling"] == {"provisioningModel": "STANDARD", "onHostMaintenance": "TERMINATE",
+                                  "automaticRestart": True}
+
+
+def test_cpu_instance_uses_the_cpu_image_and_may_migrate(gcp, gce):
+    cpu = offer("n2-standard-4", 0.19, gpu=None)
+    gcp.create(job(), cpu, provisioning_key("Svc.One", "llm", 0, 0, cpu))
+    body = gce.inserts()[-1]["body"]
+    assert "ubuntu-os-cloud" in body["disks"][0]["initializeParams"]["sourceImage"]
+    assert body["scheduling"]["onHostMaintenance"] == "MIGRATE"
+    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script"]
+
+
+# --- exactly once -----------------------------------------------------------------------------------
+
+def test_same_key_twice_adopts_on_409(gcp, gce):
+    key = provisioning_key("Svc.One", "llm", 0, 0, G2)
+    first = gcp.create(job(), G2, key)
+    again = gcp.create(job(), G2, key)
+    assert again.instance_id == first.instance_id and len(gce.all_instances()) == 1
+
+
+def test_lost_responses_ten_times_then_one_instance(gcp, gce):
+    key = provisioning_key("Svc.One", "llm", 0, 0, G2)
+    gce.lose_responses(1)  # created, answered 503
+    with pytest.raises(CloudError) as e:
+        gcp.create(job(), G2, key)
+    assert e.value.kind is ErrorKind.TRANSIENT
+    for _ in range(10):  # same requestId → the same operation; or the name → 409 → adopt
+        assert gcp.create(job(), G2, key).instance_id == key
+    assert len(gce.all_instances()) == 1
+
+
+def test_walker_repeated_after_lost_responses_keeps_one_instance(gcp, ledger, gce):
+    gce.fail("capacity", machine_type="n1-standard-4", times=3)  # every zone of the cheapest offer, once
+    gce.lose_responses(1)
+    with pytest.raises(CloudError):
+        walk(gcp, ledger, [N1_T4, G2])
+    for _ in range(10):
+        chosen, inst = walk(gcp, ledger, [N1_T4, G2])  # capacity is back for n1, but g2 exists already
+        assert chosen.instance_type == "g2-standard-4"
+    assert [i["name"] for i in gce.all_instances()] == [provisioning_key("Svc.One", "llm", 0, 0, G2)]
+
+
+def _spec(tmp_path, gce, n: int, kill: bool) -> Path:
+    spec = {"config": {"gcp": {"project_id": "proj", "regions": ["us-central1"], "endpoint": gce.url}},
+            "job": job().model_dump(mode="json"), "resources": GPU.model_dump(mode="json"),
+            "offers": [o.model_dump(mode="json") for o in (N1_T4, G2)], "ledger": str(tmp_path / "ledger.jsonl"),
+            "kill": kill}
+    path = tmp_path / f"spec{n}.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_worker_killed_after_the_cloud_call_ten_times_leaves_one_instance(tmp_path, gce):
+    gce.fail("capacity", machine_type="n1-standard-4", times=3)
+    for n in range(10):
+        proc = subprocess.run([*CHILD, str(_spec(tmp_path, gce, n, True))], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+    proc = subprocess.run([*CHILD, str(_spec(tmp_path, gce, 99, False))], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)
+    result = json.loads(proc.stdout)
+    (only,) = gce.all_instances()
+    assert only["name"] == result["instance"]["instance_id"] == provisioning_key("Svc.One", "llm", 0, 0, G2)
+    assert len(gce.inserts()) == 4  # three zones without capacity, then g2 once; later workers adopted it
+
+
+# --- zones, offers, errors --------------------------------------------------------------------------
+
+def test_zone_without_capacity_moves_to_the_next_zone(gcp, ledger, gce):
+    gce.fail("capacity", zone="us-central1-a")
+    _, inst = walk(gcp, ledger, [N1_T4, G2])
+    assert (inst.instance_type, inst.zone) == ("n1-standard-4", "us-central1-b")
+
+
+def test_no_capacity_in_any_zone_moves_to_the_next_offer(gcp, ledger, gce):
+    gce.fail("capacity", machine_type="n1-standard-4")
+    chosen, inst = walk(gcp, ledger, [N1_T4, G2])
+    assert chosen.instance_type == inst.instance_type == "g2-standard-4"
+    assert [r["path"].split("/")[6] for r in gce.inserts()] == CENTRAL + ["us-central1-a"]
+
+
+@pytest.mark.parametrize("kind", ["quota", "quota_sync_regional"])
+def test_quota_exceeded_skips_the_region(gcp, ledger, gce, kind):
+    if kind == "quota":
+        gce.fail("quota", zone="us-central1-a")
+    else:
+        gce.fail("quota_sync", zone="us-central1-a",
+                 message="Quota 'NVIDIA_T4_GPUS' exceeded. Limit: 0.0 in region us-central1.")
+    chosen, _ = walk(gcp, ledger, [N1_T4, G2, G2_EAST])
+    assert (chosen.instance_type, chosen.region) == ("g2-standard-4", "us-east1")
+    assert len(gce.inserts()) == 2  # n1 in us-central1-a, then g2 in us-east1; g2 in us-central1 skipped
+
+
+def test_global_gpu_quota_skips_every_region(gcp, ledger, gce):
+    gce.fail("quota_sync")  # GPUS_ALL_REGIONS
+    with pytest.raises(NoCapacity, match="skipped, quota exceeded for gcp all regions"):
+        walk(gcp, ledger, [N1_T4, G2, G2_EAST])
+    assert len(gce.inserts()) == 1
+
+
+@pytest.mark.parametrize("status,reason,kind,message", [
+    (403, "forbidden", ErrorKind.FATAL, "forbidden: HTTP 403 here"),
+    # google-auth answers a 401 by refreshing the credentials; anonymous ones cannot be refreshed.
+    (401, "required", ErrorKind.FATAL, "GCP credentials: Anonymous credentials cannot be refreshed"),
+    (400, "invalid", ErrorKind.FATAL, "invalid: HTTP 400 here"),
+    (503, "backendError", ErrorKind.TRANSIENT, "backendError: HTTP 503 here"),
+    (429, "rateLimitExceeded", ErrorKind.TRANSIENT, "rateLimitExceeded: HTTP 429 here")])
+def test_fatal_and_transient_errors_stop_the_walk(gcp, ledger, gce, status, reason, kind, message):
+    gce.fail("http", status=status, reason=reason, message=f"HTTP {status} here")
+    with pytest.raises(CloudError, match=message) as e:
+        walk(gcp, ledger, [N1_T4, G2])
+    assert e.value.kind is kind and len(gce.inserts()) == 1
+
+
+def test_name_taken_by_a_foreign_instance_is_fatal(gcp, gce):
+    key = provisioning_key("Svc.One", "llm", 0, 0, G2)
+    gce.instances[("proj", "us-central1-a", key)] = {"name": key, "status": "RUNNING", "labels": {"team": "ml"},
+                                                     "machineType": "zones/us-central1-a/machineTypes/e2-small"}
+    with pytest.raises(CloudError, match="taken by an instance durastack did not label"):
+        gcp.create(job(), G2, key)
+
+
+# --- listing, termination, stop ---------------------------------------------------------------------
+
+def test_list_tagged_filters_by_label_and_region(gcp, ledger, gce):
+    walk(gcp, ledger, [G2], j=job(0))
+    walk(gcp, ledger, [G2_EAST], j=job(1, service="other"))
+    assert sorted((i.region, i.owner[0]) for i in gcp.list_tagged()) == [("us-central1", "svc-one"),
+                                                                         ("us-east1", "other")]
+    assert [i.region for i in gcp.list_tagged(service="other")] == ["us-east1"]
+    assert [i.region for i in gcp.list_tagged(regions=["us-east1"])] == ["us-east1"]
+    assert "labels.managed-by" in gce.requests[-1]["query"]["filter"]
+
+
+def test_terminating_a_gone_instance_is_success(gcp, ledger, gce):
+    _, inst = walk(gcp, ledger, [G2])
+    terminate_cloud(inst, backends={"gcp": gcp}, ledger=ledger)
+    assert gcp.get(inst) is None and gce.all_instances() == []
+    terminate_cloud(inst, backends={"gcp": gcp}, ledger=ledger)
+
+
+def test_stopping_the_service_leaves_no_instance_labelled_for_it(gcp, ledger, gce):
+    for n in range(3):
+        walk(gcp, ledger, [G2 if n % 2 else G2_EAST], j=job(n))
+    walk(gcp, ledger, [G2], j=job(9, service="keep"))
+    assert terminate_service({"gcp": gcp}, "Svc.One", ledger=ledger) == 3
+    assert gcp.list_tagged(service="Svc.One") == []
+    assert [i["labels"]["durastack-service"] for i in gce.all_instances()] == ["keep"]
+
+
+def test_operation_polling_never_leaves_the_configured_endpoint(gcp, gce):
+    gce.op_polls = 3  # the insert operation stays RUNNING for a while
+    gcp.create(job(), G2, provisioning_key("Svc.One", "llm", 0, 0, G2))
+    waits = [r for r in gce.requests if r["path"].endswith("/wait")]
+    assert waits, "operation was not polled through our own ZoneOperationsClient"
+
+
+def test_make_backends_with_an_http_endpoint_uses_anonymous_credentials(gce):
+    backends = make_backends(BackendsConfig(gcp=GCPConfig(project_id="proj", endpoint=gce.url)), catalog=[G2, G2_EAST])
+    assert backends["gcp"].regions == ["us-central1", "us-east1"]
+    assert backends["gcp"].list_tagged() == []
