@@ -26,9 +26,10 @@ from cli.client import run as _run
 from cli.main import FileOption, app, err, out, print_errors
 from cli.render import ps_table, status_json
 from models.loader import load_config_file
-from models.run import ScaleRequest, ServiceState, ServiceStatus
+from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from models.service import SERVICE_NAME_RE, ServiceConfiguration
 from models.settings import Settings, load_or_create_token
+from workflows.changes import classify
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 RPC = timedelta(seconds=5)
@@ -113,41 +114,62 @@ def _print_plan(config: ServiceConfiguration) -> list[str]:
 
 
 def _all_ready(status: ServiceStatus) -> bool:
-    return all(sum(1 for r in g.replicas if r.ready and r.status == "running") >= g.desired for g in status.groups)
+    return all(sum(1 for r in g.replicas if r.ready and r.status == "running" and r.deployment == status.deployment)
+               >= g.desired and not g.rollout for g in status.groups)
+
+
+def _failed_rollout(status: ServiceStatus) -> Optional[str]:
+    failed = [f"group {g.name}: {g.rollout}" for g in status.groups if g.rollout.startswith("failed")]
+    return "; ".join(failed) or None
 
 
 @app.command()
 def apply(
     file: Path = FileOption,
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
-    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the service is submitted."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the service is submitted or updated."),
+    force: bool = typer.Option(False, "--force", help="With -y: stop and re-create a service whose change "
+                                                      "cannot be applied in place."),
 ) -> None:
-    """Submit a service: validate, show the plan, start it, and follow it until every group is ready."""
+    """Submit a service, or update a running one (in place or by rolling deployment), and follow it."""
     settings = Settings.from_env()
     config = _resolve(_config_or_exit(file), file, dict(os.environ))
     problems = _print_plan(config)
     if problems:
         raise _user_error("nothing was submitted: " + "; ".join(problems))
-    if not yes:
-        if not sys.stdin.isatty():
-            raise _user_error("no terminal to confirm on: pass -y to apply")
-        if not typer.confirm(f"Submit the service {config.name}?"):
-            raise typer.Exit(1)
-    _run(_apply(settings, config, detach))
+    _run(_apply(settings, config, yes, detach, force))
 
 
-async def _apply(settings: Settings, config: ServiceConfiguration, detach: bool) -> None:
+def _confirm(question: str, yes: bool) -> None:
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise _user_error(f"{question} — no terminal to confirm on: pass -y")
+    if not typer.confirm(question):
+        raise typer.Exit(1)
+
+
+async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, detach: bool, force: bool) -> None:
     client = await connect(settings)
     name = config.name or ""
-    current = await _status(client, name)
-    if current is not None:
+    if await _status(client, name) is not None:
         handle = client.get_workflow_handle(service_workflow_id(name))
-        running = await handle.query(ServiceRunWorkflow.config, rpc_timeout=RPC)
-        if running == config:
-            out.print(f"Active service {name} already exists. Detected no changes.")
+        changes = classify(await handle.query(ServiceRunWorkflow.config, rpc_timeout=RPC), config)
+        if not changes.any:
+            out.print(f"Active run {name} already exists. Detected no changes.")
             return
-        raise _user_error(f"Active service {name} already exists with another configuration; updating it in "
-                          f"place is not supported yet: `durastack stop {name}` first")
+        if not changes.not_updatable:
+            await _update(client, settings, config, changes, yes, detach)
+            return
+        out.print(f"Active run {name} already exists. Detected changes that cannot be updated in-place:")
+        out.print("- Configuration properties:\n" + "\n".join(f"  - {f}" for f in changes.not_updatable),
+                  markup=False)
+        if yes and not force:
+            raise _user_error("Use --force to stop and re-create it.")
+        _confirm("Stop and override the run?", yes)
+        await _stop(settings, name, detach=False)
+    else:
+        _confirm(f"Submit the service {name}?", yes)
     state = ServiceState(name=name, config=config)
     # USE_EXISTING: two concurrent applies can never make two runs of one service.
     await client.start_workflow(
@@ -157,9 +179,58 @@ async def _apply(settings: Settings, config: ServiceConfiguration, detach: bool)
     out.print(f"Submitted [bold]{name}[/bold]; Web UI: {ui_link(settings, name)}")
     if not detach:
         await _follow(client, name)
-    out.print(f"URL:   {service_url(settings, name)}")
+    _print_access(settings, config)
+
+
+def _print_access(settings: Settings, config: ServiceConfiguration) -> None:
+    out.print(f"URL:   {service_url(settings, config.name or '')}")
     if config.auth:
         out.print(f"Token: {load_or_create_token(settings.home)}  (header `Authorization: Bearer <token>`)")
+
+
+async def _update(client: Client, settings: Settings, config: ServiceConfiguration, changes, yes: bool,
+                  detach: bool) -> None:
+    """The seed's update prompt, then the `apply` update: refused changes leave the service untouched."""
+    name = config.name or ""
+    out.print(f"Active run {name} already exists. Detected changes that can be updated in-place:")
+    fields = changes.in_place + changes.rolling
+    out.print("- Configuration properties:\n" + "\n".join(f"  - {f}" for f in fields), markup=False)
+    _confirm("Update the run?", yes)
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    await _send_update(handle, ServiceRunWorkflow.apply, ApplyRequest(config=config.model_dump(mode="json")))
+    if not detach:
+        await _follow(client, name)
+    _print_access(settings, config)
+
+
+async def _send_update(handle, update, *args):
+    try:
+        result = await handle.execute_update(update, *args, rpc_timeout=RPC)
+    except WorkflowUpdateFailedError as e:
+        raise _user_error(f"update refused: {getattr(e.cause, 'message', e.cause)}")
+    how = "rolling out " + ", ".join(result.rolling) if result.rolling else "applied in place"
+    out.print(f"{handle.id.removeprefix('service/')}: deployment {result.deployment} ({how})")
+    return result
+
+
+@app.command()
+def rollback(
+    name: str = typer.Argument(..., help="Service name."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the rollback is accepted."),
+) -> None:
+    """Return a service to the configuration it had before the last apply."""
+    settings = Settings.from_env()
+    _run(_rollback(settings, name, detach))
+
+
+async def _rollback(settings: Settings, name: str, detach: bool) -> None:
+    client = await connect(settings)
+    if await _status(client, name) is None:
+        raise _user_error(f"no running service named {name!r}")
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    await _send_update(handle, ServiceRunWorkflow.rollback)
+    if not detach:
+        await _follow(client, name)
 
 
 async def _follow(client: Client, name: str) -> None:
@@ -173,6 +244,11 @@ async def _follow(client: Client, name: str) -> None:
                 live.update(ps_table([status]))
                 if _all_ready(status):
                     break
+                failure = _failed_rollout(status)
+                if failure:
+                    live.stop()
+                    raise _user_error(f"rollout stopped ({failure}); the previous replicas keep serving. "
+                                      f"`durastack rollback {name}` returns to the previous configuration")
                 await asyncio.sleep(0.5)
     except (KeyboardInterrupt, asyncio.CancelledError):
         out.print("detached; the service keeps running")
