@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/durastack validate -f examples/replica-groups-service.yml
-	$(BIN)/durastack offers -f examples/replica-groups-service.yml --limit 5
+	$(BIN)/durastack offers -f examples/replica-groups-service.yml --limit 3
+	$(BIN)/python examples/demo.py
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -208,8 +208,8 @@ async def _send_update(handle, update, *args):
         result = await handle.execute_update(update, *args, rpc_timeout=RPC)
     except WorkflowUpdateFailedError as e:
         raise _user_error(f"update refused: {getattr(e.cause, 'message', e.cause)}")
-    how = "rolling out " + ", ".join(result.rolling) if result.rolling else "applied in place"
-    out.print(f"{handle.id.removeprefix('service/')}: deployment {result.deployment} ({how})")
+    out.print(f"{handle.id.removeprefix('service/')}: deployment {result.deployment}: {result.kept} replica(s) "
+              f"kept in place, {result.replacing} to replace one at a time per group")
     return result
 
 

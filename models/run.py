@@ -142,8 +142,10 @@ class ApplyRequest(BaseModel):
 
 class ApplyResult(BaseModel):
     deployment: int
-    in_place: list[str] = Field(default_factory=list)
-    rolling: list[str] = Field(default_factory=list)
+    in_place: list[str] = Field(default_factory=list, description="Changed fields applied without restarts.")
+    rolling: list[str] = Field(default_factory=list, description="Changed fields that roll replicas.")
+    kept: int = Field(0, description="Replicas that joined the new deployment without a restart.")
+    replacing: int = Field(0, description="Replicas that will be replaced one at a time.")
 
 
 class ScaleRequest(BaseModel):
@@ -191,9 +193,19 @@ class ServiceStatus(BaseModel):
 
 # --- activity inputs and results (names in workflows.names) ---------------------------------------
 
+class Delegation(BaseModel):
+    """Provision on ``backend`` alone, by the worker polling ``task_queue`` (a worker with its credentials)."""
+
+    backend: str
+    task_queue: str
+
+
 class Provisioned(BaseModel):
-    placement: Placement
-    instance: dict = Field(description="The backend's own instance record (e.g. LocalInstance as JSON).")
+    placement: Optional[Placement] = Field(None, description="Where it runs; None only when ``delegate`` is set.")
+    instance: dict = Field(default_factory=dict, description="The backend's own instance record (e.g. LocalInstance "
+                                                               "or CloudInstance as JSON).")
+    delegate: list[Delegation] = Field(default_factory=list, description=(
+        "Nothing provisioned yet: try these, in order (clouds served by workers of their own; see worker.py)."))
 
 
 class InstanceRef(BaseModel):

@@ -84,7 +84,7 @@ def test_rolling_update_under_load_drops_no_request(stack: Stack, tmp_path: Path
     text = stack.cli("ps", "-v").stdout
     assert "terminated" in text and "deployment=1" in text  # old replicas stay listed as terminated
     events = stack.cli("events", NAME).stdout
-    assert "deployment 1: changed groups" in events
+    assert "deployment 1: changed groups; 0 replica(s) kept" in events
 
 
 def test_failed_rollout_keeps_serving_and_rollback_restores(stack: Stack, tmp_path: Path):

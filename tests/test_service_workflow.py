@@ -376,6 +376,7 @@ async def test_count_change_applies_in_place_without_restarts(ts_env, cloud):
     config["groups"][1]["count"] = {"min": 2, "max": 2}
     result = await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config))
     assert result.deployment == 1 and result.in_place == ["groups"] and result.rolling == []
+    assert (result.kept, result.replacing) == (3, 0)
     status = await wait_ready(handle, {"a": [0, 1], "b": [2, 3]})
     assert deployments(status)["a"] == [(0, 1), (1, 1)]  # bumped, not replaced
     assert all(cloud.provisions[rid] == n for rid, n in provisions.items())
@@ -387,7 +388,7 @@ async def test_rolling_replaces_each_changed_replica_one_at_a_time(ts_env, cloud
     handle = await start_rolling(ts_env, cloud, "svc-roll")
     result = await handle.execute_update(ServiceRunWorkflow.apply,
                                          ApplyRequest(config=rolling_config("svc-roll", "serve a v2")))
-    assert result.rolling == ["groups"] or result.in_place == ["groups"]
+    assert (result.kept, result.replacing) == (1, 2)  # group b kept, group a's two replicas roll
     async def rolled():
         status = await status_of(handle)
         d = deployments(status)

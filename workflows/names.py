@@ -9,3 +9,9 @@ UNREGISTER = "unregister_replica"
 ENSURE_ROUTE = "ensure_service_route"
 REMOVE_ROUTE = "remove_service_route"
 WATCH_STATS = "watch_service_stats"
+REAP_ORPHANS = "reap_orphans"
+
+
+def backend_queue(task_queue: str, backend: str) -> str:
+    """The task queue of a worker that runs only ``backend``'s cloud activities (``worker.py --backends``)."""
+    return f"{task_queue}-{backend}"

@@ -3,6 +3,11 @@
 provision → probes until ready → register with the gateway → watch → on stop (or when the app
 exits): unregister, drain, terminate — the teardown is retried until it succeeds, because a
 leaked instance costs money every hour.
+
+Task queues: every activity runs on this workflow's own queue, unless PROVISION answers with a
+delegation (only when clouds are served by workers of their own, ``worker.py --backends``): then each
+delegated backend is tried on its queue in turn, and the instance's later activities (probes, watch,
+terminate) go to the queue that provisioned it. The local path schedules exactly what it always did.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from models.run import (
+        Delegation,
         InstanceRef,
         Placement,
         Provisioned,
@@ -42,6 +48,14 @@ def _reason(error: BaseException) -> str:
     return str(cause.message if isinstance(cause, ApplicationError) else cause) or type(cause).__name__
 
 
+def _combined(reasons: list[str]) -> str:
+    """One ``no offers: …`` / ``all offers failed: …`` message from the delegated backends' own."""
+    prefixes = ("no offers: ", "all offers failed: ")
+    parts = [next((r[len(p):] for p in prefixes if r.startswith(p)), r) for r in reasons]
+    failed = any(r.startswith(prefixes[1]) for r in reasons)
+    return ("all offers failed: " if failed else "no offers: ") + "; ".join(parts)
+
+
 @workflow.defn
 class ReplicaWorkflow:
     @workflow.init
@@ -53,6 +67,7 @@ class ReplicaWorkflow:
         self.instance: Optional[dict] = None
         self.ready = False
         self.registered = False
+        self.queue: Optional[str] = None  # where this instance's activities run; None: this workflow's queue
 
     @workflow.signal
     def stop(self, reason: str) -> None:
@@ -85,15 +100,30 @@ class ReplicaWorkflow:
 
     async def _provision(self) -> Provisioned:
         # Not interrupted by stop: a provision in flight must finish so that its instance is torn down.
+        provisioned = await self._provision_on(self.inp, None)
+        reasons = []
+        for d in provisioned.delegate:
+            self.queue = d.task_queue  # a failure below is torn down where an instance may have been made
+            try:
+                return await self._provision_on(self.inp.model_copy(update={"backends": [d.backend]}), d)
+            except ActivityError as e:
+                if not (isinstance(e.cause, ApplicationError) and e.cause.type == "NoCapacity"):
+                    raise
+                reasons.append(_reason(e))
+        if provisioned.delegate:
+            raise ApplicationError(_combined(reasons), type="NoCapacity", non_retryable=True)
+        return provisioned
+
+    async def _provision_on(self, inp: ReplicaInput, where: Optional[Delegation]) -> Provisioned:
         return await workflow.execute_activity(
-            names.PROVISION, self.inp, result_type=Provisioned,
+            names.PROVISION, inp, result_type=Provisioned, task_queue=where.task_queue if where else None,
             start_to_close_timeout=timedelta(minutes=30), retry_policy=SHORT,
-            summary=f"provision {self.inp.job.replica_id}")
+            summary=f"provision {self.inp.job.replica_id}" + (f" on {where.backend}" if where else ""))
 
     async def _serve(self) -> str:
         ref = self._ref()
         await workflow.execute_activity(
-            names.WAIT_READY, ReadyInput(ref=ref, probes=self.inp.probes),
+            names.WAIT_READY, ReadyInput(ref=ref, probes=self.inp.probes), task_queue=self.queue,
             start_to_close_timeout=timedelta(minutes=20), heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds),
             retry_policy=SHORT, summary="probes until ready")
         self.ready = True
@@ -104,7 +134,7 @@ class ReplicaWorkflow:
         await self._report("running")
         # One heartbeating activity while healthy: no history events until the app exits.
         return await workflow.execute_activity(
-            names.WATCH, ref, result_type=str, start_to_close_timeout=timedelta(days=3650),
+            names.WATCH, ref, result_type=str, task_queue=self.queue, start_to_close_timeout=timedelta(days=3650),
             heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds), retry_policy=FOREVER, summary="watch")
 
     async def _until_stopped(self, work) -> str:
@@ -133,7 +163,7 @@ class ReplicaWorkflow:
                     seconds=self.inp.stop_duration + 60), retry_policy=FOREVER, summary="leave the gateway, drain")
             self.registered = False
         await workflow.execute_activity(
-            names.TERMINATE, self._ref(), start_to_close_timeout=timedelta(minutes=10),
+            names.TERMINATE, self._ref(), task_queue=self.queue, start_to_close_timeout=timedelta(minutes=10),
             retry_policy=FOREVER, summary="terminate")
         await self._report("failed" if failed else "terminated", reason)
 

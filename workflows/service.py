@@ -157,9 +157,11 @@ class ServiceRunWorkflow:
         bumped = self._bump_in_place()
         changed = ", ".join(changes.in_place + changes.rolling) or "nothing"
         self._event("apply", f"deployment {state.deployment_num}: changed {changed}; "
-                             f"{bumped} replica(s) kept in place")
+                             f"{bumped} replica(s) kept, the others roll")
         self.dirty = True
-        return ApplyResult(deployment=state.deployment_num, in_place=changes.in_place, rolling=changes.rolling)
+        replacing = sum(1 for r in state.replicas if r.active and r.deployment_num < state.deployment_num)
+        return ApplyResult(deployment=state.deployment_num, in_place=changes.in_place, rolling=changes.rolling,
+                           kept=bumped, replacing=replacing)
 
     @apply.validator
     def _validate_apply(self, request: ApplyRequest) -> None:
