@@ -399,7 +399,7 @@ async def test_rolling_replaces_each_changed_replica_one_at_a_time(ts_env, cloud
     assert cloud.provisions["svc-roll/b/r2-s0"] == 1
     assert cloud.max_alive["a"] <= 3  # desired 2 + surge 1
     for old in ("svc-roll/a/r0-s0", "svc-roll/a/r1-s0"):
-        assert cloud.instances[old] == "terminated"
+        await eventually(lambda: _true(cloud.instances[old] == "terminated"))
     # Each old replica left the gateway only after some new replica had registered.
     first_new = min(i for i, (op, rid) in enumerate(cloud.log) if op == "register" and "/a/" in rid
                     and rid not in ("svc-roll/a/r0-s0", "svc-roll/a/r1-s0"))
