@@ -8,17 +8,14 @@ request sent while every group is at zero is held by the gateway and answered 20
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import json
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.test_e2e_local import Stack, ready, replica_processes, until
+from tests.e2e import Load, Stack, ready, replica_processes, running_stack, until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,50 +26,7 @@ NAME = "replica-groups-test"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("home"))
-    try:
-        until(lambda: s.cli("ps").returncode == 0, 90, 0.5, "control plane up")
-        yield s
-    finally:
-        s.stop()
-    assert replica_processes(s.home) == {}
-
-
-class Load:
-    """A steady request rate from a thread (bounded by `stop`), counting statuses."""
-
-    def __init__(self, url: str, token: str, rps: float):
-        self.url, self.token, self.rps = url, token, rps
-        self.counts: collections.Counter = collections.Counter()
-        self.running = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self) -> "Load":
-        self.running.set()
-        self.thread.start()
-        return self
-
-    def stop(self) -> collections.Counter:
-        self.running.clear()
-        self.thread.join(60)
-        return self.counts
-
-    async def _one(self, client: httpx.AsyncClient) -> None:
-        try:
-            self.counts[(await client.get(self.url)).status_code] += 1
-        except httpx.HTTPError as e:
-            self.counts[type(e).__name__] += 1
-
-    async def _run(self) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"}
-        limits = httpx.Limits(max_keepalive_connections=0)
-        async with httpx.AsyncClient(headers=headers, timeout=120, limits=limits) as client:
-            tasks, start, i = [], time.monotonic(), 0
-            while self.running.is_set() and i < self.rps * 600:  # bounded: at most 10 minutes
-                await asyncio.sleep(max(0.0, start + i / self.rps - time.monotonic()))
-                tasks.append(asyncio.create_task(self._one(client)))
-                i += 1
-            await asyncio.gather(*tasks)
+    yield from running_stack(tmp_path_factory)
 
 
 def counts(stack: Stack) -> dict[str, int]:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.e2e import Stack, ready, replica_processes, running_stack, until
 
 pytestmark = pytest.mark.e2e
 
@@ -39,101 +39,9 @@ replicas:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
-
-
-class Stack:
-    def __init__(self, home: Path):
-        self.home = home
-        self.env = {**os.environ, "DURASTACK_HOME": str(home),
-                    "DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
-                    "DURASTACK_GATEWAY_PORT": str(free_port()), "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port())}
-        self.env.pop("DURASTACK_TEMPORAL_ADDRESS", None)
-        self.log = open(home / "server.out", "wb")
-        self.proc = subprocess.Popen([str(BIN / "durastack"), "server"], env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.gateway = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_PORT']}"
-        self.control = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_CONTROL_PORT']}"
-
-    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "durastack"), *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
-
-    def ps(self, name: str) -> dict:
-        result = self.cli("ps", name, "--json")
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)
-
-    def worker_pid(self) -> int | None:
-        try:
-            state = json.loads((self.home / "server.json").read_text())
-            return state["children"]["worker"]["pid"]
-        except (OSError, KeyError, ValueError, TypeError):
-            return None
-
-    def routes(self) -> dict:
-        return httpx.get(f"{self.control}/api/services", timeout=5).json()["services"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-
-
-def ready(status: dict) -> dict[str, list[int]]:
-    return {g["name"]: sorted(r["replica"] for r in g["replicas"] if r["ready"] and r["status"] == "running")
-            for g in status["groups"]}
-
-
-def replica_processes(home: Path) -> dict[str, int]:
-    """Work dir → number of `http.server` processes of this home's replicas, read from /proc."""
-    found: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        marker = next((e[len(b"DURASTACK_WORK_DIR="):].decode() for e in env
-                       if e.startswith(b"DURASTACK_WORK_DIR=")), None)
-        if marker and marker.startswith(str(home)) and b"-m\0http.server" in cmdline:
-            found[marker] = found.get(marker, 0) + 1
-    return found
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    s = Stack(home)
-    try:
-        until(lambda: s.cli("ps").returncode == 0, 90, 0.5, "control plane up")
-        until(lambda: _status(f"{s.gateway}/healthz") == 200, 30, 0.2, "gateway up")
-        yield s
-    finally:
-        s.stop()
-    # Stopping the server leaves no replica process behind.
-    assert replica_processes(home) == {}
+    yield from running_stack(tmp_path_factory)
 
 
 def _status(url: str, **kw) -> int | None:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_e2e_autoscale import Load
-from tests.test_e2e_local import Stack, ready, replica_processes, until
+from tests.e2e import Load, Stack, ready, running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -38,13 +37,7 @@ SERVE = "python3 -m http.server 8000"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("home"))
-    try:
-        until(lambda: s.cli("ps").returncode == 0, 90, 0.5, "control plane up")
-        yield s
-    finally:
-        s.stop()
-    assert replica_processes(s.home) == {}
+    yield from running_stack(tmp_path_factory)
 
 
 def write(tmp: Path, version: int, cmd: str = SERVE) -> Path:

@@ -8,7 +8,6 @@ import asyncio
 import gzip
 import hashlib
 import inspect
-import json
 import os
 import tempfile
 import time

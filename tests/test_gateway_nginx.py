@@ -9,7 +9,7 @@ import pytest
 from gateway.app import free_port
 from gateway.nginx import Nginx, NginxConfigError, NginxError, _children, _still_accepting, fetch_generation
 from gateway.render import render_config
-from models.gateway import GatewayState, ServiceRoute, Upstream, hash_token
+from models.gateway import GatewayState, Upstream, hash_token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
 
