@@ -183,3 +183,31 @@ def test_classify_changes_and_spec_hash():
     auth = old.model_copy(update={"auth": False, "env": {"A": "1"}})
     changes = classify(old, auth)
     assert changes.not_updatable == ["auth"] and changes.rolling == ["env"]
+
+
+def test_renamed_group_starts_new_replicas_and_drops_the_old_ones():
+    st = rolling_state([replica(0, "a", deployment=1), replica(1, "a", deployment=1),
+                        replica(2, "old-b", deployment=0)], dep=1)
+    plan = reconcile(st, NOW)
+    assert Stop(2, 0, "group removed") in plan.stop
+    assert plan.start == [Start("b", 10, 0)]  # the renamed group "b" starts at its min
+
+
+def test_reordering_named_groups_changes_no_replica():
+    from workflows.changes import spec_hash
+    before = load_config_text(CONFIG.format(a="2", b="1..4")).config
+    swapped = before.model_copy(update={"groups": list(reversed(before.groups))})
+    assert all(spec_hash(before, g) == spec_hash(swapped, g) for g in ("a", "b"))
+
+
+def test_reapplying_mid_rollout_rolls_toward_the_newest_deployment():
+    # Deployment 1 replaced replica 0 with 10; deployment 2 arrives: 1 and 10 are both out of date now.
+    st = rolling_state([replica(1, "a", deployment=0), replica(10, "a", deployment=1),
+                        replica(2, "b", deployment=2)], dep=2)
+    st.next_replica_num = 11
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("a", 11, 0)] and plan.stop == []
+    st.replicas.append(replica(11, "a", deployment=2))
+    st.next_replica_num = 12
+    # Both older deployments are out of date alike; among equals the newest number goes first (spec 5).
+    assert reconcile(st, NOW).stop == [Stop(10, 0, "replaced")]
