@@ -453,3 +453,28 @@ async def test_invalid_update_is_refused_and_changes_nothing(ts_env, cloud):
     assert not [e for e in history.events if e.HasField("workflow_execution_update_accepted_event_attributes")]
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
+
+
+async def test_manual_scale_of_an_autoscaled_group_holds_until_its_delay(ts_env_alone, cloud_alone):
+    ts_env, cloud = ts_env_alone, cloud_alone
+    config = load_config_file(Path(__file__).resolve().parent.parent / "examples" / "replica-groups-service.yml").config
+    cloud.polling, cloud.rps = True, 1
+    handle = await ts_env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name="svc-manual", config=config),
+                                                heartbeat_seconds=86400),
+        id=service_workflow_id("svc-manual"), task_queue=cloud.queue)
+    await ts_env.sleep(timedelta(seconds=40))
+    await wait_ready(handle, {"replica-1": [0], "replica-2": [1]})
+    assert await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="replica-2", count=3)) == 3
+    await ts_env.sleep(timedelta(minutes=5))  # the autoscaler wants 1, but the down-delay (10 min) holds
+    assert [g.desired for g in (await status_of(handle)).groups] == [1, 3]
+    await ts_env.sleep(timedelta(minutes=6))
+    await eventually(lambda: _desired(handle, [1, 1]))
+    events = [e.message for e in await handle.query(ServiceRunWorkflow.events) if e.group == "replica-2"]
+    assert any("1 → 3 (manual scale)" in m for m in events) and any(m.startswith("3 → 1: target") for m in events)
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def _desired(handle, expected: list[int]) -> bool:
+    return [g.desired for g in (await status_of(handle)).groups] == expected
