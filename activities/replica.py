@@ -1,8 +1,12 @@
 """The activities of a replica's life and of a service's gateway route.
 
-Dependencies (the local backend, the gateway client, the token source) are injected, so tests can
-swap any of them. Errors that retrying cannot fix are raised non-retryable, with a message a
-person can act on; everything else is left to Temporal's retries.
+Dependencies (the local backend, the gateway client, the token source, the cloud backends) are
+injected, so tests can swap any of them. Errors that retrying cannot fix are raised non-retryable,
+with a message a person can act on; everything else is left to Temporal's retries.
+
+A replica runs on this machine when its service allows ``local`` and the machine fits; otherwise on
+the configured clouds (``activities/replica_cloud.py``). The instance activities dispatch on
+``ref.backend``.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.catalog import local_offer
+from activities.ledger import Ledger
 from activities.local import LocalBackend, UnsupportedJobError
 from activities.probes import ProbeStreaks, answers_http
+from activities.replica_cloud import CloudReplicas
 from gateway.client import GatewayClient
+from models.backends import CLOUDS, BackendsConfig
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
 from models.resources import ResourcesSpec
@@ -34,10 +41,13 @@ def _fatal(message: str, kind: str) -> ApplicationError:
 
 
 class ReplicaActivities:
-    def __init__(self, local: LocalBackend, gateway: GatewayClient, tokens: Callable[[], list[str]]):
+    def __init__(self, local: LocalBackend, gateway: GatewayClient, tokens: Callable[[], list[str]],
+                 cloud: Optional[CloudReplicas] = None):
+        """``cloud``: the clouds of ``$DURASTACK_HOME/config.yml`` (worker.py builds it); None: local only."""
         self.local = local
         self.gateway = gateway
         self.tokens = tokens
+        self.cloud = cloud or CloudReplicas(BackendsConfig(), {}, Ledger())
 
     def all(self) -> list:
         return [self.provision, self.wait_ready, self.watch, self.terminate, self.register, self.unregister,
@@ -47,18 +57,23 @@ class ReplicaActivities:
 
     @activity.defn(name=names.PROVISION)
     async def provision(self, inp: ReplicaInput) -> Provisioned:
-        backends = inp.backends or ["local"]
-        if "local" not in backends:
-            raise _fatal(f"no offers: backends {backends} are not configured on this control plane; "
-                         "only `local` is", "NoOffers")
-        resources = ResourcesSpec.model_validate(inp.resources)
-        # The local machine has no spot market: the spot policy does not apply to it.
-        offers = [local_offer()]
-        if not match_offers(offers, resources, spot_policy="auto", max_price=inp.max_price, backends=["local"],
+        notes: tuple[str, ...] = ()
+        if inp.backends is None or "local" in inp.backends:
+            resources = ResourcesSpec.model_validate(inp.resources)
+            # The local machine has no spot market: the spot policy does not apply to it.
+            offers = [local_offer()]
+            if match_offers(offers, resources, spot_policy="auto", max_price=inp.max_price, backends=["local"],
                             regions=inp.regions):
+                return await self._provision_local(inp)
             why = describe_mismatch(offers, resources, spot_policy="auto", max_price=inp.max_price,
                                     backends=["local"], regions=inp.regions)
-            raise _fatal(f"no offers: this machine does not fit ({why or resources.summary()})", "NoOffers")
+            notes = (f"this machine does not fit ({why or resources.summary()})",)
+        clouds, unconfigured = self.cloud.usable(inp)
+        if not clouds:
+            raise _fatal("no offers: " + "; ".join(notes + tuple(unconfigured)), "NoOffers")
+        return await self.cloud.provision_with(inp, notes)
+
+    async def _provision_local(self, inp: ReplicaInput) -> Provisioned:
         try:
             instance = await asyncio.to_thread(self.local.start, inp.job)
         except UnsupportedJobError as e:
@@ -70,6 +85,8 @@ class ReplicaActivities:
     @activity.defn(name=names.WAIT_READY)
     async def wait_ready(self, inp: ReadyInput) -> None:
         """Probe until ready; fail (not retried) if the app exits first."""
+        if inp.ref.backend in CLOUDS:
+            return await self.cloud.wait_ready(inp)
         instance = self._instance(inp.ref)
         streaks = ProbeStreaks([ProbeSpec.model_validate(p) for p in inp.probes])
         while True:
@@ -86,6 +103,8 @@ class ReplicaActivities:
     @activity.defn(name=names.WATCH)
     async def watch(self, ref: InstanceRef) -> str:
         """Heartbeat while the app runs; return why it stopped. No history events while healthy."""
+        if ref.backend in CLOUDS:
+            return await self.cloud.watch(ref)
         instance = self._instance(ref)
         while True:
             status = await asyncio.to_thread(self.local.status, instance)
@@ -96,10 +115,14 @@ class ReplicaActivities:
 
     @activity.defn(name=names.TERMINATE)
     async def terminate(self, ref: InstanceRef) -> None:
-        """Stop the replica's processes; one that is already gone is success."""
+        """Stop the replica's processes (or its cloud instance); one that is already gone is success."""
+        if ref.backend in CLOUDS:
+            return await self.cloud.terminate(ref)
         instance = self._instance(ref) if ref.instance else self._recorded(ref.job)
         if instance is not None:
             await asyncio.to_thread(self.local.stop, instance)
+        if not ref.instance:  # provision never returned: it may have been walking cloud offers
+            await self.cloud.terminate_unrecorded(ref.job)
 
     # --- gateway --------------------------------------------------------------------------------
 

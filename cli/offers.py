@@ -1,12 +1,14 @@
 """``durastack offers``: the instance offers that fit a requirement, cheapest first.
 
 Either resources from flags (``--gpu A100:80GB:2 --cpu 8..``), or a service file with one table per replica group.
-Candidates are the shipped catalog (AWS, GCP) plus this machine (``local``).
+Candidates are the shipped catalog (AWS, GCP) plus this machine (``local``); the output first says which backends
+``$DURASTACK_HOME/config.yml`` configures (only those are used by services).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -17,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from activities.catalog import catalog_as_of, load_catalog, local_offer
+from models.backends import load_backends_config
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.resources import ResourcesSpec
 
@@ -72,6 +75,16 @@ def _queries_from_file(path: Path, spot_policy: Optional[str], max_price: Option
                    max_price=max_price if max_price is not None else config.max_price,
                    backends=backends or config.backends, regions=regions or config.regions)
             for group in config.replica_groups]
+
+
+def _configured() -> tuple[str, list[str]]:
+    """(the summary line, the configured backends) of config.yml; a broken file is reported, not fatal here."""
+    try:
+        config = load_backends_config(os.environ)
+    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"backends: config.yml is invalid ({first}); only local can be used", ["local"]
+    return config.summary(), config.configured()
 
 
 def _price(value: float) -> str:
@@ -130,12 +143,14 @@ def offers(
         reason = None if found else describe_mismatch(candidates, q.resources, **filters)
         groups.append((q, found[:limit] if limit else found, len(found), reason))
 
+    summary, configured = _configured()
     if as_json:
-        typer.echo(json.dumps({"groups": [
+        typer.echo(json.dumps({"backends": configured, "groups": [
             {"name": q.name, "offers": [o.model_dump(mode="json") for o in shown], "total": total, "reason": reason}
             for q, shown, total, reason in groups]}, indent=2))
         return
     console = Console()
+    console.print(summary, highlight=False, markup=False)
     for q, shown, total, reason in groups:
         title = f"group {q.name}" if file is not None else None
         if not shown:

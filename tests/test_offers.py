@@ -403,7 +403,9 @@ def run_json(*args: str) -> dict:
 def test_cli_table_cheapest_first():
     result = run("--gpu", "A10G", "--backend", "aws", "--limit", "3")
     assert result.exit_code == 0, result.output
-    lines = [line.split() for line in result.stdout.splitlines() if " aws " in line]
+    first, *rest = result.stdout.splitlines()
+    assert first.startswith("backends: ")  # which backends config.yml configures
+    lines = [line.split() for line in rest if " aws " in line]
     assert [line[0] for line in lines] == ["1", "2", "3"]
     assert "3 of " in result.stdout  # the caption says how many fit in all
     assert all(line[3] == "g5.xlarge" for line in lines)

@@ -94,6 +94,12 @@ class ServiceRunWorkflow:
             self._event("stop", "stop requested")
 
     @workflow.signal
+    def record_event(self, event: Event) -> None:
+        """An event from outside the workflow (e.g. the reaper), kept in the decision log."""
+        self.state.events.append(event)
+        del self.state.events[:-MAX_EVENTS]
+
+    @workflow.signal
     def replica_changed(self, update: ReplicaUpdate) -> None:
         replica = self.state.find(update.replica_num, update.submission_num)
         if replica is None or replica.finished:

@@ -1,0 +1,136 @@
+"""``reap_orphans``: terminate durastack-tagged cloud instances that no running replica owns.
+
+A running ReplicaWorkflow owns the instances tagged with its (service, group, replica, submission); once it has a
+placement, only that placement's instance (the rest are duplicates of a lost launch). An unowned instance is
+spared while it is younger than the grace period, and while its key's last ledger phase is ``intent`` (a launch
+whose outcome this host has not seen yet). Instances are listed *before* the workflows: an instance that exists
+then was launched by a replica that had started by then, so the workflow list that follows includes it if it
+still runs. A replica that cannot be queried owns every instance tagged for it: when unsure, keep.
+
+Each termination is logged with its service, appended to the ledger, and sent to the service's
+workflow (signal ``record_event``) when it still runs, so that ``durastack events`` shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from datetime import datetime, timedelta, timezone
+from typing import Callable, Optional
+
+from temporalio import activity
+from temporalio.client import Client
+
+from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
+from activities.ledger import INTENT, TERMINATED, Ledger
+from models.backends import CloudError, CloudInstance, owner
+from models.reaper import ReapAction, ReapRequest, ReapResult
+from models.run import Event, ReplicaUpdate
+from workflows import names
+
+log = logging.getLogger("durastack.reaper")
+RUNNING_REPLICAS = "WorkflowType='ReplicaWorkflow' AND ExecutionStatus='Running'"
+# workflows.jobs.replica_workflow_id: service/<service>/<group>/r<N>-s<M> (names cannot hold '/').
+_REPLICA_ID = re.compile(r"^service/([^/]+)/([^/]+)/r(\d+)-s(\d+)$")
+QUERIES_AT_ONCE = 16
+
+Owned = dict[tuple[str, tuple[str, str, str]], Optional[set[str]]]  # (backend, owner) → instance ids; None: all
+
+
+def parse_replica_workflow_id(workflow_id: str) -> Optional[tuple[str, str, int, int]]:
+    m = _REPLICA_ID.match(workflow_id)
+    return (m.group(1), m.group(2), int(m.group(3)), int(m.group(4))) if m else None
+
+
+class ReaperActivities:
+    def __init__(self, client: Client, backends: dict[str, CloudBackend], ledger: Ledger, *,
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+        """``client``: to list running replicas and query their placements (injected; tests pass their own)."""
+        self.client, self.backends, self.ledger, self.now = client, backends, ledger, now
+
+    @activity.defn(name=names.REAP_ORPHANS)
+    async def reap_orphans(self, req: ReapRequest) -> ReapResult:
+        backends = {n: b for n, b in self.backends.items() if n in req.backends}
+        result = ReapResult(task_queue=activity.info().task_queue)
+        try:
+            instances = await asyncio.to_thread(list_tagged_all, backends)  # first: see the module doc
+        except CloudError as e:
+            raise activity_error(e) from e
+        instances = [i for i in instances if i.state != "terminated"]
+        result.checked = len(instances)
+        owned = await self._owned(list(backends))
+        phases = await asyncio.to_thread(self.ledger.last_phases, [i.key for i in instances])
+        young = self.now() - timedelta(seconds=req.grace_seconds)
+        errors = []
+        for instance in instances:
+            activity.heartbeat(instance.instance_id)
+            reason = _orphaned(instance, owned)
+            if reason is None:
+                continue
+            launched = instance.launched_at
+            if launched is not None and launched.tzinfo is None:
+                launched = launched.replace(tzinfo=timezone.utc)
+            if launched is None or launched > young or phases.get(instance.key) == INTENT:
+                result.spared += 1
+                continue
+            try:
+                await asyncio.to_thread(terminate_cloud, instance, backends=backends)
+            except CloudError as e:  # the next pass tries again
+                errors.append(f"{instance.instance_id}: {e.message}")
+                continue
+            action = ReapAction(service=instance.owner[0], backend=instance.backend, instance_id=instance.instance_id,
+                                region=instance.region, owner=instance.owner[2], reason=reason)
+            self.ledger.record(instance.key, TERMINATED, {"reaped": reason, **action.model_dump(exclude={"reason"})})
+            log.warning("reaped %s %s of service %s (%s, launched %s): %s", instance.backend, instance.instance_id,
+                        action.service, action.owner, instance.launched_at, reason)
+            result.terminated.append(action)
+            await self._tell(action)
+        result.error = "; ".join(errors)[:2000]
+        return result
+
+    async def _tell(self, action: ReapAction) -> None:
+        event = Event(at=self.now(), kind="reap", message=f"terminated orphan {action.backend} instance "
+                                                          f"{action.instance_id} ({action.owner}): {action.reason}")
+        try:
+            await self.client.get_workflow_handle(f"service/{action.service}").signal("record_event", event)
+        except Exception as e:  # noqa: BLE001 — the service is gone: the ledger and the log keep it
+            log.info("reaper: could not tell service %s: %s", action.service, e)
+
+    async def _owned(self, backends: list[str]) -> Owned:
+        owned: Owned = {}
+        limit = asyncio.Semaphore(QUERIES_AT_ONCE)
+
+        async def one(workflow_id: str, run_id: Optional[str]) -> None:
+            parsed = parse_replica_workflow_id(workflow_id)
+            if parsed is None:
+                return
+            ids: Optional[set[str]] = None
+            try:
+                async with limit:
+                    update = await self.client.get_workflow_handle(workflow_id, run_id=run_id).query(
+                        "state", result_type=ReplicaUpdate, rpc_timeout=timedelta(seconds=10))
+                if update.placement is not None:
+                    ids = {update.placement.instance_id}
+            except Exception as e:  # noqa: BLE001 — unsure: it keeps every instance tagged for it
+                log.info("reaper: no placement from %s (%s); keeping its instances", workflow_id, e)
+            for backend in backends:
+                owned[(backend, owner(backend, *parsed))] = ids
+
+        running = [(wf.id, wf.run_id) async for wf in self.client.list_workflows(RUNNING_REPLICAS)]
+        await asyncio.gather(*(one(*w) for w in running))
+        return owned
+
+
+def _orphaned(instance: CloudInstance, owned: Owned) -> Optional[str]:
+    """Why no running replica owns ``instance``; None if one does."""
+    key = (instance.backend, instance.owner)
+    if key not in owned:
+        return f"no running replica {'/'.join(instance.owner)}"
+    ids = owned[key]
+    if ids is None or instance.instance_id in ids:
+        return None
+    return f"replica {'/'.join(instance.owner)} runs on {', '.join(sorted(ids))}, not on this instance"
+
+
+__all__ = ["RUNNING_REPLICAS", "ReaperActivities", "parse_replica_workflow_id"]

@@ -1,0 +1,71 @@
+"""ReaperWorkflow (id ``durastack/reaper``): every few minutes, terminate cloud instances no replica owns.
+
+One long-lived workflow rather than a Schedule: it is started by the worker (``start_workflow`` with
+USE_EXISTING, so every worker start is idempotent) and reconfigured by signal, and its pass is one activity per
+target queue — the worker holding that cloud's credentials (activities/reaper.py has the rules). A pass that
+fails is reported in ``last`` and retried at the next interval; nothing here can stop the loop.
+About 10 history events per pass; continue-as-new when the server suggests it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from models.reaper import ReaperInput, ReapRequest, ReapResult, ReapTarget
+    from workflows import names
+
+REAPER_ID = "durastack/reaper"
+HISTORY_LIMIT = 5000
+
+
+@workflow.defn
+class ReaperWorkflow:
+    @workflow.init
+    def __init__(self, inp: ReaperInput) -> None:
+        self.inp = inp
+        self.reconfigured = False
+        self.results: list[ReapResult] = []
+
+    @workflow.signal
+    def configure(self, inp: ReaperInput) -> None:
+        """New targets or timings (a worker restarted with another config.yml); applied at once."""
+        self.inp, self.reconfigured = inp, True
+
+    @workflow.query
+    def last(self) -> list[ReapResult]:
+        return self.results
+
+    @workflow.run
+    async def run(self, inp: ReaperInput) -> None:
+        while True:
+            self.reconfigured = False
+            self.results = list(await asyncio.gather(*(self._reap(t) for t in self.inp.targets)))
+            try:
+                await workflow.wait_condition(lambda: self.reconfigured,
+                                              timeout=timedelta(seconds=self.inp.interval_seconds))
+            except asyncio.TimeoutError:
+                pass
+            info = workflow.info()
+            if info.is_continue_as_new_suggested() or info.get_current_history_length() > HISTORY_LIMIT:
+                workflow.continue_as_new(self.inp)
+
+    async def _reap(self, target: ReapTarget) -> ReapResult:
+        try:
+            return await workflow.execute_activity(
+                names.REAP_ORPHANS, ReapRequest(backends=target.backends, grace_seconds=self.inp.grace_seconds),
+                result_type=ReapResult, task_queue=target.task_queue,
+                # Bounded: a target whose worker is gone must not hold up the others' next pass.
+                schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
+                start_to_close_timeout=timedelta(minutes=10),
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3),
+                summary=f"reap {', '.join(target.backends)}")
+        except ActivityError as e:
+            cause = e.cause or e
+            workflow.logger.warning("reap on %s failed: %s", target.task_queue, cause)
+            return ReapResult(task_queue=target.task_queue, error=str(getattr(cause, "message", cause)))
