@@ -68,6 +68,14 @@ async def _status(client: Client, name: str) -> Optional[ServiceStatus]:
     return None
 
 
+async def _running(settings: Settings, name: str):
+    """A client and the handle of the running service ``name``; exit 1 when there is none."""
+    client = await connect(settings)
+    if await _status(client, name) is None:
+        raise _user_error(f"no running service named {name!r}")
+    return client, client.get_workflow_handle(service_workflow_id(name))
+
+
 def _config_or_exit(file: Path) -> ServiceConfiguration:
     result = load_config_file(file)
     if not result.valid:
@@ -224,10 +232,7 @@ def rollback(
 
 
 async def _rollback(settings: Settings, name: str, detach: bool) -> None:
-    client = await connect(settings)
-    if await _status(client, name) is None:
-        raise _user_error(f"no running service named {name!r}")
-    handle = client.get_workflow_handle(service_workflow_id(name))
+    client, handle = await _running(settings, name)
     await _send_update(handle, ServiceRunWorkflow.rollback)
     if not detach:
         await _follow(client, name)
@@ -319,10 +324,7 @@ def stop(
 
 
 async def _stop(settings: Settings, name: str, detach: bool) -> None:
-    client = await connect(settings)
-    if await _status(client, name) is None:
-        raise _user_error(f"no running service named {name!r}")
-    handle = client.get_workflow_handle(service_workflow_id(name))
+    _, handle = await _running(settings, name)
     await handle.signal(ServiceRunWorkflow.stop, rpc_timeout=RPC)
     if detach:
         out.print(f"stopping {name}")
@@ -348,10 +350,7 @@ def scale(
 
 
 async def _scale(settings: Settings, name: str, group: str, count: int) -> None:
-    client = await connect(settings)
-    if await _status(client, name) is None:
-        raise _user_error(f"no running service named {name!r}")
-    handle = client.get_workflow_handle(service_workflow_id(name))
+    _, handle = await _running(settings, name)
     try:
         desired = await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group=group, count=count),
                                               rpc_timeout=RPC)
@@ -371,10 +370,7 @@ def events(
 
 
 async def _events(settings: Settings, name: str, as_json: bool) -> None:
-    client = await connect(settings)
-    if await _status(client, name) is None:
-        raise _user_error(f"no running service named {name!r}")
-    handle = client.get_workflow_handle(service_workflow_id(name))
+    _, handle = await _running(settings, name)
     items = await handle.query(ServiceRunWorkflow.events, rpc_timeout=RPC)
     if as_json:
         out.print_json(json.dumps([e.model_dump(mode="json") for e in items]))
