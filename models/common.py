@@ -6,7 +6,6 @@ short forms of the spec (``0..2``, ``24GB..``, ``5m``) and always get one plain 
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Generic, Optional, TypeVar
 
@@ -140,14 +139,6 @@ def parse_duration(value: Any) -> int:
     raise ValueError(f"expected a duration like 30s, 5m, 1h or a number of seconds, got {value!r}")
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    for unit, size in (("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
 def count_range(value: Any) -> Any:
     return parse_range_with(value, parse_count, "count")
 
@@ -160,6 +151,3 @@ IntRange = Annotated[Range[int], BeforeValidator(count_range)]
 SizeRange = Annotated[Range[float], BeforeValidator(size_range)]
 Duration = Annotated[int, BeforeValidator(parse_duration), PlainSerializer(int)]
 
-
-def ceil_div(a: float, b: float) -> int:
-    return int(math.ceil(a / b))

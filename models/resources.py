@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BeforeValidator, Field
 
-from models.common import IntRange, Model, Range, SizeRange, count_range, parse_size_gb, size_range, split_range
+from models.common import IntRange, Model, Range, SizeRange, count_range, parse_size_gb, size_range
 
 CPUArch = Literal["x86", "arm"]
 GPUVendor = Literal["nvidia", "amd", "google", "intel", "tenstorrent"]
@@ -147,4 +147,4 @@ def _gb(rng: Range) -> str:
     return lo if rng.min == rng.max else f"{lo}..{hi}"
 
 
-__all__ = ["CPUSpec", "GPUSpec", "ResourcesSpec", "parse_cpu", "parse_gpu", "split_range"]
+__all__ = ["CPUSpec", "GPUSpec", "ResourcesSpec", "parse_cpu", "parse_gpu"]

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
@@ -54,6 +55,13 @@ async def ts_env_alone():
     env = await _time_skipping_env()
     yield env
     await env.shutdown()
+
+
+@pytest.fixture
+def tmpdir_short():
+    """A temporary dir with a short path: Unix socket paths must fit in 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="gw", dir="/tmp") as d:
+        yield d
 
 
 async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 30.0, interval: float = 0.05) -> T:

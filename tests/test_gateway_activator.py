@@ -9,7 +9,6 @@ import gzip
 import hashlib
 import inspect
 import os
-import tempfile
 import time
 
 import aiohttp
@@ -18,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.app import GatewayServer
+from tests.fakes.upstream import serve
 from gateway.client import GatewayClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
@@ -73,23 +73,8 @@ class Upstream:
         return resp
 
     async def start(self, unix_path: str | None = None) -> "Upstream":
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        if unix_path:
-            await web.UnixSite(self.runner, unix_path).start()
-            self.address = f"unix:{unix_path}"
-        else:
-            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-            self.address = f"127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, self.address = await serve(self.handle, unix_path)
         return self
-
-
-@pytest.fixture
-def tmpdir_short():
-    with tempfile.TemporaryDirectory(prefix="gwa", dir="/tmp") as d:
-        yield d
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 
 import aiohttp
@@ -15,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from gateway.app import GatewayServer
+from tests.fakes.upstream import serve
 from gateway.client import GatewayClient, GatewayError
 from gateway.nginx import fetch_generation
 
@@ -54,26 +54,11 @@ class Replica:
         return web.Response(text=f"{self.name} {request.path} {request.query_string}")
 
     async def start(self, unix_path: str | None = None) -> "Replica":
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        if unix_path:
-            await web.UnixSite(self.runner, unix_path).start()
-            self.address = f"unix:{unix_path}"
-        else:
-            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-            self.address = f"127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, self.address = await serve(self.handle, unix_path)
         return self
 
     def paths(self) -> list[str]:
         return [h[0] for h in self.hits]
-
-
-@pytest.fixture
-def tmpdir_short():
-    with tempfile.TemporaryDirectory(prefix="gwe", dir="/tmp") as d:
-        yield d
 
 
 @pytest.fixture
@@ -336,17 +321,13 @@ async def test_drained_waits_for_in_flight_requests_on_old_workers(tmp_path):
         await release.wait()
         return web.Response(text="done")
 
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.UnixSite(runner, str(tmp_path / "slow.sock")).start()
+    runner, address = await serve(slow, str(tmp_path / "slow.sock"))
     gw = GatewayServer(tmp_path / "gw")
     await gw.start()
     try:
         async with GatewayClient(gw.control_url) as client, httpx.AsyncClient(timeout=30) as http:
             await client.put_service("svc", auth=False)
-            await client.register("svc", "svc/0/r0-s0", "0", f"unix:{tmp_path / 'slow.sock'}")
+            await client.register("svc", "svc/0/r0-s0", "0", address)
             in_flight = asyncio.create_task(http.get(f"{gw.url}/services/svc/x"))
             await asyncio.wait_for(arrived.wait(), 10)
             await client.unregister("svc", "svc/0/r0-s0")
