@@ -26,6 +26,7 @@ import boto3
 import pytest
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
+from tests.fakes import ServedInThread
 
 GPU_AMI = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20250101"
 CPU_AMI = "ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-20250101"
@@ -151,21 +152,13 @@ class _QuietHandler(MotoRequestHandler):
         pass
 
 
-class EC2FaultServer:
+class EC2FaultServer(ServedInThread):
     def __init__(self):
         self.middleware = EC2FaultMiddleware(DomainDispatcherApplication(create_backend_app))
         self.server = make_server("127.0.0.1", 0, self.middleware, threaded=True, request_handler=_QuietHandler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.thread = threading.Thread(target=self.server.serve_forever, name="ec2-fake", daemon=True)
 
-    def start(self) -> "EC2FaultServer":
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
 
     def reset(self) -> None:
         urllib.request.urlopen(urllib.request.Request(self.url + "/moto-api/reset", method="POST"), timeout=10).read()

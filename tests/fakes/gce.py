@@ -18,6 +18,7 @@ from typing import Optional
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+from tests.fakes import ServedInThread
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/(?P<kind>instances|operations)"
@@ -60,7 +61,7 @@ def _matches(instance: dict, flt: str) -> bool:
     return True
 
 
-class FakeGCE:
+class FakeGCE(ServedInThread):
     def __init__(self):
         self.lock = threading.Lock()
         self.ids = itertools.count(1000)
@@ -105,14 +106,6 @@ class FakeGCE:
             self.lose = 0
             self.op_polls = 1  # new operations report RUNNING for this many polls, then DONE
 
-    def start(self) -> "FakeGCE":
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
 
     # --- test controls ----------------------------------------------------------------------------
 
