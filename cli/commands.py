@@ -392,7 +392,7 @@ def _replica(status: ServiceStatus, replica: Optional[int]):
 def _local_instance(settings: Settings, name: str, replica: Optional[int]):
     from activities.local import LocalBackend
 
-    status = asyncio.run(_status_or_exit(settings, name))
+    status = _run(_running_status(settings, name))
     view = _replica(status, replica)
     if view.backend != "local":
         raise _user_error(f"replica {view.replica} runs on {view.backend}; exec and logs reach local replicas")
@@ -403,13 +403,8 @@ def _local_instance(settings: Settings, name: str, replica: Optional[int]):
     return backend, instance
 
 
-async def _status_or_exit(settings: Settings, name: str) -> ServiceStatus:
-    try:
-        client = await connect(settings)
-        status = await _status(client, name)
-    except ControlPlaneDown as e:
-        err.print(f"[red]{e}[/red]")
-        raise typer.Exit(2)
+async def _running_status(settings: Settings, name: str) -> ServiceStatus:
+    status = await _status(await connect(settings), name)
     if status is None:
         raise _user_error(f"no running service named {name!r}")
     return status
