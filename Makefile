@@ -1,12 +1,12 @@
 # Two commands do all set-up on a fresh Linux machine with Python 3.11+:
 #   make demo   – create .venv, install, run the main job on the embedded default
-#   make test   – create .venv, install, pass the tests
+#   make test   – create .venv, install, pass the tests (make test-long: the slow ones)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-long clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: install
 	$(BIN)/python examples/demo.py
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not long"
+
+# The slow ones: a 30-simulated-day soak, restarts of each component during rollouts and scale-ups.
+test-long: install
+	$(BIN)/python -m pytest -q -m long
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
