@@ -77,6 +77,8 @@ class Event(BaseModel):
     kind: str = Field(description="scale, replica, rollout, apply, stop, rejected, …")
     group: Optional[str] = None
     message: str
+    seq: int = Field(0, description="Position in the service's log (from 1): the store's key, so a retried write "
+                                    "never duplicates an entry.")
 
 
 class ServiceState(BaseModel):
@@ -90,6 +92,9 @@ class ServiceState(BaseModel):
     replicas: list[Replica] = Field(default_factory=list)
     next_replica_num: int = 0
     events: list[Event] = Field(default_factory=list)
+    last_seq: int = Field(0, description="`seq` of the latest event.")
+    unrecorded: list[Event] = Field(
+        default_factory=list, description="Events not yet written to the store's decision log (kept on failure).")
     submitted_at: Optional[datetime] = None
     stopping: bool = False
     stats: Optional["StatsSnapshot"] = Field(None, description="Latest gateway snapshot; None = no stats yet.")
@@ -104,6 +109,14 @@ class ServiceState(BaseModel):
 
     def find(self, replica_num: int, submission_num: int) -> Optional[Replica]:
         return next((r for r in self.replicas if r.key == (replica_num, submission_num)), None)
+
+
+class ServiceRecord(BaseModel):
+    """What a service writes to the store after a pass: new decision-log entries and its `ps` row."""
+
+    service: str
+    events: list[Event] = Field(default_factory=list, description="New events, oldest first.")
+    status: "ServiceStatus"
 
 
 class ReplicaUpdate(BaseModel):
@@ -265,3 +278,4 @@ class StatsSnapshot(BaseModel):
 
 
 ServiceState.model_rebuild()
+ServiceRecord.model_rebuild()

@@ -17,7 +17,7 @@ from models.loader import load_config_text
 from activities.stats import changed
 from models.loader import load_config_file
 from models.run import (InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput,
-                        ScaleRequest, ServiceState, ServiceStatus, StatsSnapshot, StatsWatch, ApplyRequest)
+                        Event, ScaleRequest, ServiceRecord, ServiceState, ServiceStatus, StatsSnapshot, StatsWatch, ApplyRequest)
 from tests.conftest import eventually
 from workflows import names
 from workflows.replica import ReplicaWorkflow
@@ -52,6 +52,8 @@ class FakeCloud:
         # waits the watchers poll instead: each attempt checks once and fails, and retries are timers.
         self.polling = False
         self.max_alive: dict[str, int] = {}  # most instances of a group alive at once
+        self.log_by_seq: dict[int, Event] = {}  # the store's decision log (one service per test)
+        self.rows: dict[str, ServiceStatus] = {}  # the store's read model
 
     def activities(self):
         @activity.defn(name=names.PROVISION)
@@ -121,8 +123,14 @@ class FakeCloud:
                 activity.heartbeat()
                 await asyncio.sleep(0.1)
 
+        @activity.defn(name=names.RECORD_SERVICE)
+        async def record(rec: ServiceRecord) -> None:
+            # Local activities run at least once: the store keys entries by seq.
+            self.log_by_seq.update({e.seq: e for e in rec.events})
+            self.rows[rec.service] = rec.status
+
         return [provision, wait_ready, register, unregister, watch, terminate, ensure_route, remove_route,
-                watch_stats]
+                watch_stats, record]
 
     def running(self) -> set[str]:
         return {rid for rid, s in self.instances.items() if s == "running"}
@@ -276,6 +284,13 @@ async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
     assert cloud.running() == set()
+    # The store's decision log got every decision once, in order, across the hops; its `ps` row is final.
+    mine = [cloud.log_by_seq[seq] for seq in sorted(cloud.log_by_seq)]
+    assert [e.seq for e in mine] == list(range(1, len(mine) + 1))
+    scales = [e.message.split(" (")[0] for e in mine if e.kind == "scale"]
+    assert scales == ["0 → 1", "1 → 2", "2 → 3", "3 → 2", "2 → 1", "1 → 2", "2 → 3"]
+    assert [e.at for e in mine] == sorted(e.at for e in mine)
+    assert mine[-1].message == "service stopped" and cloud.rows["svc-hops"].status == "terminated"
 
 
 async def test_seed_autoscaling_with_real_default_delays(ts_env_alone, cloud_alone):

@@ -10,6 +10,7 @@ ENSURE_ROUTE = "ensure_service_route"
 REMOVE_ROUTE = "remove_service_route"
 WATCH_STATS = "watch_service_stats"
 REAP_ORPHANS = "reap_orphans"
+RECORD_SERVICE = "record_service"  # a local activity: decision log + read model in the store
 
 
 def backend_queue(task_queue: str, backend: str) -> str:

@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         ReplicaView,
         RouteInput,
         ScaleRequest,
+        ServiceRecord,
         ServiceState,
         ServiceStatus,
     )
@@ -47,7 +48,8 @@ with workflow.unsafe.imports_passed_through():
 SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
 SA_GROUP = SearchAttributeKey.for_keyword("DurastackGroup")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
-MAX_EVENTS = 200  # the latest decisions kept in state; `durastack events` reads them
+MAX_EVENTS = 200  # the latest decisions kept in state; the store's decision log keeps them all
+MAX_UNRECORDED = 2000  # while the store is unreachable; older ones are then dropped from the log
 
 
 def service_workflow_id(name: str) -> str:
@@ -72,6 +74,7 @@ class ServiceRunWorkflow:
         self.published_status: Optional[str] = None
         self.watcher: Optional[asyncio.Task] = None
         self.fresh_stats = False  # a new snapshot arrived since the last autoscaling pass
+        self.recorded: Optional[ServiceStatus] = None  # the `ps` row last written to the store
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -96,8 +99,8 @@ class ServiceRunWorkflow:
     @workflow.signal
     def record_event(self, event: Event) -> None:
         """An event from outside the workflow (e.g. the reaper), kept in the decision log."""
-        self.state.events.append(event)
-        del self.state.events[:-MAX_EVENTS]
+        self._log(event)
+        self.dirty = True
 
     @workflow.signal
     def replica_changed(self, update: ReplicaUpdate) -> None:
@@ -234,6 +237,7 @@ class ServiceRunWorkflow:
                 await self._reconcile()
                 self._watch_stats()
                 self._publish()
+                await self._record()
                 try:
                     await workflow.wait_condition(
                         lambda: self.dirty or state.stopping or self._should_continue() or self._snapshot_ready(),
@@ -403,12 +407,41 @@ class ServiceRunWorkflow:
             retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)), summary="remove gateway route")
         self._event("stop", "service stopped")
         self._publish()
+        await self._record()
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
     def _event(self, kind: str, message: str, group: Optional[str] = None) -> None:
-        self.state.events.append(Event(at=workflow.now(), kind=kind, group=group, message=message))
+        self._log(Event(at=workflow.now(), kind=kind, group=group, message=message))
+
+    def _log(self, event: Event) -> None:
+        self.state.last_seq += 1
+        event.seq = self.state.last_seq
+        self.state.events.append(event)
         del self.state.events[:-MAX_EVENTS]
+        self.state.unrecorded.append(event)
+        del self.state.unrecorded[:-MAX_UNRECORDED]
+
+    async def _record(self) -> None:
+        """Write new events and a changed `ps` row to the store: a local activity, only on change.
+
+        A store that stays unreachable does not stop the service: the events wait in state for the next pass.
+        """
+        view = _status_view(self.state)
+        if not self.state.unrecorded and view == self.recorded:
+            return
+        events = list(self.state.unrecorded)
+        try:
+            await workflow.execute_local_activity(
+                names.RECORD_SERVICE, ServiceRecord(service=self.state.name, events=events, status=view),
+                start_to_close_timeout=timedelta(seconds=10),
+                retry_policy=RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=2)),
+                summary="decision log")
+        except Exception as e:  # noqa: BLE001 — kept for the next pass
+            workflow.logger.warning("recording to the store failed: %s", e)
+            return
+        del self.state.unrecorded[:len(events)]
+        self.recorded = view
 
     def _publish(self) -> None:
         """Search attribute and UI details, upserted only on change (each upsert is a history event)."""
