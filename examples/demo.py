@@ -35,7 +35,10 @@ def main() -> None:
         print(stack.check("apply", "-f", str(FIXED), "-y"))
         step("durastack ps")
         print(stack.check("ps"))
-        token = stack.check("token").strip()
+        step("durastack token add demo  (printed once: the gateway keeps only its hash)")
+        token = stack.check("token", "add", "demo").strip()
+        print(token)
+        print(stack.check("token", "list"))
         url = f"{stack.gateway}/services/{NAME}/"
         step(f"10 requests through {url}")
         statuses = [httpx.get(url, headers={"Authorization": f"Bearer {token}"}).status_code for _ in range(10)]

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import hmac
+import secrets
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.nginx import NginxError
-from models.gateway import GatewayState, PutServiceRequest, RegisterReplicaRequest, Upstream
+from models.gateway import (TOKEN_PREFIX_CHARS, CreateTokenRequest, DuplicateToken, GatewayState, GatewayToken,
+                            NewToken, PutServiceRequest, RegisterReplicaRequest, TokenList, UnknownToken,
+                            Upstream, hash_token)
 
 if TYPE_CHECKING:
     from gateway.app import GatewayServer, Op
@@ -24,6 +30,10 @@ def make_app(gw: GatewayServer) -> web.Application:
     async def change(op: Op) -> GatewayState:
         try:
             return await gw.apply(op)
+        except DuplicateToken as e:
+            raise web.HTTPConflict(text=str(e))
+        except UnknownToken as e:
+            raise web.HTTPNotFound(text=str(e))
         except ValueError as e:  # pydantic's ValidationError included
             raise web.HTTPBadRequest(text=str(e))
         except KeyError as e:
@@ -33,7 +43,7 @@ def make_app(gw: GatewayServer) -> web.Application:
 
     async def put_service(request: web.Request) -> web.Response:
         name, spec = request.match_info["name"], await body(request, PutServiceRequest)
-        state = await change(lambda s: s.put_service(name, spec.auth, spec.hashes(), spec.cold_start_timeout))
+        state = await change(lambda s: s.put_service(name, spec.auth, spec.cold_start_timeout))
         return _json(state.services[name])
 
     async def delete_service(request: web.Request) -> web.Response:
@@ -56,6 +66,26 @@ def make_app(gw: GatewayServer) -> web.Application:
         await change(lambda s: s.unregister(name, rid))
         return web.json_response({"service": name, "replica_id": rid, "registered": False})
 
+    async def create_token(request: web.Request) -> web.Response:
+        spec = await body(request, CreateTokenRequest)
+        token = secrets.token_urlsafe(32)
+        record = GatewayToken(name=spec.name, prefix=token[:TOKEN_PREFIX_CHARS], token_sha256=hash_token(token),
+                              created_at=datetime.now(timezone.utc))
+        await change(lambda s: s.add_token(record))  # answered once nginx accepts it
+        return _json(NewToken(**record.info().model_dump(), token=token), status=201)
+
+    async def tokens(request: web.Request) -> web.Response:
+        return _json(TokenList(tokens=tuple(t.info() for _, t in sorted(gw.state.tokens.items()))))
+
+    async def revoke_token(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        await change(lambda s: s.revoke_token(name))  # answered once no nginx worker accepts it any more
+        return web.json_response({"name": name, "revoked": True})
+
+    async def metrics(request: web.Request) -> web.Response:
+        gw.collect()  # the access log up to now: a scrape sees every request logged before it
+        return web.Response(body=gw.metrics.exposition(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
     async def services(request: web.Request) -> web.Response:
         return _json(gw.state)
 
@@ -70,12 +100,27 @@ def make_app(gw: GatewayServer) -> web.Application:
         draining = gw.draining()
         return web.json_response({"drained": draining == 0, "draining_workers": draining})
 
-    app = web.Application()
+    @web.middleware
+    async def control_auth(request: web.Request, handler):
+        # With a control token (a gateway reachable from other hosts), routes and tokens change only with it.
+        # The stats stay open: nginx serves them on its public port too.
+        if gw.control_token and request.path.startswith("/api/") and request.path != "/api/stats":
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").encode()
+            if not hmac.compare_digest(given, gw.control_token.encode()):
+                raise web.HTTPUnauthorized(text="the gateway's control API needs its token "
+                                                "(DURASTACK_GATEWAY_CONTROL_TOKEN)")
+        return await handler(request)
+
+    app = web.Application(middlewares=[control_auth])
     app.add_routes([
         web.get("/healthz", healthz),
         web.get("/api/services", services),
         web.get("/api/stats", stats),
         web.get("/api/drained", drained),
+        web.get("/metrics", metrics),
+        web.get("/api/tokens", tokens),
+        web.post("/api/tokens", create_token),
+        web.delete("/api/tokens/{name}", revoke_token),
         web.put("/api/services/{name}", put_service),
         web.delete("/api/services/{name}", delete_service),
         web.put("/api/services/{name}/replicas/{replica_id:.+}", register),
@@ -85,5 +130,5 @@ def make_app(gw: GatewayServer) -> web.Application:
     return app
 
 
-def _json(model) -> web.Response:
-    return web.json_response(text=model.model_dump_json())
+def _json(model, status: int = 200) -> web.Response:
+    return web.json_response(text=model.model_dump_json(), status=status)

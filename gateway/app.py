@@ -3,12 +3,14 @@
 Every route change is applied to a copy of the state, rendered, and reloaded into nginx by a
 single worker task; changes that queue up meanwhile go out together in the next reload
 (coalescing). A caller gets its answer only once nginx serves a configuration containing its
-change, so after ``DELETE .../replicas/r`` returns no new request reaches ``r``.
+change, so after ``DELETE .../replicas/r`` returns no new request reaches ``r``. The same task starts
+nginx again if it dies; the routes survive a restart of the gateway itself in ``state.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -22,12 +24,14 @@ from aiohttp import web
 
 from gateway.activator import MAX_HELD, Activator
 from gateway.api import make_app
+from gateway.metrics import GatewayMetrics
 from gateway.nginx import Nginx, NginxError
 from gateway.render import render_config
 from gateway.stats import LogTailer, StatsCollector
 from models.gateway import GatewayState, StatsReport
 
 log = logging.getLogger("durastack.gateway")
+NGINX_CHECK = 0.5  # seconds between checks that nginx still runs (a dead one is restarted)
 Op = Callable[[GatewayState], GatewayState]
 
 
@@ -42,7 +46,12 @@ class GatewayServer:
 
     def __init__(self, runtime_dir: str | os.PathLike, *, listen_port: int = 0, control_port: int = 0,
                  worker_processes: int = 2, rotate_bytes: int = 64 << 20, tick: float = 5.0,
-                 max_held: int = MAX_HELD):
+                 max_held: int = MAX_HELD, host: str = "127.0.0.1", control_token: str | None = None):
+        """``host``: where nginx and the control API listen; off loopback the control API needs ``control_token``."""
+        if not _loopback(host) and not control_token:
+            raise ValueError(f"the gateway listens on {host}: set DURASTACK_GATEWAY_CONTROL_TOKEN so that only "
+                             "the workers and the CLI can change its routes and tokens")
+        self.host, self.control_token = host, control_token
         self.runtime_dir = Path(runtime_dir).absolute()
         self.listen_port, self.control_port = listen_port, control_port
         self.worker_processes, self.rotate_bytes, self.tick = worker_processes, rotate_bytes, tick
@@ -51,6 +60,7 @@ class GatewayServer:
         self.state = GatewayState()
         self.collector = StatsCollector()
         self.activator = Activator(lambda: self.state, self.collector, max_held=max_held)
+        self.metrics = GatewayMetrics(self.activator, lambda: self.state.services, since=time.time())
         self._tailer = LogTailer(self.access_log)
         self._nginx: Nginx | None = None
         self._runner: web.AppRunner | None = None
@@ -62,11 +72,11 @@ class GatewayServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.listen_port}"
+        return f"http://{_reachable(self.host)}:{self.listen_port}"
 
     @property
     def control_url(self) -> str:
-        return f"http://127.0.0.1:{self.control_port}"
+        return f"http://{_reachable(self.host)}:{self.control_port}"
 
     async def start(self) -> None:
         self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -78,13 +88,16 @@ class GatewayServer:
         self._runner = web.AppRunner(make_app(self), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, "127.0.0.1", self.control_port).start()
+            await web.TCPSite(self._runner, self.host, self.control_port).start()
             self.control_port = self._runner.addresses[0][1]
             await self._start_nginx()
         except BaseException:
             await self._runner.cleanup()
             raise
         self._tasks = [asyncio.create_task(self._apply_loop()), asyncio.create_task(self._tick_loop())]
+        self._write_endpoints()
+
+    def _write_endpoints(self) -> None:
         endpoints = {"listen_port": self.listen_port, "control_port": self.control_port,
                      "pid": os.getpid(), "nginx_pid": self._nginx.pid}
         _write_private(self.runtime_dir / "endpoints.json", json.dumps(endpoints))
@@ -121,7 +134,7 @@ class GatewayServer:
     def _render(self, state: GatewayState) -> str:
         return render_config(state, listen_port=self.listen_port, runtime_dir=str(self.runtime_dir),
                              access_log=str(self.access_log), control_port=self.control_port,
-                             worker_processes=self.worker_processes)
+                             worker_processes=self.worker_processes, host=self.host)
 
     def _remember(self, state: GatewayState) -> None:
         for route in state.services.values():
@@ -138,14 +151,33 @@ class GatewayServer:
 
     async def _apply_loop(self) -> None:
         while True:
-            await self._wakeup.wait()
+            try:  # woken by a change, or every NGINX_CHECK seconds to see that nginx still runs
+                await asyncio.wait_for(self._wakeup.wait(), NGINX_CHECK)
+            except asyncio.TimeoutError:
+                pass
             self._wakeup.clear()
+            await self._revive_nginx()
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
                     await self._apply_batch(batch)
                 finally:  # cancelled by stop(): nobody may be left waiting
                     _fail(batch, NginxError("gateway stopping"))
+
+    async def _revive_nginx(self) -> None:
+        """nginx's master died (killed, crashed): start a new one on the routes we hold, so that nothing has to
+        register again. Runs in the apply loop, so never during a reload."""
+        if self._nginx.running():
+            return
+        log.error("nginx (pid %s) exited; starting it again with generation %s", self._nginx.pid,
+                  self.state.generation)
+        try:
+            await self._nginx.restart(self._render(self.state), self.state.generation)
+        except NginxError as e:  # tried again at the next check; meanwhile changes fail (503) and are retried
+            log.error("nginx restart failed: %s", e)
+            return
+        self._write_endpoints()
+        log.info("nginx serves again (pid %s)", self._nginx.pid)
 
     async def _apply_batch(self, batch: list[tuple[Op, asyncio.Future]]) -> None:
         state, errors = self.state, {}
@@ -177,7 +209,8 @@ class GatewayServer:
 
     def collect(self, now: float | None = None) -> StatsReport:
         now = time.time() if now is None else now
-        self.collector.feed(self._tailer.read_lines(), now)
+        entries = self.collector.feed(self._tailer.read_lines(), now)
+        self.metrics.observe(entries, self.collector.group_of)
         held, total = self.activator.held, self.activator.held_total
         return StatsReport(collected_at=now, services={
             name: self.collector.service_stats(name, now).model_copy(
@@ -204,6 +237,18 @@ def _fail(batch: list[tuple[Op, asyncio.Future]], error: BaseException) -> None:
             fut.exception()  # retrieved here: its caller may have gone away
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _reachable(host: str) -> str:
+    """An address of this machine that reaches a socket bound to ``host`` (a wildcard is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _write_private(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -212,9 +257,11 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-async def run_gateway(runtime_dir: str | os.PathLike, listen_port: int, control_port: int) -> None:
+async def run_gateway(runtime_dir: str | os.PathLike, listen_port: int, control_port: int,
+                      host: str = "127.0.0.1", control_token: str | None = None) -> None:
     """Run until SIGINT/SIGTERM. Actual ports are written to ``<runtime_dir>/endpoints.json``."""
-    server = GatewayServer(runtime_dir, listen_port=listen_port, control_port=control_port)
+    server = GatewayServer(runtime_dir, listen_port=listen_port, control_port=control_port, host=host,
+                           control_token=control_token)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -5,12 +5,12 @@ Each change call returns once the gateway serves it (the app answers only after 
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 from urllib.parse import quote
 
 import httpx
 
-from models.gateway import GatewayState, ServiceRoute, StatsReport
+from models.gateway import GatewayState, NewToken, ServiceRoute, StatsReport, TokenInfo, TokenList
 
 
 class GatewayError(RuntimeError):
@@ -24,9 +24,13 @@ class GatewayError(RuntimeError):
 class GatewayClient:
     """``async with GatewayClient("http://127.0.0.1:<control_port>") as gw: await gw.register(...)``"""
 
-    def __init__(self, base_url: str, *, timeout: float = 60.0, transport: Optional[httpx.AsyncBaseTransport] = None):
+    def __init__(self, base_url: str, *, token: Optional[str] = None, timeout: float = 60.0,
+                 transport: Optional[httpx.AsyncBaseTransport] = None):
+        """``token``: the control API's bearer token (DURASTACK_GATEWAY_CONTROL_TOKEN), when it requires one."""
         # A reload waits for nginx (bounded on the gateway side); the timeout only needs to exceed that.
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport,
+                                       headers=headers)
 
     async def __aenter__(self) -> "GatewayClient":
         return self
@@ -43,11 +47,11 @@ class GatewayClient:
             raise GatewayError(resp.status_code, resp.text)
         return resp
 
-    async def put_service(self, name: str, auth: bool = True, tokens: Iterable[str] = (),
-                          cold_start_timeout: int | None = None) -> ServiceRoute:
-        """Create or update a route. ``cold_start_timeout`` (seconds a request may wait for a first
-        replica, 0: 503 at once): None keeps the route's current value (300 for a new route)."""
-        body: dict = {"auth": auth, "tokens": list(tokens)}
+    async def put_service(self, name: str, auth: bool = True, cold_start_timeout: int | None = None) -> ServiceRoute:
+        """Create or update a route; with ``auth`` it accepts the gateway's tokens. ``cold_start_timeout``
+        (seconds a request may wait for a first replica, 0: 503 at once): None keeps the route's current
+        value (300 for a new route)."""
+        body: dict = {"auth": auth}
         if cold_start_timeout is not None:
             body["cold_start_timeout"] = cold_start_timeout
         resp = await self._call("PUT", f"/api/services/{_seg(name)}", body)
@@ -73,6 +77,22 @@ class GatewayClient:
 
     async def stats(self) -> StatsReport:
         return StatsReport.model_validate_json((await self._call("GET", "/api/stats")).content)
+
+    async def create_token(self, name: str) -> NewToken:
+        """A new token, accepted by every route with auth once this returns; only its hash is kept.
+        A name in use answers 409."""
+        return NewToken.model_validate_json((await self._call("POST", "/api/tokens", {"name": name})).content)
+
+    async def tokens(self) -> tuple[TokenInfo, ...]:
+        return TokenList.model_validate_json((await self._call("GET", "/api/tokens")).content).tokens
+
+    async def revoke_token(self, name: str) -> None:
+        """Once this returns, no nginx worker accepts the token any more. An unknown name answers 404."""
+        await self._call("DELETE", f"/api/tokens/{_seg(name)}")
+
+    async def metrics(self) -> str:
+        """The Prometheus text exposition of GET /metrics."""
+        return (await self._call("GET", "/metrics")).text
 
 
 def _seg(value: str) -> str:

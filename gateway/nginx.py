@@ -119,14 +119,32 @@ class Nginx:
         self._prepare(config, self.conf_path)
         await self._test(self.conf_path)
         with open(self.runtime_dir / "nginx.stderr.log", "ab") as err:
+            # A process group of its own, which its workers inherit: if the master is killed, its orphaned
+            # workers can still be found (and ended) by that group (see restart).
             self._proc = subprocess.Popen(
                 [self.binary, "-p", str(self.runtime_dir), "-c", str(self.conf_path)],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=_die_with_parent)
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=_die_with_parent, process_group=0)
         try:
             await self._wait_serving(generation, old_workers=())
         except BaseException:
             await self.stop()
             raise
+
+    def running(self) -> bool:
+        """True while the master we started runs: False before start, after stop, once it died (killed, crashed)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    async def restart(self, config: str, generation: int) -> None:
+        """Start afresh after the master died. Its orphaned workers would go on serving the old configuration
+        on the port, out of reach of any reload: they are killed first."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.poll()
+            _kill_group(proc.pid)
+        deadline = time.monotonic() + self.timeout
+        while await fetch_generation(self.port) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_INTERVAL)
+        await self.start(config, generation)
 
     async def reload(self, config: str, generation: int) -> None:
         """Check ``config`` with ``nginx -t``, SIGHUP the master, return once ``generation`` is served.
@@ -179,12 +197,7 @@ class Nginx:
             while proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_INTERVAL)
         proc.poll()
-        for pid in workers:  # only left behind if the master was SIGKILLed
-            if _is_nginx(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill_group(proc.pid, workers)  # only left behind if the master was SIGKILLed
 
     def draining(self) -> int:
         """Workers of earlier configurations still finishing their in-flight requests."""
@@ -208,6 +221,24 @@ def _children(pid: int) -> tuple[int, ...]:
         return tuple(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
     except OSError:
         return ()
+
+
+def _kill_group(pgid: int, also: tuple[int, ...] = ()) -> None:
+    """SIGKILL the nginx processes of process group ``pgid`` (a master's, and its workers'), and ``also``."""
+    members = set(also)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    members.add(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    for pid in members:
+        if _is_nginx(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _title(pid: int) -> bytes | None:

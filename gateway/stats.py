@@ -25,6 +25,7 @@ class LogEntry:
     request_time: float
     service: str
     upstream_addr: Optional[str]  # the address that served the request, if any
+    activator: bool = False  # hit "2": handed to the activator (a cold start)
 
 
 def parse_line(line: str) -> Optional[LogEntry]:
@@ -38,7 +39,7 @@ def parse_line(line: str) -> Optional[LogEntry]:
     addr = parts[5].strip() if len(parts) > 5 else "-"
     # After retries $upstream_addr is "a, b" (and "a : b" across internal redirects): the last served.
     last = addr.replace(" : ", ", ").split(", ")[-1].strip()
-    return LogEntry(t, hit, status, rt, parts[4], None if last in ("", "-") else last)
+    return LogEntry(t, hit, status, rt, parts[4], None if last in ("", "-") else last, parts[1] == "2")
 
 
 Frames = dict[int, list]  # second -> [requests, total request time]
@@ -68,12 +69,16 @@ class StatsCollector:
         """Map an upstream address to its group. Kept after unregistering: its log lines come later."""
         self._addr_group[(service, address)] = group
 
+    def group_of(self, entry: LogEntry) -> Optional[str]:
+        """The replica group that served a logged request: its upstream address, as registered."""
+        return self._addr_group.get((entry.service, entry.upstream_addr or ""))
+
     def add(self, entry: LogEntry, now: float) -> None:
         if not entry.hit or entry.service == "-" or now - entry.time > TTL:
             return
         second = int(entry.time)
         _bump(self._frames.setdefault(entry.service, {}), second, entry.request_time)
-        group = self._addr_group.get((entry.service, entry.upstream_addr or ""))
+        group = self.group_of(entry)
         if group is not None:
             _bump(self._group_frames.setdefault(entry.service, {}).setdefault(group, {}), second, entry.request_time)
 
@@ -87,12 +92,13 @@ class StatsCollector:
         if frame is not None:
             frame[1] += request_time
 
-    def feed(self, lines: Iterable[str], now: float) -> None:
-        for line in lines:
-            entry = parse_line(line)
-            if entry is not None:
-                self.add(entry, now)
+    def feed(self, lines: Iterable[str], now: float) -> list[LogEntry]:
+        """Count the lines; return them parsed, for the other readers of the same log (metrics)."""
+        entries = [e for e in map(parse_line, lines) if e is not None]
+        for entry in entries:
+            self.add(entry, now)
         self.prune(now)
+        return entries
 
     def prune(self, now: float) -> None:
         """Drop frames older than TTL, and services/groups left without frames."""

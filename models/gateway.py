@@ -1,4 +1,4 @@
-"""Gateway state and statistics: what the gateway routes, and what it reports (spec 4).
+"""Gateway state and statistics: what the gateway routes, the tokens it accepts, and what it reports (spec 4).
 
 Pure data plus pure state transitions; the gateway app persists :class:`GatewayState` as JSON and
 renders nginx configuration from it.
@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from typing import Optional
+from datetime import datetime
+from typing import Any, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from models.common import Model
 
@@ -19,6 +20,8 @@ SERVICE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"  # a DNS label: the service is 
 GROUP_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 REPLICA_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"  # e.g. "svc/0/r3-s0"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+TOKEN_PREFIX_CHARS = 6  # shown to tell tokens apart: 36 of a token's 256 random bits, nothing to guess from
 WINDOWS = (30, 60, 300)  # stats windows in seconds (spec 4.2)
 DEFAULT_COLD_START_TIMEOUT = 300  # seconds a request may wait in the activator for a first replica
 MAX_COLD_START_TIMEOUT = 86400
@@ -28,8 +31,46 @@ _UNSAFE = re.compile(r"[\s;{}'\"\\#$]")  # would break out of an nginx `server` 
 
 
 def hash_token(token: str) -> str:
-    """The form in which a service token is stored: lowercase hex SHA-256 of its UTF-8 bytes."""
+    """The form in which a gateway token is stored: lowercase hex SHA-256 of its UTF-8 bytes."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+class DuplicateToken(ValueError):
+    """A token of that name exists already."""
+
+
+class UnknownToken(LookupError):
+    """No token of that name."""
+
+
+class TokenInfo(Model):
+    """What may be shown of a gateway token: never the token, nor its hash."""
+
+    name: str = Field(pattern=TOKEN_NAME_PATTERN, description="Name given at creation, unique, e.g. 'default' or 'ci'.")
+    prefix: str = Field(max_length=TOKEN_PREFIX_CHARS, description="The token's first characters, to recognise it.")
+    created_at: datetime = Field(description="When the token was created (UTC).")
+
+
+class GatewayToken(TokenInfo):
+    """A token as the gateway keeps it: hashed. Every route with ``auth`` accepts every such token."""
+
+    token_sha256: str = Field(pattern=SHA256_PATTERN,
+                              description="hash_token() of the token; the token itself is never stored.")
+
+    def info(self) -> TokenInfo:
+        return TokenInfo(name=self.name, prefix=self.prefix, created_at=self.created_at)
+
+
+class NewToken(TokenInfo):
+    """Answer of POST /api/tokens: the only time the token is ever shown."""
+
+    token: str = Field(description="The bearer token, in plain text; the gateway keeps only its hash.")
+
+
+class TokenList(Model):
+    """Answer of GET /api/tokens."""
+
+    tokens: tuple[TokenInfo, ...] = Field((), description="Every token the gateway accepts, by name.")
 
 
 class Upstream(Model):
@@ -67,21 +108,21 @@ class ServiceRoute(Model):
     """A service the gateway routes: auth settings and its ready replicas."""
 
     name: str = Field(pattern=SERVICE_NAME_PATTERN, description="Service name, routed as /services/<name>/ and <name>.localhost.")
-    auth: bool = Field(True, description="Require 'Authorization: Bearer <token>' (401 without, 403 wrong token).")
-    token_sha256: tuple[str, ...] = Field((), description="SHA-256 hex digests of the accepted tokens; tokens themselves are never stored.")
+    auth: bool = Field(True, description="Require 'Authorization: Bearer <token>' with one of the gateway's tokens "
+                                         "(401 without, 403 with another).")
     upstreams: tuple[Upstream, ...] = Field((), description="Ready replicas, sorted by replica_id; empty means the activator holds requests.")
     cold_start_timeout: int = Field(
         DEFAULT_COLD_START_TIMEOUT, ge=0, le=MAX_COLD_START_TIMEOUT,
         description="Seconds the activator holds a request while the service has no ready replica, then 503 "
                     "with Retry-After; 0 answers 503 at once.")
 
-    @field_validator("token_sha256")
+    @model_validator(mode="before")
     @classmethod
-    def _check_hashes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for h in v:
-            if not re.fullmatch(SHA256_PATTERN, h):
-                raise ValueError(f"not a lowercase sha256 hex digest: {h!r}")
-        return tuple(sorted(set(v)))
+    def _drop_route_tokens(cls, data: Any) -> Any:
+        # A state.json of before the global tokens had per-route hashes: those are no longer accepted.
+        if isinstance(data, dict) and "token_sha256" in data:
+            data = {k: v for k, v in data.items() if k != "token_sha256"}
+        return data
 
     @field_validator("upstreams")
     @classmethod
@@ -99,22 +140,36 @@ class GatewayState(Model):
     """Everything the gateway routes. ``generation`` grows with every change that was applied."""
 
     services: dict[str, ServiceRoute] = Field(default_factory=dict, description="Routes by service name.")
+    tokens: dict[str, GatewayToken] = Field(
+        default_factory=dict, description="The tokens every route with auth accepts, by name; hashed only.")
     generation: int = Field(0, ge=0, description="Bumped on every applied change; served at /__generation.")
 
-    def _with(self, services: dict[str, ServiceRoute]) -> "GatewayState":
-        if services == self.services:
+    def _with(self, services: dict[str, ServiceRoute], tokens: dict[str, GatewayToken] | None = None) -> "GatewayState":
+        tokens = self.tokens if tokens is None else tokens
+        if services == self.services and tokens == self.tokens:
             return self  # idempotent: no change, no new generation, no reload
-        return GatewayState(services=services, generation=self.generation + 1)
+        return GatewayState(services=services, tokens=tokens, generation=self.generation + 1)
 
-    def put_service(self, name: str, auth: bool, token_sha256: tuple[str, ...] | list[str],
-                    cold_start_timeout: int | None = None) -> "GatewayState":
+    def put_service(self, name: str, auth: bool, cold_start_timeout: int | None = None) -> "GatewayState":
         """Create or update a route; its replicas stay. ``cold_start_timeout=None`` keeps the current one."""
         old = self.services.get(name)
         if cold_start_timeout is None:
             cold_start_timeout = old.cold_start_timeout if old else DEFAULT_COLD_START_TIMEOUT
-        route = ServiceRoute(name=name, auth=auth, token_sha256=tuple(token_sha256),
-                             upstreams=old.upstreams if old else (), cold_start_timeout=cold_start_timeout)
+        route = ServiceRoute(name=name, auth=auth, upstreams=old.upstreams if old else (),
+                             cold_start_timeout=cold_start_timeout)
         return self._with({**self.services, name: route})
+
+    def add_token(self, token: GatewayToken) -> "GatewayState":
+        """Raises DuplicateToken for a name in use: a token is never replaced silently."""
+        if token.name in self.tokens:
+            raise DuplicateToken(f"a token named {token.name!r} exists already")
+        return self._with(self.services, {**self.tokens, token.name: token})
+
+    def revoke_token(self, name: str) -> "GatewayState":
+        """Raises UnknownToken: a typo must not look like a revocation."""
+        if name not in self.tokens:
+            raise UnknownToken(f"no token named {name!r}")
+        return self._with(self.services, {k: v for k, v in self.tokens.items() if k != name})
 
     def delete_service(self, name: str) -> "GatewayState":
         return self._with({k: v for k, v in self.services.items() if k != name})
@@ -160,26 +215,20 @@ class StatsReport(Model):
 
 
 class PutServiceRequest(Model):
-    """Body of PUT /api/services/{name}. Plain tokens are hashed on arrival and never stored."""
+    """Body of PUT /api/services/{name}."""
 
-    auth: bool = Field(True, description="Require a bearer token.")
-    tokens: tuple[str, ...] = Field((), description="Accepted tokens, in plain text.")
-    token_sha256: tuple[str, ...] = Field((), description="Accepted tokens, already hashed with hash_token().")
+    auth: bool = Field(True, description="Require a bearer token: one of the gateway's tokens (POST /api/tokens).")
     cold_start_timeout: Optional[int] = Field(
         None, ge=0, le=MAX_COLD_START_TIMEOUT,
         description=f"Seconds a request may be held for a first replica (0: 503 at once); "
                     f"omitted: keep the route's current value, {DEFAULT_COLD_START_TIMEOUT} for a new route.")
 
-    @field_validator("tokens")
-    @classmethod
-    def _check_tokens(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for t in v:
-            if not re.fullmatch(r"[\x21-\x7e]+", t):  # what an Authorization: Bearer header can carry
-                raise ValueError("a token must be non-empty printable ASCII without spaces")
-        return v
 
-    def hashes(self) -> tuple[str, ...]:
-        return tuple(self.token_sha256) + tuple(hash_token(t) for t in self.tokens)
+
+class CreateTokenRequest(Model):
+    """Body of POST /api/tokens."""
+
+    name: str = Field(pattern=TOKEN_NAME_PATTERN, description="A unique name: letters, digits, '_', '.', '-'.")
 
 
 class RegisterReplicaRequest(Model):

@@ -21,8 +21,6 @@ from tests.fakes.upstream import serve
 from gateway.client import GatewayClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
-TOKEN = "tok-act"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class Upstream:
@@ -101,6 +99,16 @@ async def client(gateway):
         yield c
 
 
+async def bearer(client: GatewayClient) -> dict[str, str]:
+    """The header of a new gateway token, made by the control API (which keeps only its hash)."""
+    return {"Authorization": f"Bearer {(await client.create_token('test')).token}"}
+
+
+@pytest.fixture
+async def auth(client) -> dict[str, str]:
+    return await bearer(client)
+
+
 async def poll(cond, timeout: float = 10.0, interval: float = 0.02):
     """Bounded wait for ``cond()`` (sync or async) to be truthy; returns its last value."""
     deadline = time.monotonic() + timeout
@@ -132,13 +140,13 @@ async def register(client: GatewayClient, upstream: Upstream, service: str = "sv
     await client.register(service, f"{service}/0/r{i}-s0", "0", upstream.address)
 
 
-async def test_held_request_is_forwarded_once_a_replica_registers(gateway, client, upstream):
-    await client.put_service("svc", tokens=[TOKEN])
+async def test_held_request_is_forwarded_once_a_replica_registers(gateway, client, upstream, auth):
+    await client.put_service("svc")
     async with httpx.AsyncClient(timeout=30) as h:
         post = asyncio.create_task(h.post(
             f"{gateway.url}/services/svc/echo/a%20b?x=1&y=%2F", content=b"payload-1",
-            headers={**AUTH, "X-Custom": "yes"}))
-        by_host = asyncio.create_task(h.get(f"{gateway.url}/hosted", headers={**AUTH, "Host": "svc.localhost"}))
+            headers={**auth, "X-Custom": "yes"}))
+        by_host = asyncio.create_task(h.get(f"{gateway.url}/hosted", headers={**auth, "Host": "svc.localhost"}))
         assert await held(client, n=2) == (2, 2)
         assert not post.done() and not by_host.done() and upstream.paths == []
         await register(client, upstream)
@@ -148,7 +156,7 @@ async def test_held_request_is_forwarded_once_a_replica_registers(gateway, clien
     assert (got["replica"], got["method"], got["raw_path"], got["query"], got["body"]) == (
         "A", "POST", "/echo/a%20b", "x=1&y=%2F", "payload-1")  # prefix stripped, rest as sent
     hdrs = got["headers"]
-    assert hdrs["X-Custom"] == "yes" and hdrs["Authorization"] == AUTH["Authorization"]
+    assert hdrs["X-Custom"] == "yes" and hdrs["Authorization"] == auth["Authorization"]
     assert hdrs["X-Forwarded-Prefix"] == "/services/svc" and hdrs["Host"].startswith("127.0.0.1")
     assert "Upgrade" not in hdrs and "Keep-Alive" not in hdrs
     assert resp.headers["x-replica"] == "A" and resp.headers.get_list("set-cookie") == ["a=1", "b=2"]
@@ -157,7 +165,7 @@ async def test_held_request_is_forwarded_once_a_replica_registers(gateway, clien
     # now nginx routes straight to the replica, nothing more is held; the replica sees the same request
     async with httpx.AsyncClient(timeout=10) as h:
         direct = await h.post(f"{gateway.url}/services/svc/echo/a%20b?x=1&y=%2F", content=b"payload-1",
-                              headers={**AUTH, "X-Custom": "yes"})
+                              headers={**auth, "X-Custom": "yes"})
     assert direct.status_code == 200 and await held(client) == (0, 2)
     same = ("method", "raw_path", "query", "body")
     assert {k: direct.json()[k] for k in same} == {k: got[k] for k in same}
@@ -165,10 +173,10 @@ async def test_held_request_is_forwarded_once_a_replica_registers(gateway, clien
     assert set(direct.json()["headers"]) - skip == set(hdrs) - skip
 
 
-async def test_twenty_held_requests_released_by_one_registration_count_once(gateway, client, upstream):
-    await client.put_service("svc", tokens=[TOKEN])
+async def test_twenty_held_requests_released_by_one_registration_count_once(gateway, client, upstream, auth):
+    await client.put_service("svc")
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=50)) as h:
-        tasks = [asyncio.create_task(h.get(f"{gateway.url}/services/svc/echo/{i}", headers=AUTH)) for i in range(20)]
+        tasks = [asyncio.create_task(h.get(f"{gateway.url}/services/svc/echo/{i}", headers=auth)) for i in range(20)]
         assert await held(client, n=20) == (20, 20)
         # counted when they arrived, while still held: this is what scales the service up from zero
         stats = (await client.stats()).services["svc"]
@@ -182,7 +190,7 @@ async def test_twenty_held_requests_released_by_one_registration_count_once(gate
     # nginx has written its 20 activator lines (hit "2"): they must not count a second time
     assert await poll(lambda: activator_log_lines(gateway) == 20)
     async with httpx.AsyncClient(timeout=10) as h:  # one direct request, logged with hit 1
-        assert (await h.get(f"{gateway.url}/services/svc/echo/direct", headers=AUTH)).status_code == 200
+        assert (await h.get(f"{gateway.url}/services/svc/echo/direct", headers=auth)).status_code == 200
 
     async def windows():
         w = (await client.stats()).services["svc"].windows
@@ -193,8 +201,8 @@ async def test_twenty_held_requests_released_by_one_registration_count_once(gate
     assert w[30].request_time > 0  # the held requests' time was added when they completed
 
 
-async def test_large_bodies_pass_chunked_or_with_length(gateway, client, upstream):
-    await client.put_service("svc", tokens=[TOKEN])
+async def test_large_bodies_pass_chunked_or_with_length(gateway, client, upstream, auth):
+    await client.put_service("svc")
     big = os.urandom(3 << 20)  # more than socket buffers hold while the request waits
 
     async def chunks():
@@ -202,8 +210,8 @@ async def test_large_bodies_pass_chunked_or_with_length(gateway, client, upstrea
             yield big[i:i + 100_000]
 
     async with httpx.AsyncClient(timeout=30) as h:
-        chunked = asyncio.create_task(h.post(f"{gateway.url}/services/svc/echo/c", content=chunks(), headers=AUTH))
-        sized = asyncio.create_task(h.put(f"{gateway.url}/services/svc/echo/s", content=big, headers=AUTH))
+        chunked = asyncio.create_task(h.post(f"{gateway.url}/services/svc/echo/c", content=chunks(), headers=auth))
+        sized = asyncio.create_task(h.put(f"{gateway.url}/services/svc/echo/s", content=big, headers=auth))
         await held(client, n=2)
         await register(client, upstream)
         resps = await asyncio.wait_for(asyncio.gather(chunked, sized), 20)
@@ -213,14 +221,14 @@ async def test_large_bodies_pass_chunked_or_with_length(gateway, client, upstrea
     assert (s["method"], s["body_sha"], s["headers"].get("Content-Length")) == ("PUT", sha, str(len(big)))
 
 
-async def test_cold_start_timeout_answers_503_with_retry_after(gateway, client, upstream):
-    route = await client.put_service("svc", tokens=[TOKEN], cold_start_timeout=1)
+async def test_cold_start_timeout_answers_503_with_retry_after(gateway, client, upstream, auth):
+    route = await client.put_service("svc", cold_start_timeout=1)
     assert route.cold_start_timeout == 1
-    assert (await client.put_service("svc", tokens=[TOKEN])).cold_start_timeout == 1  # omitted: kept
+    assert (await client.put_service("svc")).cold_start_timeout == 1  # omitted: kept
     assert "proxy_read_timeout 3601s;" in gateway._nginx.conf_path.read_text()
     async with httpx.AsyncClient(timeout=30) as h:
         t0 = time.monotonic()
-        resp = await h.get(f"{gateway.url}/services/svc/echo/x", headers=AUTH)
+        resp = await h.get(f"{gateway.url}/services/svc/echo/x", headers=auth)
         elapsed = time.monotonic() - t0
     assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
     assert resp.json()["service"] == "svc" and "1s" in resp.json()["error"]
@@ -229,13 +237,13 @@ async def test_cold_start_timeout_answers_503_with_retry_after(gateway, client, 
     assert upstream.paths == []
 
 
-async def test_stream_passes_through_the_activator_incrementally(gateway, client, upstream):
-    await client.put_service("svc", tokens=[TOKEN])
+async def test_stream_passes_through_the_activator_incrementally(gateway, client, upstream, auth):
+    await client.put_service("svc")
     first_seen = asyncio.Event()
 
     async def read():
         async with httpx.AsyncClient(timeout=30) as h:
-            async with h.stream("GET", f"{gateway.url}/services/svc/stream", headers=AUTH) as resp:
+            async with h.stream("GET", f"{gateway.url}/services/svc/stream", headers=auth) as resp:
                 chunks = resp.aiter_raw()
                 first = await chunks.__anext__()
                 first_seen.set()
@@ -252,10 +260,10 @@ async def test_stream_passes_through_the_activator_incrementally(gateway, client
     assert (first, rest) == (b"data: first\n\n", b"data: second\n\n") and upstream.stream_done
 
 
-async def test_client_that_disconnects_while_held_is_released(gateway, client, upstream):
-    await client.put_service("svc", tokens=[TOKEN])
+async def test_client_that_disconnects_while_held_is_released(gateway, client, upstream, auth):
+    await client.put_service("svc")
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.listen_port)
-    writer.write(f"GET /services/svc/echo/gone HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+    writer.write(f"GET /services/svc/echo/gone HTTP/1.1\r\nHost: x\r\nAuthorization: {auth['Authorization']}\r\n\r\n".encode())
     await writer.drain()
     assert await held(client, n=1) == (1, 1)
     writer.close()
@@ -263,7 +271,7 @@ async def test_client_that_disconnects_while_held_is_released(gateway, client, u
     assert await held(client, n=0) == (0, 1)
     await register(client, upstream)
     async with httpx.AsyncClient(timeout=10) as h:
-        assert (await h.get(f"{gateway.url}/services/svc/echo/after", headers=AUTH)).status_code == 200
+        assert (await h.get(f"{gateway.url}/services/svc/echo/after", headers=auth)).status_code == 200
     assert upstream.paths == ["/echo/after"]  # the abandoned request never reached the replica
 
 
@@ -272,10 +280,11 @@ async def test_held_requests_are_bounded_per_service(tmpdir_short, upstream):
     await gw.start()
     try:
         async with GatewayClient(gw.control_url) as c, httpx.AsyncClient(timeout=30) as h:
-            await c.put_service("svc", tokens=[TOKEN])
-            waiting = [asyncio.create_task(h.get(f"{gw.url}/services/svc/echo/{i}", headers=AUTH)) for i in range(2)]
+            await c.put_service("svc")
+            auth = await bearer(c)
+            waiting = [asyncio.create_task(h.get(f"{gw.url}/services/svc/echo/{i}", headers=auth)) for i in range(2)]
             assert await held(c, n=2) == (2, 2)
-            over = await h.get(f"{gw.url}/services/svc/echo/3", headers=AUTH)
+            over = await h.get(f"{gw.url}/services/svc/echo/3", headers=auth)
             assert over.status_code == 503 and over.headers["retry-after"] == "5"
             await register(c, upstream)
             assert [r.status_code for r in await asyncio.wait_for(asyncio.gather(*waiting), 10)] == [200, 200]
@@ -284,10 +293,10 @@ async def test_held_requests_are_bounded_per_service(tmpdir_short, upstream):
         await gw.stop()
 
 
-async def test_websocket_is_held_then_bridged(gateway, client, upstream):
-    await client.put_service("svc", tokens=[TOKEN])
+async def test_websocket_is_held_then_bridged(gateway, client, upstream, auth):
+    await client.put_service("svc")
     async with aiohttp.ClientSession() as s:
-        connect = asyncio.create_task(s.ws_connect(f"{gateway.url}/services/svc/ws", headers=AUTH))
+        connect = asyncio.create_task(s.ws_connect(f"{gateway.url}/services/svc/ws", headers=auth))
         assert await held(client, n=1) == (1, 1)
         await register(client, upstream)
         ws = await asyncio.wait_for(connect, 10)
@@ -305,10 +314,11 @@ async def test_deleted_or_stopping_gateway_releases_held_requests(tmpdir_short, 
     await gw.start()
     try:
         async with GatewayClient(gw.control_url) as c, httpx.AsyncClient(timeout=30) as h:
-            await c.put_service("svc", tokens=[TOKEN])
-            await c.put_service("other", tokens=[TOKEN])
-            deleted = asyncio.create_task(h.get(f"{gw.url}/services/svc/echo/x", headers=AUTH))
-            stopped = asyncio.create_task(h.get(f"{gw.url}/services/other/echo/x", headers=AUTH))
+            await c.put_service("svc")
+            await c.put_service("other")
+            auth = await bearer(c)
+            deleted = asyncio.create_task(h.get(f"{gw.url}/services/svc/echo/x", headers=auth))
+            stopped = asyncio.create_task(h.get(f"{gw.url}/services/other/echo/x", headers=auth))
             await held(c, "svc", n=1)
             await held(c, "other", n=1)
             await c.delete_service("svc")

@@ -19,8 +19,6 @@ from gateway.client import GatewayClient, GatewayError
 from gateway.nginx import fetch_generation
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
-TOKEN = "tok-123"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class Replica:
@@ -92,16 +90,26 @@ async def client(gateway):
         yield c
 
 
+async def bearer(client: GatewayClient, name: str = "test") -> dict[str, str]:
+    """The header of a new gateway token, made by the control API (which keeps only its hash)."""
+    return {"Authorization": f"Bearer {(await client.create_token(name)).token}"}
+
+
+@pytest.fixture
+async def auth(client) -> dict[str, str]:
+    return await bearer(client)
+
+
 async def serve_two(client, replicas, service="svc", auth=True):
-    await client.put_service(service, auth=auth, tokens=[TOKEN, "other-token"])
+    await client.put_service(service, auth=auth)
     for i, r in enumerate(replicas):
         await client.register(service, f"{service}/{i}/r{i}-s0", str(i), r.address)
 
 
-async def burst(url: str, n: int, headers=None, **kw) -> list[httpx.Response]:
+async def burst(url: str, n: int, headers: dict, **kw) -> list[httpx.Response]:
     # Fresh client: pooled connections must not hide which nginx worker answers.
     async with httpx.AsyncClient(timeout=10) as h:
-        return [await h.get(url, headers=headers or AUTH, **kw) for _ in range(n)]
+        return [await h.get(url, headers=headers, **kw) for _ in range(n)]
 
 
 async def poll(cond, timeout: float = 10.0, interval: float = 0.05):
@@ -116,25 +124,25 @@ async def poll(cond, timeout: float = 10.0, interval: float = 0.05):
         await asyncio.sleep(interval)
 
 
-async def test_path_and_host_routes_reach_both_replicas(gateway, client, replicas):
+async def test_path_and_host_routes_reach_both_replicas(gateway, client, replicas, auth):
     a, b = replicas
     await serve_two(client, replicas)
-    resps = await burst(f"{gateway.url}/services/svc/x?q=1", 12)
+    resps = await burst(f"{gateway.url}/services/svc/x?q=1", 12, auth)
     assert all(r.status_code == 200 for r in resps)
     assert a.paths() and b.paths() and set(a.paths() + b.paths()) == {"/x"}  # prefix stripped
     assert {h[1] for h in a.hits + b.hits} == {"q=1"}
     assert a.hits[0][2]["X-Forwarded-Prefix"] == "/services/svc"
     a.hits.clear(), b.hits.clear()
-    resps = await burst(f"{gateway.url}/y", 12, headers={**AUTH, "Host": "svc.localhost:9999"})
+    resps = await burst(f"{gateway.url}/y", 12, headers={**auth, "Host": "svc.localhost:9999"})
     assert all(r.status_code == 200 for r in resps)
     assert a.paths() and b.paths() and set(a.paths() + b.paths()) == {"/y"}
     # a second token works too; unknown services are 404
-    assert (await burst(f"{gateway.url}/services/svc/z", 1, {"Authorization": "Bearer other-token"}))[0].status_code == 200
-    assert (await burst(f"{gateway.url}/services/nope/z", 1))[0].status_code == 404
+    assert (await burst(f"{gateway.url}/services/svc/z", 1, await bearer(client, "other")))[0].status_code == 200
+    assert (await burst(f"{gateway.url}/services/nope/z", 1, auth))[0].status_code == 404
     assert (await burst(f"{gateway.url}/z", 1, {"Host": "nope.localhost"}))[0].status_code == 404
 
 
-async def test_auth_rejections_never_reach_replicas(gateway, client, replicas):
+async def test_auth_rejections_never_reach_replicas(gateway, client, replicas, auth):
     a, b = replicas
     await serve_two(client, replicas)
     for url, extra in ((f"{gateway.url}/services/svc/x", {}), (f"{gateway.url}/x", {"Host": "svc.localhost"})):
@@ -152,14 +160,14 @@ async def test_auth_false_serves_without_token(gateway, client, replicas):
     assert {r.status_code for r in resps} == {200}
 
 
-async def test_unregister_stops_traffic_once_the_call_returns(gateway, client, replicas):
+async def test_unregister_stops_traffic_once_the_call_returns(gateway, client, replicas, auth):
     a, b = replicas
     await serve_two(client, replicas)
-    await burst(f"{gateway.url}/services/svc/x", 6)
+    await burst(f"{gateway.url}/services/svc/x", 6, auth)
     assert b.hits
     await client.unregister("svc", "svc/1/r1-s0")
     before = len(b.hits)
-    resps = await burst(f"{gateway.url}/services/svc/x", 40)
+    resps = await burst(f"{gateway.url}/services/svc/x", 40, auth)
     assert {r.status_code for r in resps} == {200}
     assert len(b.hits) == before and len(a.paths()) >= 40
     # idempotent: again, an unknown replica, an unknown service, a repeated registration
@@ -170,12 +178,12 @@ async def test_unregister_stops_traffic_once_the_call_returns(gateway, client, r
     assert (await client.services()).generation == gen
 
 
-async def test_streaming_response_arrives_incrementally(gateway, client, replicas):
+async def test_streaming_response_arrives_incrementally(gateway, client, replicas, auth):
     a, b = replicas
-    await client.put_service("st", tokens=[TOKEN])
+    await client.put_service("st")
     await client.register("st", "st/0/r0-s0", "0", a.address)
     async with httpx.AsyncClient(timeout=10) as h:
-        async with h.stream("GET", f"{gateway.url}/services/st/stream", headers=AUTH) as resp:
+        async with h.stream("GET", f"{gateway.url}/services/st/stream", headers=auth) as resp:
             chunks = resp.aiter_raw()
             first = await asyncio.wait_for(chunks.__anext__(), 5)
             assert first == b"first\n" and not a.stream_done  # the upstream has not finished yet
@@ -184,25 +192,25 @@ async def test_streaming_response_arrives_incrementally(gateway, client, replica
     assert rest == b"second\n" and a.stream_done
 
 
-async def test_websocket_echo_passes_through(gateway, client, replicas):
+async def test_websocket_echo_passes_through(gateway, client, replicas, auth):
     await serve_two(client, replicas)
     async with aiohttp.ClientSession() as s:
-        for url, headers in ((f"{gateway.url}/services/svc/ws", AUTH), (f"{gateway.url}/ws", {**AUTH, "Host": "svc.localhost"})):
+        for url, headers in ((f"{gateway.url}/services/svc/ws", auth), (f"{gateway.url}/ws", {**auth, "Host": "svc.localhost"})):
             async with s.ws_connect(url, headers=headers, timeout=aiohttp.ClientWSTimeout(ws_close=5)) as ws:
                 await ws.send_str("hello")
                 msg = await asyncio.wait_for(ws.receive(), 5)
                 assert msg.type == aiohttp.WSMsgType.TEXT and msg.data.endswith(":hello")
 
 
-async def test_stats_count_hits_not_rejections(gateway, client, replicas):
+async def test_stats_count_hits_not_rejections(gateway, client, replicas, auth):
     await serve_two(client, replicas)
-    await client.put_service("idle", tokens=[TOKEN], cold_start_timeout=0)  # no replica, no hold: 503s count
-    await burst(f"{gateway.url}/services/svc/x", 7)
+    await client.put_service("idle", cold_start_timeout=0)  # no replica, no hold: 503s count
+    await burst(f"{gateway.url}/services/svc/x", 7, auth)
     await burst(f"{gateway.url}/services/svc/x", 3, headers={"X": "1"})  # 401
     await burst(f"{gateway.url}/services/svc/x", 2, headers={"Authorization": "Bearer bad"})  # 403
-    idle = await burst(f"{gateway.url}/services/idle/x", 2)
+    idle = await burst(f"{gateway.url}/services/idle/x", 2, auth)
     assert {r.status_code for r in idle} == {503} and idle[0].headers["retry-after"] == "5"
-    await burst(f"{gateway.url}/services/unknown/x", 2)  # 404, counted nowhere
+    await burst(f"{gateway.url}/services/unknown/x", 2, auth)  # 404, counted nowhere
 
     async def counted():
         async with httpx.AsyncClient() as h:  # through the gateway port, as a remote collector would
@@ -222,7 +230,7 @@ async def test_stats_count_hits_not_rejections(gateway, client, replicas):
 
 async def test_concurrent_changes_are_serialized_and_coalesced(gateway, client, replicas):
     a, _ = replicas
-    await client.put_service("many", tokens=[TOKEN])
+    await client.put_service("many")
     gen, reloads = (await client.services()).generation, gateway.reloads
     await asyncio.gather(*(client.register("many", f"many/0/r{i}-s0", "0", a.address) for i in range(10)))
     state = await client.services()
@@ -235,7 +243,7 @@ async def test_client_errors(gateway, client):
     with pytest.raises(GatewayError) as e:
         await client.register("ghost", "ghost/0/r0-s0", "0", "127.0.0.1:1")
     assert e.value.status == 404
-    await client.put_service("svc", tokens=[TOKEN])
+    await client.put_service("svc")
     for args in (("svc", "svc/0/r0-s0", "0", "localhost:80"), ("svc", "bad id!", "0", "127.0.0.1:1")):
         with pytest.raises(GatewayError) as e:
             await client.register(*args)
@@ -253,7 +261,8 @@ async def test_restart_restores_routes(tmpdir_short, replicas):
     gw = await started(runtime)
     try:
         async with GatewayClient(gw.control_url) as c:
-            await c.put_service("svc", tokens=[TOKEN])
+            await c.put_service("svc")
+            auth = await bearer(c)
             await c.register("svc", "svc/0/r0-s0", "0", a.address)
         gen, port, pid = gw.state.generation, gw.listen_port, gw._nginx.pid
     finally:
@@ -264,7 +273,7 @@ async def test_restart_restores_routes(tmpdir_short, replicas):
         async with GatewayClient(gw.control_url) as c:
             state = await c.services()
         assert state.generation == gen and [u.address for u in state.services["svc"].upstreams] == [a.address]
-        resps = await burst(f"{gw.url}/services/svc/after-restart", 2)
+        resps = await burst(f"{gw.url}/services/svc/after-restart", 2, auth)
         assert {r.status_code for r in resps} == {200} and "/after-restart" in a.paths()
         assert (await burst(f"{gw.url}/services/svc/x", 1, {"X": "1"}))[0].status_code == 401  # tokens restored too
     finally:
@@ -278,9 +287,9 @@ async def test_access_log_rotation_keeps_counting(tmpdir_short, replicas):
         async with GatewayClient(gw.control_url) as c:
             await c.put_service("svc", auth=False)
             await c.register("svc", "svc/0/r0-s0", "0", a.address)
-            await burst(f"{gw.url}/services/svc/x", 3)
+            await burst(f"{gw.url}/services/svc/x", 3, {})
             assert await poll(gw.access_log.with_name("access.log.1").exists)
-            await burst(f"{gw.url}/services/svc/x", 4)  # nginx reopened its log: a new file
+            await burst(f"{gw.url}/services/svc/x", 4, {})  # nginx reopened its log: a new file
 
             async def seven():
                 return (await c.stats()).services["svc"].windows[60].requests == 7

@@ -3,13 +3,14 @@
 import os
 import socket
 import tempfile
+from datetime import datetime, timezone
 
 import pytest
 
 from gateway.app import free_port
 from gateway.nginx import Nginx, NginxConfigError, NginxError, _children, _still_accepting, fetch_generation
 from gateway.render import render_config
-from models.gateway import GatewayState, Upstream, hash_token
+from models.gateway import GatewayState, GatewayToken, Upstream, hash_token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
 
@@ -45,7 +46,10 @@ def conf(ngx: Nginx, state: GatewayState) -> str:
 async def test_rendered_configs_pass_nginx_t(nginx):
     s = GatewayState()
     for name, auth in (("a", True), ("b-2", False), ("c", True)):
-        s = s.put_service(name, auth, [hash_token(f"{name}-{i}") for i in range(3)])
+        s = s.put_service(name, auth)
+    for i in range(3):
+        s = s.add_token(GatewayToken(name=f"t{i}", prefix="x", token_sha256=hash_token(f"t-{i}"),
+                                     created_at=datetime.now(timezone.utc)))
     for i in range(4):
         s = s.register("a", Upstream(replica_id=f"a/0/r{i}-s0", group=str(i % 2),
                                      address=f"unix:/tmp/r{i}.sock" if i % 2 else f"127.0.0.1:{9000 + i}"))
@@ -62,7 +66,7 @@ async def test_start_reload_stop_by_pid(nginx):
     old_workers = _children(master)
     assert await fetch_generation(nginx.port) == 0 and old_workers
 
-    state = state.put_service("svc", False, [])
+    state = state.put_service("svc", False)
     await nginx.reload(conf(nginx, state), state.generation)
     # returned only once the new generation serves and no old worker still accepts
     assert await fetch_generation(nginx.port) == 1

@@ -6,7 +6,10 @@ from pydantic import ValidationError
 
 from gateway.activator import end_to_end, rotate
 from gateway.render import render_config
-from models.gateway import (GatewayState, PutServiceRequest, ServiceRoute, ServiceStats, Upstream, hash_token)
+from datetime import datetime, timezone
+
+from models.gateway import (DuplicateToken, GatewayState, GatewayToken, PutServiceRequest, ServiceRoute, ServiceStats,
+                            UnknownToken, Upstream, hash_token)
 
 KW = dict(listen_port=8080, runtime_dir="/run/gw", access_log="/run/gw/access.log", control_port=9090)
 
@@ -15,8 +18,13 @@ def up(rid: str, addr: str, group: str = "0") -> Upstream:
     return Upstream(replica_id=rid, group=group, address=addr)
 
 
-def state_with(*routes: ServiceRoute, generation: int = 7) -> GatewayState:
-    return GatewayState(services={r.name: r for r in routes}, generation=generation)
+def token(name: str, plain: str) -> GatewayToken:
+    return GatewayToken(name=name, prefix=plain[:6], token_sha256=hash_token(plain),
+                        created_at=datetime(2026, 11, 29, tzinfo=timezone.utc))
+
+
+def state_with(*routes: ServiceRoute, generation: int = 7, tokens: tuple[GatewayToken, ...] = ()) -> GatewayState:
+    return GatewayState(services={r.name: r for r in routes}, tokens={t.name: t for t in tokens}, generation=generation)
 
 
 @pytest.mark.parametrize("addr", ["unix:/tmp/r.sock", "127.0.0.1:8000", "10.0.0.5:1"])
@@ -38,27 +46,34 @@ def test_service_name_must_be_a_dns_label(name):
         ServiceRoute(name=name)
 
 
-def test_tokens_are_stored_hashed():
-    req = PutServiceRequest(tokens=("s3cret",))
-    assert req.hashes() == (hash_token("s3cret"),)
-    route = GatewayState().put_service("svc", True, req.hashes()).services["svc"]
-    assert "s3cret" not in route.model_dump_json()
-    with pytest.raises(ValidationError):
-        PutServiceRequest(tokens=("has space",))
-    with pytest.raises(ValidationError):
-        ServiceRoute(name="svc", token_sha256=("plain",))
+def test_tokens_are_global_hashed_and_named():
+    s1 = GatewayState().put_service("svc", True).add_token(token("ci", "s3cret-value"))
+    assert s1.generation == 2 and "s3cret-value" not in s1.model_dump_json()
+    assert s1.tokens["ci"].info().model_dump() == {"name": "ci", "prefix": "s3cret",
+                                                   "created_at": datetime(2026, 11, 29, tzinfo=timezone.utc)}
+    with pytest.raises(DuplicateToken):  # a name is never reused silently
+        s1.add_token(token("ci", "another"))
+    s2 = s1.revoke_token("ci")
+    assert s2.tokens == {} and s2.generation == 3 and s2.services == s1.services
+    with pytest.raises(UnknownToken):
+        s2.revoke_token("ci")
+    for bad in dict(name="has space"), dict(name="-x"), dict(prefix="too-long"), dict(token_sha256="plain"):
+        with pytest.raises(ValidationError):
+            GatewayToken(**{**token("ok", "abcdefgh").model_dump(), **bad})
+    with pytest.raises(ValidationError):  # routes no longer take tokens of their own
+        PutServiceRequest.model_validate_json('{"auth": true, "tokens": ["t"]}')
 
 
 def test_state_transitions_bump_generation_and_are_idempotent():
     s0 = GatewayState()
-    s1 = s0.put_service("svc", True, [hash_token("t")])
+    s1 = s0.put_service("svc", True)
     s2 = s1.register("svc", up("svc/0/r0-s0", "127.0.0.1:8000"))
     assert (s1.generation, s2.generation) == (1, 2)
     assert s2.register("svc", up("svc/0/r0-s0", "127.0.0.1:8000")) is s2  # same registration: no change
     s3 = s2.register("svc", up("svc/0/r0-s0", "127.0.0.1:8001"))  # re-registration replaces the address
     assert [u.address for u in s3.services["svc"].upstreams] == ["127.0.0.1:8001"]
     assert s3.unregister("svc", "nope") is s3 and s3.unregister("other", "x") is s3
-    s4 = s3.put_service("svc", False, [])  # route settings change, replicas stay
+    s4 = s3.put_service("svc", False)  # route settings change, replicas stay
     assert s4.services["svc"].upstreams == s3.services["svc"].upstreams and not s4.services["svc"].auth
     assert s4.delete_service("svc").services == {} and s4.delete_service("nope") is s4
     with pytest.raises(KeyError):
@@ -66,22 +81,25 @@ def test_state_transitions_bump_generation_and_are_idempotent():
 
 
 def test_state_round_trips_through_json():
-    s = GatewayState().put_service("a", True, [hash_token("x")]).register("a", up("a/0/r0-s0", "unix:/s.sock"))
+    s = GatewayState().put_service("a", True).register("a", up("a/0/r0-s0", "unix:/s.sock"))
+    s = s.add_token(token("t", "xyz"))
     assert GatewayState.model_validate_json(s.model_dump_json()) == s
 
 
 def test_render_routes_upstreams_and_auth():
-    route = ServiceRoute(name="my-svc", token_sha256=(hash_token("a"), hash_token("b")), upstreams=(
+    route = ServiceRoute(name="my-svc", upstreams=(
         up("my-svc/0/r0-s0", "unix:/run/r0.sock"), up("my-svc/1/r1-s0", "127.0.0.1:8001", "1")))
-    conf = render_config(state_with(route), **KW)
+    conf = render_config(state_with(route, tokens=(token("a", "a"), token("b", "b"))), **KW)
     # one round-robin upstream block mixing a socket and a TCP replica, with keepalive
     block = conf.split("upstream ds_svc_my_svc {")[1].split("}")[0]
     assert "server unix:/run/r0.sock;" in block and "server 127.0.0.1:8001;" in block and "keepalive" in block
     assert "listen 127.0.0.1:8080 default_server;" in conf and "server_name my-svc.localhost;" in conf
     assert "location /services/my-svc/ {" in conf
     assert conf.count("proxy_pass http://ds_svc_my_svc/;") == 2  # path route strips the prefix; host route too
-    # auth: both digests accepted, a missing header is 401 and a wrong token 403, before the hit flag
-    assert f'"{hash_token("a")}" "";' in conf and f'"{hash_token("b")}" "";' in conf
+    # auth: the gateway's two digests accepted, a missing header is 401 and another token 403, before the hit flag
+    tokens = conf.split("map $ds_token_sha256 $ds_token_unknown {")[1].split("}")[0]
+    assert tokens.split() == ["default", "1;", f'"{hash_token("a")}"', '"";', "#", "a",
+                              f'"{hash_token("b")}"', '"";', "#", "b"]
     body = conf.split("location /services/my-svc/ {")[1].split("}\n        }")[0]
     assert body.index("return 401") < body.index("return 403") < body.index("set $ds_hit 1")
     for directive in ("proxy_buffering off;", "proxy_request_buffering off;", "proxy_http_version 1.1;",
@@ -99,7 +117,7 @@ def test_render_without_auth_or_replicas_uses_activator():
 
 
 def test_activator_location_allows_the_hold_and_streams():
-    route = ServiceRoute(name="idle", token_sha256=(hash_token("a"),), cold_start_timeout=120)
+    route = ServiceRoute(name="idle", cold_start_timeout=120)
     conf = render_config(state_with(route), **KW)
     body = conf.split("location /services/idle/ {")[1].split("}\n        }")[0]
     # hold (cold start) plus what a replica may take, like a direct request; hit "2": the activator counts it
@@ -115,16 +133,19 @@ def test_activator_location_allows_the_hold_and_streams():
 
 def test_cold_start_timeout_defaults_validates_and_is_kept():
     assert ServiceRoute(name="a").cold_start_timeout == 300
-    old_json = '{"services": {"a": {"name": "a", "auth": false, "token_sha256": [], "upstreams": []}}, "generation": 3}'
-    assert GatewayState.model_validate_json(old_json).services["a"].cold_start_timeout == 300  # older state.json
-    assert PutServiceRequest.model_validate_json('{"auth": true, "tokens": ["t"]}').cold_start_timeout is None
+    old_json = ('{"services": {"a": {"name": "a", "auth": false, "token_sha256": ["%s"], "upstreams": []}}, '
+                '"generation": 3}' % hash_token("t"))
+    old = GatewayState.model_validate_json(old_json)  # an older state.json: per-route tokens are dropped
+    assert old.services["a"].cold_start_timeout == 300 and "token_sha256" not in old.services["a"].model_dump()
+    assert old.tokens == {}
+    assert PutServiceRequest.model_validate_json('{"auth": true}').cold_start_timeout is None
     for bad in (-1, 86401, "soon"):
         with pytest.raises(ValidationError):
             PutServiceRequest(cold_start_timeout=bad)
-    s = GatewayState().put_service("a", True, [], cold_start_timeout=5)
-    assert s.put_service("a", False, []).services["a"].cold_start_timeout == 5  # omitted: kept
-    assert s.put_service("a", True, [], 0).services["a"].cold_start_timeout == 0
-    assert s.put_service("a", True, [], 5) is s  # same settings: no new generation
+    s = GatewayState().put_service("a", True, cold_start_timeout=5)
+    assert s.put_service("a", False).services["a"].cold_start_timeout == 5  # omitted: kept
+    assert s.put_service("a", True, 0).services["a"].cold_start_timeout == 0
+    assert s.put_service("a", True, 5) is s  # same settings: no new generation
 
 
 def test_service_stats_held_fields_default_to_zero():

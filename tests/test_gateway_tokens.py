@@ -1,0 +1,159 @@
+"""Gateway tokens, end to end: the control API, real nginx, a real upstream.
+
+The gateway holds one global set of named tokens, hashed only; every route with auth accepts
+exactly that set, and a revoke reaches nginx (re-render + reload) before the call returns.
+"""
+
+import asyncio
+import json
+import os
+import stat
+import time
+
+import httpx
+import pytest
+from aiohttp import web
+
+from gateway.app import GatewayServer
+from gateway.client import GatewayClient, GatewayError
+from models.gateway import hash_token
+from tests.conftest import eventually
+from tests.fakes.upstream import serve
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
+
+
+@pytest.fixture
+async def upstream(tmpdir_short):
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    runner, address = await serve(ok, os.path.join(tmpdir_short, "up.sock"))
+    yield address
+    await runner.cleanup()
+
+
+async def start(runtime: str, address: str, **kw) -> GatewayServer:
+    """A gateway routing `svc` (auth) and `open` (no auth) to ``address``."""
+    gw = GatewayServer(runtime, **kw)
+    await gw.start()
+    async with GatewayClient(gw.control_url) as c:
+        for name, auth in (("svc", True), ("open", False)):
+            await c.put_service(name, auth=auth)
+            await c.register(name, f"{name}/0/r0-s0", "0", address)
+    return gw
+
+
+@pytest.fixture
+async def gateway(tmpdir_short, upstream):
+    gw = await start(os.path.join(tmpdir_short, "gw"), upstream)
+    yield gw
+    await gw.stop()
+
+
+@pytest.fixture
+async def client(gateway):
+    async with GatewayClient(gateway.control_url) as c:
+        yield c
+
+
+async def status(gw: GatewayServer, token: str | None, service: str = "svc") -> int:
+    """One request on a fresh connection: a pooled one could sit on an nginx worker of an older config."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=10) as h:
+        return (await h.get(f"{gw.url}/services/{service}/x", headers=headers)).status_code
+
+
+async def test_a_token_is_shown_once_and_stored_hashed(gateway, client):
+    assert await status(gateway, "anything") == 403 and await status(gateway, None) == 401  # no token yet
+    new = await client.create_token("ci")
+    assert new.name == "ci" and len(new.token) >= 40 and new.prefix == new.token[:6]
+    assert await status(gateway, new.token) == 200  # accepted once the call returned
+    assert await status(gateway, None, "open") == 200  # a route without auth takes none
+
+    listed = await client.tokens()
+    assert [(t.name, t.prefix) for t in listed] == [("ci", new.token[:6])] and "token" not in listed[0].model_dump()
+    async with httpx.AsyncClient() as h:
+        assert new.token not in (await h.get(f"{gateway.control_url}/api/tokens")).text
+    saved = gateway.state_path.read_text()
+    assert new.token not in saved and hash_token(new.token) in saved
+    assert stat.S_IMODE(gateway.state_path.stat().st_mode) == 0o600
+    assert new.token not in gateway._nginx.conf_path.read_text()
+
+
+async def test_every_auth_route_accepts_exactly_the_current_set(gateway, client, upstream):
+    a, b = (await client.create_token("a")).token, (await client.create_token("b")).token
+    await client.put_service("later")  # a route made after the tokens accepts them too
+    await client.register("later", "later/0/r0-s0", "0", upstream)
+    for service in ("svc", "later"):
+        assert [await status(gateway, t, service) for t in (a, b, "c", a[:-1])] == [200, 200, 403, 403]
+
+
+async def test_token_api_errors(gateway, client):
+    await client.create_token("ci")
+    for call, code in ((client.create_token("ci"), 409), (client.revoke_token("nope"), 404),
+                       (client.create_token("bad name"), 400), (client.create_token(""), 400)):
+        with pytest.raises(GatewayError) as e:
+            await call
+        assert e.value.status == code
+    assert [t.name for t in await client.tokens()] == ["ci"]
+
+
+async def test_revoked_token_is_refused_within_2s(gateway, client):
+    keep, gone = (await client.create_token("keep")).token, (await client.create_token("gone")).token
+    assert await status(gateway, gone) == 200
+    start = time.monotonic()
+    revoke = asyncio.create_task(client.revoke_token("gone"))
+    await eventually(lambda: _is(status(gateway, gone), 403), timeout=10, interval=0.02)
+    refused_after = time.monotonic() - start
+    await revoke
+    assert refused_after < 2.0, f"revoked token still accepted after {refused_after:.2f}s"
+    assert [await status(gateway, gone) for _ in range(5)] == [403] * 5  # for good, on every worker
+    assert await status(gateway, keep) == 200
+    assert [t.name for t in await client.tokens()] == ["keep"]
+
+
+async def test_tokens_and_revocations_survive_a_restart(tmpdir_short, upstream):
+    runtime = os.path.join(tmpdir_short, "gw-restart")
+    gw = await start(runtime, upstream)
+    try:
+        async with GatewayClient(gw.control_url) as c:
+            kept, revoked = (await c.create_token("kept")).token, (await c.create_token("revoked")).token
+            await c.revoke_token("revoked")
+        port = gw.listen_port
+    finally:
+        await gw.stop()
+    gw = GatewayServer(runtime, listen_port=port)
+    await gw.start()
+    try:
+        assert [await status(gw, t) for t in (kept, revoked)] == [200, 403]
+        async with GatewayClient(gw.control_url) as c:
+            assert [t.name for t in await c.tokens()] == ["kept"]
+        assert list(json.loads(gw.state_path.read_text())["tokens"]) == ["kept"]
+    finally:
+        await gw.stop()
+
+
+async def _is(value, expected) -> bool:
+    return (await value) == expected
+
+
+async def test_control_api_off_loopback_needs_its_token(tmpdir_short):
+    with pytest.raises(ValueError, match="DURASTACK_GATEWAY_CONTROL_TOKEN"):
+        GatewayServer(f"{tmpdir_short}/open", host="0.0.0.0")
+    gw = GatewayServer(f"{tmpdir_short}/guarded", host="0.0.0.0", control_token="ctl-secret")
+    await gw.start()
+    try:
+        async with GatewayClient(gw.control_url) as anonymous:
+            with pytest.raises(GatewayError) as refused:
+                await anonymous.create_token("intruder")
+            assert refused.value.status == 401
+            with pytest.raises(GatewayError):
+                await anonymous.put_service("svc")
+            assert (await anonymous.stats()) is not None  # stats stay open, as on nginx's port
+        async with GatewayClient(gw.control_url, token="ctl-secret") as worker:
+            await worker.put_service("svc")
+            assert "intruder" not in [t.name for t in await worker.tokens()]
+        assert "svc" in gw.state.services
+    finally:
+        await gw.stop()
