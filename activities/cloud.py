@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional, Protocol
 
-from activities.ledger import CREATED, FAILED, INTENT, TERMINATED, Ledger
+from activities.metrics import provisioning_failed
+from activities.store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
 from models.backends import (BackendsConfig, CloudError, CloudInstance, ErrorKind, QuotaScope, provisioning_key)
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
@@ -96,7 +97,7 @@ def cloud_offers(offers: list[InstanceOffer], resources: ResourcesSpec, backends
 
 
 def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[InstanceOffer], *,
-                    backends: dict[str, CloudBackend], ledger: Ledger, max_offers: int = 25, nvcc: bool = False,
+                    backends: dict[str, CloudBackend], ledger: StoreLedger, max_offers: int = 25, nvcc: bool = False,
                     progress: Callable[[str], None] = lambda _: None) -> tuple[InstanceOffer, CloudInstance]:
     """Launch ``job`` on the first offer that works (see the module doc). ``offers`` should already be
     filtered by the replica's spot policy, max price, backends and regions; ``progress`` is called before each
@@ -126,6 +127,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
         try:
             instance = backends[offer.backend].create(job, offer, key, nvcc=nvcc)
         except CloudError as e:
+            provisioning_failed(offer.backend, e.kind.value)
             if e.kind is ErrorKind.TRANSIENT:
                 raise  # outcome unknown: the intent stays unresolved, so the retry calls this key first
             ledger.record(key, FAILED, {"kind": e.kind.value, "code": e.code})
@@ -154,7 +156,7 @@ def _ledger_data(job: JobSpec, offer: InstanceOffer, instance: Optional[CloudIns
 
 
 def terminate_cloud(instance: CloudInstance, *, backends: dict[str, CloudBackend],
-                    ledger: Optional[Ledger] = None) -> None:
+                    ledger: Optional[StoreLedger] = None) -> None:
     """Terminate ``instance``; already gone is success. Raises CloudError (TRANSIENT: retry)."""
     backend = backends.get(instance.backend)
     if backend is None:
@@ -165,7 +167,7 @@ def terminate_cloud(instance: CloudInstance, *, backends: dict[str, CloudBackend
         ledger.record(instance.key, TERMINATED, {"instance_id": instance.instance_id, "backend": instance.backend})
 
 
-def terminate_replica(job: JobSpec, *, backends: dict[str, CloudBackend], ledger: Optional[Ledger] = None) -> int:
+def terminate_replica(job: JobSpec, *, backends: dict[str, CloudBackend], ledger: Optional[StoreLedger] = None) -> int:
     """Terminate every instance of this replica submission in every configured region — for a teardown that
     never got the provision result (the activity died after the launch). Returns how many."""
     found = [i for b in backends.values() for i in b.find_replica(job) if i.state != "terminated"]
@@ -179,7 +181,7 @@ def list_tagged_all(backends: dict[str, CloudBackend], *, service: Optional[str]
     return [i for backend in backends.values() for i in backend.list_tagged(service=service)]
 
 
-def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger: Optional[Ledger] = None) -> int:
+def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger: Optional[StoreLedger] = None) -> int:
     """Terminate every instance tagged for ``service`` (the stop path's safety net); returns how many."""
     found = [i for i in list_tagged_all(backends, service=service) if i.state != "terminated"]
     for instance in found:

@@ -23,7 +23,7 @@ from temporalio import activity
 from temporalio.client import Client
 
 from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
-from activities.ledger import INTENT, TERMINATED, Ledger
+from activities.store import INTENT, TERMINATED, StoreLedger
 from models.backends import CloudError, CloudInstance, owner
 from models.reaper import ReapAction, ReapRequest, ReapResult
 from models.run import Event, ReplicaUpdate
@@ -44,7 +44,7 @@ def parse_replica_workflow_id(workflow_id: str) -> Optional[tuple[str, str, int,
 
 
 class ReaperActivities:
-    def __init__(self, client: Client, backends: dict[str, CloudBackend], ledger: Ledger, *,
+    def __init__(self, client: Client, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
                  now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
         """``client``: to list running replicas and query their placements (injected; tests pass their own)."""
         self.client, self.backends, self.ledger, self.now = client, backends, ledger, now
@@ -81,7 +81,8 @@ class ReaperActivities:
                 continue
             action = ReapAction(service=instance.owner[0], backend=instance.backend, instance_id=instance.instance_id,
                                 region=instance.region, owner=instance.owner[2], reason=reason)
-            self.ledger.record(instance.key, TERMINATED, {"reaped": reason, **action.model_dump(exclude={"reason"})})
+            await asyncio.to_thread(self.ledger.record, instance.key, TERMINATED,
+                                    {"reaped": reason, **action.model_dump(exclude={"reason"})})
             log.warning("reaped %s %s of service %s (%s, launched %s): %s", instance.backend, instance.instance_id,
                         action.service, action.owner, instance.launched_at, reason)
             result.terminated.append(action)

@@ -18,7 +18,7 @@ import pytest
 
 from activities.aws import AWSBackend
 from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_service
-from activities.ledger import Ledger
+from activities.store import Store, StoreLedger
 from activities.userdata import cloud_init
 from models.backends import AWSConfig, BackendsConfig, CloudError, ErrorKind, provisioning_key
 from models.offers import InstanceOffer
@@ -60,7 +60,7 @@ def aws(fake_ec2):
 
 @pytest.fixture
 def ledger(tmp_path):
-    return Ledger(tmp_path / "ledger" / "instances.jsonl")
+    return StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))
 
 
 def ec2(region="us-east-1"):
@@ -99,7 +99,7 @@ def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_e
     assert run["InstanceInitiatedShutdownBehavior"] == "terminate"
     assert inst.address == f"{raw['PublicIpAddress']}:8000" and inst.price == 1.006
     assert [e["phase"] for e in ledger.entries(key)] == ["intent", "created"]
-    assert "hf_x" not in ledger.path.read_text()  # env values (secrets) never reach the ledger
+    assert "hf_x" not in json.dumps(ledger.entries())  # env values (secrets) never reach the ledger
 
 
 def test_security_group_opens_the_port_to_the_gateway_only(aws, fake_ec2):
@@ -210,7 +210,7 @@ def test_parameter_mismatch_after_a_new_ami_adopts_the_instance(aws, fake_ec2):
 def _spec(tmp_path, fake_ec2, n: int, kill: bool) -> Path:
     spec = {"config": {"aws": {"regions": ["us-east-1"], "ami_owners": ["self"]}},
             "job": job().model_dump(mode="json"), "resources": GPU.model_dump(mode="json"),
-            "offers": [o.model_dump(mode="json") for o in (G4, G5)], "ledger": str(tmp_path / "ledger.jsonl"),
+            "offers": [o.model_dump(mode="json") for o in (G4, G5)], "store": f"sqlite:///{tmp_path}/store.db",
             "kill": kill}
     path = tmp_path / f"spec{n}.json"
     path.write_text(json.dumps(spec))
@@ -229,6 +229,10 @@ def test_worker_killed_after_the_cloud_call_ten_times_leaves_one_instance(aws, t
     (raw,) = all_instances()
     assert raw["InstanceId"] == result["instance"]["instance_id"] and raw["InstanceType"] == "g5.xlarge"
     assert len(fake_ec2.run_requests) == 2  # g4dn (no capacity) and g5 once: later workers adopted it
+    # The first child's intent survived its SIGKILL; each later child recorded the instance it adopted.
+    ledger = StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))
+    phases = [e["phase"] for e in ledger.entries(provisioning_key("svc", "llm", 0, 0, G5))]
+    assert phases == ["intent"] + ["created"] * 10
 
 
 # --- the offer walk ---------------------------------------------------------------------------------

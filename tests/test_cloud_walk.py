@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from typing import Optional
 
 import pytest
@@ -19,7 +18,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.cloud import (NoCapacity, activity_error, cloud_offers, heartbeat_from_thread, placement_of,
                              provision_cloud, terminate_cloud, terminate_replica)
-from activities.ledger import Ledger
+from activities.store import Store, StoreLedger
 from models.backends import (AWSConfig, BackendsConfig, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope,
                              TAG_NAMES, aws_quota_class, backends_config_from, classify_aws, classify_gcp,
                              load_backends_config, owner, provisioning_key, replica_label)
@@ -77,7 +76,7 @@ def err(kind: ErrorKind, code: str, scope: Optional[QuotaScope] = None) -> Cloud
 
 @pytest.fixture
 def ledger(tmp_path):
-    return Ledger(tmp_path / "l.jsonl")
+    return StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))  # tests/test_store.py tests the ledger
 
 
 def run(backends, offers, ledger, **kw):
@@ -238,28 +237,6 @@ def test_activity_error_mapping():
     other = ValueError("x")
     assert activity_error(other) is other
     assert not activity_error(CloudError(ErrorKind.FATAL, "AuthFailure"), teardown=True).non_retryable
-
-
-# --- ledger -----------------------------------------------------------------------------------------
-
-def test_ledger_round_trip_torn_line_and_threads(tmp_path):
-    ledger = Ledger(tmp_path / "sub" / "l.jsonl")
-    assert ledger.entries() == []
-    ledger.record("k1", "intent", {"a": 1})
-    with ledger.path.open("a") as f:
-        f.write('{"key": "k1", "pha')  # a writer killed mid-line
-    ledger.record("k1", "created", {"instance_id": "i-1"})
-    ledger.record("k2", "intent")
-    assert [e["phase"] for e in ledger.entries("k1")] == ["intent", "created"]
-    assert ledger.unresolved(["k1", "k2", "k3"]) == {"k2"}
-    threads = [threading.Thread(target=lambda n=n: [ledger.record(f"t{n}", "intent", {"i": i}) for i in range(50)])
-               for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len([e for e in ledger.entries() if e["key"].startswith("t")]) == 400
-    assert oct(ledger.path.stat().st_mode & 0o777) == "0o600"
 
 
 # --- keys, classes ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 
 from activities.cloud import NoCapacity, make_backends, provision_cloud, terminate_cloud, terminate_service
 from activities.gcp import REQUEST_NS, GCPBackend
-from activities.ledger import Ledger
+from activities.store import Store, StoreLedger
 from activities.userdata import startup_script
 from models.backends import BackendsConfig, CloudError, ErrorKind, GCPConfig, owner, provisioning_key
 from models.offers import InstanceOffer
@@ -57,7 +57,7 @@ def gcp(gce):
 
 @pytest.fixture
 def ledger(tmp_path):
-    return Ledger(tmp_path / "ledger" / "instances.jsonl")
+    return StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))
 
 
 def walk(backend, ledger, offers, j=None):
@@ -143,7 +143,7 @@ def test_walker_repeated_after_lost_responses_keeps_one_instance(gcp, ledger, gc
 def _spec(tmp_path, gce, n: int, kill: bool) -> Path:
     spec = {"config": {"gcp": {"project_id": "proj", "regions": ["us-central1"], "endpoint": gce.url}},
             "job": job().model_dump(mode="json"), "resources": GPU.model_dump(mode="json"),
-            "offers": [o.model_dump(mode="json") for o in (N1_T4, G2)], "ledger": str(tmp_path / "ledger.jsonl"),
+            "offers": [o.model_dump(mode="json") for o in (N1_T4, G2)], "store": f"sqlite:///{tmp_path}/store.db",
             "kill": kill}
     path = tmp_path / f"spec{n}.json"
     path.write_text(json.dumps(spec))

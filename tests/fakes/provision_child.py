@@ -1,7 +1,7 @@
 """A stand-in for a worker process running the provision activity, for the kill -9 tests.
 
 ``python -m tests.fakes.provision_child SPEC.json``: SPEC holds the backends config, job, resources, offers and
-ledger path. With ``"kill": true`` the process SIGKILLs itself right after the cloud call returns (or, when an
+store URL. With ``"kill": true`` the process SIGKILLs itself right after the cloud call returns (or, when an
 earlier instance was adopted and nothing was called, right after the walk) — before it could report anything,
 as a worker killed before its activity completes. Otherwise it prints the result as JSON.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from activities.cloud import make_backends, provision_cloud
-from activities.ledger import Ledger
+from activities.store import Store, StoreLedger
 from models.backends import BackendsConfig
 from models.offers import InstanceOffer
 from models.replica import JobSpec
@@ -41,7 +41,7 @@ def main(spec_path: str) -> None:
             backend.create = create_then_die  # type: ignore[method-assign]
     offer, instance = provision_cloud(JobSpec.model_validate(spec["job"]),
                                       ResourcesSpec.model_validate(spec["resources"]), offers,
-                                      backends=backends, ledger=Ledger(Path(spec["ledger"])), max_offers=25)
+                                      backends=backends, ledger=StoreLedger(Store(spec["store"])), max_offers=25)
     if spec.get("kill"):
         _die()
     print(json.dumps({"offer": offer.model_dump(mode="json"), "instance": instance.model_dump(mode="json")}))
