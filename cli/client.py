@@ -10,9 +10,10 @@ import asyncio
 from typing import Awaitable, Optional, TypeVar
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 
+from models.codec import CodecKeyError
+from models.connection import TemporalConfigError, client_options, connect_failure
 from models.settings import Settings
 
 CONNECT_TIMEOUT = 5.0
@@ -38,13 +39,14 @@ def down_message(address: str) -> str:
 
 
 async def connect(settings: Settings, timeout: float = CONNECT_TIMEOUT) -> Client:
-    """A connected client (pydantic data converter), or ControlPlaneDown within ``timeout``."""
+    """A connected client (models.connection: codec, TLS), or ControlPlaneDown within ``timeout``."""
+    options = client_options(settings)  # TemporalConfigError: a user error, see run()
     try:
-        return await asyncio.wait_for(
-            Client.connect(settings.address, namespace=settings.namespace, data_converter=pydantic_data_converter),
-            timeout)
+        return await asyncio.wait_for(Client.connect(**options), timeout)
     # The SDK reports a refused/failed connection as a plain RuntimeError("Failed client connect: ...").
     except (asyncio.TimeoutError, RuntimeError, OSError) as e:
+        if "tls" in options:  # a handshake or certificate problem is likelier than "down"
+            raise ControlPlaneDown(connect_failure(settings, e), settings.address) from e
         raise ControlPlaneDown(down_message(settings.address), settings.address) from e
 
 
@@ -71,3 +73,6 @@ def run(main: Awaitable[T]) -> T:
     except ControlPlaneDown as e:
         Console(stderr=True, highlight=False, soft_wrap=True).print(str(e), style="red", markup=False)
         raise typer.Exit(EXIT_CONTROL_PLANE_DOWN)
+    except (TemporalConfigError, CodecKeyError) as e:  # settings to fix: a user error
+        Console(stderr=True, highlight=False, soft_wrap=True).print(str(e), style="red", markup=False)
+        raise typer.Exit(1)

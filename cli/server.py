@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         ui_port: Optional[int] = typer.Option(None, "--ui-port", help="Temporal Web UI port (env DURASTACK_UI_PORT, default 8233)."),
         gateway_port: Optional[int] = typer.Option(None, "--gateway-port", help="Gateway port (env DURASTACK_GATEWAY_PORT, default 8000)."),
         gateway_control_port: Optional[int] = typer.Option(None, "--gateway-control-port", help="Gateway control API port (env DURASTACK_GATEWAY_CONTROL_PORT, default 8001)."),
+        codec_port: Optional[int] = typer.Option(None, "--codec-port", help="Web UI codec endpoint port, 0 for none (env DURASTACK_CODEC_PORT, default 8234)."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Also stream the children's logs here."),
     ) -> None:
         """Run the embedded stack (Temporal dev server, worker, gateway) until Ctrl-C.
@@ -32,7 +33,8 @@ def register(app: typer.Typer) -> None:
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         try:
             settings = Settings.from_env(home=home, temporal_port=temporal_port, ui_port=ui_port,
-                                         gateway_port=gateway_port, gateway_control_port=gateway_control_port)
+                                         gateway_port=gateway_port, gateway_control_port=gateway_control_port,
+                                         codec_port=codec_port)
         except ValidationError as e:  # e.g. DURASTACK_GATEWAY_PORT=abc
             err.print(f"invalid settings: {e}", style="red", markup=False)
             raise typer.Exit(1)

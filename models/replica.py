@@ -6,11 +6,12 @@ JSON-serialisable pydantic models with no behaviour beyond small derived propert
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, FieldSerializationInfo, field_serializer
 
 from models.common import Model
+from models.secrets import dump_env, unmark_env
 
 # Service and group names become path components of the replica's work dir, so keep them tame.
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -22,10 +23,17 @@ class JobSpec(Model):
     replica_num: int = Field(ge=0, description="Replica number, unique within the service run.")
     submission_num: int = Field(ge=0, description="Attempt number of this replica; a retry or redeploy gets a new one.")
     commands: list[str] = Field(default_factory=list, description="Shell commands run in order, stopping at the first failure.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the commands.")
+    env: Annotated[dict[str, str], BeforeValidator(unmark_env)] = Field(
+        default_factory=dict, description="Environment variables for the commands.")
+    secrets: list[str] = Field(default_factory=list, description=(
+        "Names of `env` entries that are secret besides those whose names look secret (models.secrets)."))
     port: int = Field(ge=1, le=65535, description="The port the app listens on inside the replica.")
     python: Optional[str] = Field(None, pattern=r"^3\.\d+$", description="Python version wanted on PATH, e.g. '3.12'.")
     image: Optional[str] = Field(None, description="Container image; backends without containers refuse jobs that need one.")
+
+    @field_serializer("env", when_used="json")
+    def _env_json(self, env: dict[str, str], info: FieldSerializationInfo) -> dict[str, str]:
+        return dump_env(env, self.secrets, info.context)  # type: ignore[return-value]
 
     @property
     def replica_id(self) -> str:

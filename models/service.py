@@ -9,9 +9,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BeforeValidator, Field, FieldSerializationInfo, field_serializer,
+                      field_validator, model_validator)
 
 from models.common import Duration, IntRange, Model, Range
+from models.secrets import SECRETS_DESCRIPTION, dump_env, is_secret, unmark
 
 SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,40}$")
 GROUP_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -59,6 +61,11 @@ def _env(value: Any) -> Any:
                 value = {**value, key: str(val)}
             elif val is not None and not isinstance(val, str):
                 raise ValueError(f"{key}: expected a string value, got {type(val).__name__}")
+            elif val is not None:
+                try:
+                    value = {**value, key: unmark(val)}  # a secret read back from a payload (models.secrets)
+                except ValueError as e:
+                    raise ValueError(f"{key}: {e}") from None
         return value
     raise ValueError("expected a list of 'NAME=value' / 'NAME' items or a mapping")
 
@@ -228,7 +235,10 @@ class ServiceConfiguration(Model):
     nvcc: Optional[bool] = Field(None, description="Use the CUDA devel image (nvcc available).")
     docker: Optional[bool] = Field(None, description="Docker-in-Docker (implies privileged).")
     privileged: Optional[bool] = Field(None, description="Run the container privileged.")
-    env: Env = Field(default_factory=dict, description="Environment: [K=V, K] or {K: V}; a bare K is read from yours.")
+    env: Env = Field(default_factory=dict, description="Environment: [K=V, K] or {K: V}; a bare K is read from yours "
+                                                       "and is secret (see `secrets`).")
+    secrets: list[Annotated[str, Field(pattern=ENV_NAME_RE.pattern)]] = Field(
+        default_factory=list, description=SECRETS_DESCRIPTION)
     commands: list[str] = Field(default_factory=list, description="Shell commands of the implicit group.")
     entrypoint: Optional[str] = Field(None, description="Container entrypoint.")
     working_dir: Optional[str] = Field(None, description="Working directory of the commands.")
@@ -276,6 +286,15 @@ class ServiceConfiguration(Model):
                 raise ValueError("`replicas` (a list of groups) and `groups` are mutually exclusive")
             data = {k: v for k, v in data.items() if k != "replicas"} | {"groups": data["replicas"]}
         return data
+
+    @field_serializer("env", when_used="json")
+    def _env_json(self, env: dict[str, Optional[str]], info: FieldSerializationInfo) -> dict[str, Optional[str]]:
+        return dump_env(env, self.secrets, info.context)
+
+    @property
+    def secret_env(self) -> list[str]:
+        """Names of the `env` entries whose values are secret (models.secrets.is_secret)."""
+        return [k for k in self.env if is_secret(k, self.secrets)]
 
     @model_validator(mode="after")
     def _default_group_names(self) -> "ServiceConfiguration":

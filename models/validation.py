@@ -34,7 +34,7 @@ def _set(value: object) -> bool:
 
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
-    rules = [_service_level, _probes_and_limits]
+    rules = [_service_level, _probes_and_limits, _secrets]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 
@@ -62,6 +62,13 @@ def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:
                 yield Issue((field,), f"`{field}` and `docker: true` are mutually exclusive fields")
         if cfg.privileged is False:
             yield Issue(("privileged",), "`privileged: false` is incompatible with `docker: true`")
+
+
+def _secrets(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    for i, name in enumerate(cfg.secrets):
+        if name not in cfg.env:
+            yield Issue(("secrets", i), f"{name} is not in `env`; list the names of `env` entries that are secret",
+                        about=(("env",),))
 
 
 def _probes_and_limits(cfg: ServiceConfiguration) -> Iterator[Issue]:

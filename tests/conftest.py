@@ -15,14 +15,18 @@ import pytest
 import pytest_asyncio
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from models.codec import KEY_ENV, home_data_converter, new_key
 from models.settings import SEARCH_ATTRIBUTES
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
+# One codec key for the session's clients, workers and `durastack` subprocesses (models.codec);
+# DATA_CONVERTER is the one every durastack process uses, so workflow tests exercise the codec too.
+os.environ.setdefault(KEY_ENV, new_key())
+DATA_CONVERTER = home_data_converter(Path(tempfile.gettempdir()))
 
 
 def tool(name: str) -> str:
@@ -34,7 +38,7 @@ def tool(name: str) -> str:
 
 async def _time_skipping_env() -> WorkflowEnvironment:
     env = await WorkflowEnvironment.start_time_skipping(
-        test_server_existing_path=tool("temporal-test-server"), data_converter=pydantic_data_converter)
+        test_server_existing_path=tool("temporal-test-server"), data_converter=DATA_CONVERTER)
     await env.client.operator_service.add_search_attributes(AddSearchAttributesRequest(
         namespace=env.client.namespace,
         search_attributes={n: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for n in SEARCH_ATTRIBUTES}))

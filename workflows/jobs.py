@@ -17,7 +17,8 @@ def job_spec(config: ServiceConfiguration, service: str, group_name: str, replic
     assert group is not None, group_name
     env = {k: v for k, v in config.env.items() if v is not None}
     return JobSpec(service=service, group=group_name, replica_num=replica_num, submission_num=submission_num,
-                   commands=list(group.commands), env=env, port=config.port.container_port,
+                   commands=list(group.commands), env=env, secrets=[k for k in config.secrets if k in env],
+                   port=config.port.container_port,
                    python=group.python or config.python, image=group.image or config.image)
 
 
