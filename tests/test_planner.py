@@ -176,10 +176,14 @@ def test_classify_changes_and_spec_hash():
     from workflows.changes import classify, spec_hash
     old = load_config_text(CONFIG.format(a="2", b="1..4")).config
     counts = load_config_text(CONFIG.format(a="3", b="1..4")).config
-    assert classify(old, counts).in_place == ["groups"] and not classify(old, counts).rolling
+    assert classify(old, counts).in_place == ["groups.a.count"] and not classify(old, counts).rolling
     assert spec_hash(old, "a") == spec_hash(counts, "a")  # a count change restarts nothing
     commands = load_config_text(CONFIG.format(a="2", b="1..4").replace("[x]", "[x2]")).config
     assert spec_hash(old, "a") != spec_hash(commands, "a") and spec_hash(old, "b") == spec_hash(commands, "b")
+    assert classify(old, commands).rolling == ["groups.a.commands"]  # names the group that rolls
+    fewer = old.model_copy(update={"groups": old.groups[:1]})
+    assert classify(old, fewer).in_place == ["groups.b (removed)"] and classify(fewer, old).in_place == [
+        "groups.b (added)"]
     auth = old.model_copy(update={"auth": False, "env": {"A": "1"}})
     changes = classify(old, auth)
     assert changes.not_updatable == ["auth"] and changes.rolling == ["env"]

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
-from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
 
-from models.loader import load_config_text
-from activities.stats import changed
-from models.loader import load_config_file
-from models.run import (InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput,
-                        Event, ScaleRequest, ServiceRecord, ServiceState, ServiceStatus, StatsSnapshot, StatsWatch, ApplyRequest)
+from models.loader import load_config_file, load_config_text
+from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from tests.conftest import eventually
-from workflows import names
-from workflows.replica import ReplicaWorkflow
+from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -38,124 +29,15 @@ replicas:
 """
 
 
-class FakeCloud:
-    """Fake activities that record every call, in order, so tests can check the lifecycle."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str]] = []
-        self.instances: dict[str, str] = {}  # replica_id → state
-        self.routed: set[str] = set()
-        self.crash: dict[str, asyncio.Event] = {}
-        self.provisions: dict[str, int] = {}
-        self.rps: float | None = None  # what the fake gateway reports; None = no stats
-        # The time-skipping server does not skip time while an activity runs, so for long virtual
-        # waits the watchers poll instead: each attempt checks once and fails, and retries are timers.
-        self.polling = False
-        self.max_alive: dict[str, int] = {}  # most instances of a group alive at once
-        self.log_by_seq: dict[int, Event] = {}  # the store's decision log (one service per test)
-        self.rows: dict[str, ServiceStatus] = {}  # the store's read model
-
-    def activities(self):
-        @activity.defn(name=names.PROVISION)
-        async def provision(inp: ReplicaInput) -> Provisioned:
-            rid = inp.job.replica_id
-            if any("crash" in c for c in inp.job.commands):
-                self.log.append(("crash", rid))
-                raise ApplicationError("exited (1)", non_retryable=True)
-            self.provisions[rid] = self.provisions.get(rid, 0) + 1
-            self.instances[rid] = "running"
-            self.log.append(("provision", rid))
-            group = inp.job.group
-            alive = sum(1 for r, st in self.instances.items() if st == "running" and r.split("/")[1] == group)
-            self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
-            return Provisioned(placement=Placement(backend="local", region="local", address=f"unix:/x/{rid}"),
-                               instance={"id": rid})
-
-        @activity.defn(name=names.WAIT_READY)
-        async def wait_ready(inp: ReadyInput) -> None:
-            self.log.append(("ready", inp.ref.job.replica_id))
-
-        @activity.defn(name=names.REGISTER)
-        async def register(reg: Registration) -> None:
-            self.routed.add(reg.replica_id)
-            self.log.append(("register", reg.replica_id))
-
-        @activity.defn(name=names.UNREGISTER)
-        async def unregister(reg: Registration) -> None:
-            self.routed.discard(reg.replica_id)
-            self.log.append(("unregister", reg.replica_id))
-
-        @activity.defn(name=names.WATCH)
-        async def watch(ref: InstanceRef) -> str:
-            event = self.crash.setdefault(ref.job.replica_id, asyncio.Event())
-            if self.polling and not event.is_set():
-                raise ApplicationError("still running; poll again")
-            while not event.is_set():
-                activity.heartbeat()
-                try:
-                    await asyncio.wait_for(event.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-            return "exited (1)"
-
-        @activity.defn(name=names.TERMINATE)
-        async def terminate(ref: InstanceRef) -> None:
-            self.instances[ref.job.replica_id] = "terminated"
-            self.log.append(("terminate", ref.job.replica_id))
-
-        @activity.defn(name=names.ENSURE_ROUTE)
-        async def ensure_route(inp: RouteInput) -> None:
-            self.log.append(("route", inp.service))
-
-        @activity.defn(name=names.REMOVE_ROUTE)
-        async def remove_route(inp: RouteInput) -> None:
-            self.log.append(("unroute", inp.service))
-
-        @activity.defn(name=names.WATCH_STATS)
-        async def watch_stats(watch: StatsWatch) -> StatsSnapshot:
-            while True:
-                if self.rps is not None:
-                    snap = StatsSnapshot(rps={w: self.rps for w in (30, 60, 300)})
-                    if changed(watch, snap):
-                        return snap
-                if self.polling:
-                    raise ApplicationError("no change yet; poll again")
-                activity.heartbeat()
-                await asyncio.sleep(0.1)
-
-        @activity.defn(name=names.RECORD_SERVICE)
-        async def record(rec: ServiceRecord) -> None:
-            # Local activities run at least once: the store keys entries by seq.
-            self.log_by_seq.update({e.seq: e for e in rec.events})
-            self.rows[rec.service] = rec.status
-
-        return [provision, wait_ready, register, unregister, watch, terminate, ensure_route, remove_route,
-                watch_stats, record]
-
-    def running(self) -> set[str]:
-        return {rid for rid, s in self.instances.items() if s == "running"}
-
-
-async def _fake_cloud(env):
-    fake = FakeCloud()
-    queue = f"tq-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
-                      activities=fake.activities()):
-        fake.queue = queue
-        yield fake
-    for event in fake.crash.values():
-        event.set()
-
-
 @pytest.fixture
 async def cloud(ts_env):
-    async for fake in _fake_cloud(ts_env):
+    async for fake in fake_cloud_worker(ts_env):
         yield fake
 
 
 @pytest.fixture
 async def cloud_alone(ts_env_alone):
-    async for fake in _fake_cloud(ts_env_alone):
+    async for fake in fake_cloud_worker(ts_env_alone):
         yield fake
 
 
@@ -239,6 +121,7 @@ async def test_crashed_replica_is_replaced_with_a_new_submission(ts_env, cloud):
     await eventually(lambda: _true("svc-crash/0/r0-s0" in cloud.crash))
     cloud.crash["svc-crash/0/r0-s0"].set()
     await eventually(lambda: _true(cloud.instances["svc-crash/0/r0-s0"] == "terminated"))
+    assert "svc-crash/0/r0-s1" not in cloud.provisions  # the group's back-off holds the resubmission
     await ts_env.sleep(timedelta(seconds=20))  # the group's resubmission back-off (15 s) is skipped
     status = await wait_ready(handle, {"0": [0], "1": []})
     (replica,) = status.groups[0].replicas
@@ -390,7 +273,7 @@ async def test_count_change_applies_in_place_without_restarts(ts_env, cloud):
     config = rolling_config("svc-inplace")
     config["groups"][1]["count"] = {"min": 2, "max": 2}
     result = await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config))
-    assert result.deployment == 1 and result.in_place == ["groups"] and result.rolling == []
+    assert result.deployment == 1 and result.in_place == ["groups.b.count"] and result.rolling == []
     assert (result.kept, result.replacing) == (3, 0)
     status = await wait_ready(handle, {"a": [0, 1], "b": [2, 3]})
     assert deployments(status)["a"] == [(0, 1), (1, 1)]  # bumped, not replaced

@@ -1,0 +1,215 @@
+"""Capture the workflow histories that tests/test_replay.py replays against the current workflow code.
+
+Regenerate (about a minute; the time-skipping test server and the fakes of tests/fakes/cloud.py, nothing else):
+
+    .venv/bin/python -m tests.histories.capture                # rewrites tests/histories/<scenario>.json
+    .venv/bin/python -m tests.histories.capture --tag v2       # writes <scenario>.v2.json next to the old ones
+
+Each scenario runs a representative service life and saves ``(await handle.fetch_history()).to_json()``:
+
+* ``service_scale_crash_stop`` — start, scale a group up and down by hand, a replica crashes and is
+  replaced after the group's back-off, stop; with ``replica_crashed`` and ``replica_scaled_down``, the
+  ReplicaWorkflow histories of the crashed replica and of one the scale-down stopped;
+* ``service_rolling_rollback`` — a rolling update, a failed rollout (old replicas keep serving), rollback, stop;
+* ``service_autoscale_hop.run1`` / ``.last`` — autoscaling on a traffic curve with a manual override, the
+  first run (it ends in continue-as-new) and the last one (it ends with the stop).
+
+When to re-capture: while the workflow code is still young, after any change (this session); once services
+run for real, only after an intentional change behind ``workflow.patched`` — and then with ``--tag``, keeping
+the old files, so that the replay test proves old histories still replay (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+from temporalio.api.enums.v1 import EventType
+
+from models.loader import load_config_text
+from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
+from tests.conftest import _time_skipping_env, eventually
+from tests.fakes.cloud import FakeCloud, fake_cloud_worker
+from tests.fakes.timeskip import ChildLocks
+from workflows.jobs import replica_workflow_id
+from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
+
+HERE = Path(__file__).resolve().parent
+
+GROUPS = """
+type: service
+name: {name}
+port: 8000
+replicas:
+  - name: router
+    count: 1
+    commands: [serve router]
+  - name: decode
+    count: 0..3
+    scaling: {{metric: rps, target: 2}}
+    commands: [serve decode]
+"""
+ROLLING = """
+type: service
+name: {name}
+port: 8000
+replicas:
+  - name: a
+    count: 2
+    commands: ["{cmd}"]
+  - name: b
+    count: 1
+    commands: [serve b]
+"""
+
+
+class Capture:
+    def __init__(self, out: Path, tag: Optional[str]) -> None:
+        self.out, self.tag = out, tag
+        self.saved: list[tuple[str, int]] = []
+
+    async def save(self, name: str, handle) -> None:
+        history = await handle.fetch_history()
+        path = self.out / (f"{name}.{self.tag}.json" if self.tag else f"{name}.json")
+        path.write_text(history.to_json() + "\n")
+        self.saved.append((path.name, len(history.events)))
+
+
+@contextlib.asynccontextmanager
+async def fake_cloud() -> AsyncIterator[tuple[object, FakeCloud]]:
+    """A test server of its own, a polling FakeCloud, and the lock keeper for replicas that outlive a hop."""
+    env = await _time_skipping_env()
+    try:
+        async for cloud in fake_cloud_worker(env):
+            cloud.polling = True
+            async with ChildLocks(env, lambda: {f"service/{rid}" for rid, st in cloud.instances.items()
+                                                if st == "terminated"}) as locks:
+                yield env, cloud
+            assert locks.error is None, locks.error
+    finally:
+        await env.shutdown()
+
+
+async def start(env, cloud: FakeCloud, name: str, text: str, **kwargs):
+    config = load_config_text(text.format(name=name, cmd="serve a")).config
+    # Long heartbeat timeouts: skipped virtual time must not time out the fakes' real-time heartbeats.
+    inp = ServiceRunInput(state=ServiceState(name=name, config=config), heartbeat_seconds=86400, **kwargs)
+    return await env.client.start_workflow(ServiceRunWorkflow.run, inp, id=service_workflow_id(name),
+                                           task_queue=cloud.queue)
+
+
+async def settled(handle, counts: dict[str, int]) -> ServiceStatus:
+    """Each group has its count of ready replicas on the current deployment, none in between states."""
+    async def check() -> Optional[ServiceStatus]:
+        status = await handle.query(ServiceRunWorkflow.status)
+        for g in status.groups:
+            ready = [r for r in g.replicas if r.ready and r.status == "running" and r.deployment == status.deployment]
+            busy = [r for r in g.replicas if r.status in ("submitted", "provisioning", "terminating")]
+            if len(ready) != counts.get(g.name, g.desired) or busy or g.rollout:
+                return None
+        return status
+    return await eventually(check)
+
+
+async def scale_crash_stop(capture: Capture) -> None:
+    async with fake_cloud() as (env, cloud):
+        name = "hist-scale"
+        handle = await start(env, cloud, name, GROUPS)
+        await settled(handle, {"router": 1, "decode": 0})
+        await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=3))
+        await settled(handle, {"decode": 3})
+        await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=1))
+        await settled(handle, {"decode": 1})
+        scaled_down = next(rid for op, rid in cloud.log if op == "terminate")
+        crashed = f"{name}/router/r0-s0"
+        cloud.crash[crashed].set()
+        await env.sleep(timedelta(minutes=3))  # the watch's next poll, then the group's back-off (15 s)
+        status = await settled(handle, {"router": 1, "decode": 1})
+        assert status.groups[0].replicas[0].submission == 1, status
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await capture.save("service_scale_crash_stop", handle)
+        await capture.save("replica_crashed", env.client.get_workflow_handle(f"service/{crashed}"))
+        await capture.save("replica_scaled_down", env.client.get_workflow_handle(f"service/{scaled_down}"))
+
+
+async def rolling_rollback(capture: Capture) -> None:
+    async with fake_cloud() as (env, cloud):
+        name = "hist-rolling"
+
+        def config(cmd: str) -> dict:
+            return load_config_text(ROLLING.format(name=name, cmd=cmd)).config.model_dump(mode="json")
+
+        handle = await start(env, cloud, name, ROLLING)
+        await settled(handle, {"a": 2, "b": 1})
+        await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config("serve a v2")))
+        await settled(handle, {"a": 2, "b": 1})
+        await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config("crash")))
+
+        async def failed() -> bool:
+            status = await handle.query(ServiceRunWorkflow.status)
+            return status.groups[0].rollout.startswith("failed")
+        await eventually(failed)
+        await handle.execute_update(ServiceRunWorkflow.rollback)
+        await settled(handle, {"a": 2, "b": 1})
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await capture.save("service_rolling_rollback", handle)
+
+
+async def autoscale_hop(capture: Capture) -> None:
+    async with fake_cloud() as (env, cloud):
+        name = "hist-autoscale"
+        begin = await env.get_current_time()
+        curve = [0, 1, 8, 8, 3, 0, 0]  # rps by hour since the start
+
+        def traffic(t):
+            hour = min(int((t - begin) // timedelta(hours=1)), len(curve) - 1)
+            return float(curve[hour]), begin + timedelta(hours=hour + 1)
+        cloud.traffic, cloud.clock, cloud.poll_every = traffic, env.get_current_time, timedelta(minutes=20)
+        handle = await start(env, cloud, name, GROUPS, safety_tick_seconds=3600, history_limit=150)
+        await env.sleep(timedelta(hours=1, minutes=30))
+        # By hand against the autoscaler: held until the group's down-delay, then taken back.
+        await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=3))
+        await env.sleep(begin + timedelta(hours=len(curve)) - await env.get_current_time())
+        await settled(handle, {"router": 1, "decode": 0})
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        runs = await run_ids(env.client, handle.id, handle.first_execution_run_id)
+        assert len(runs) >= 2, "expected a continue-as-new"
+        await capture.save("service_autoscale_hop.run1", env.client.get_workflow_handle(handle.id, run_id=runs[0]))
+        await capture.save("service_autoscale_hop.last", env.client.get_workflow_handle(handle.id, run_id=runs[-1]))
+
+
+async def run_ids(client, workflow_id: str, first_run_id: str) -> list[str]:
+    """The runs of a workflow id, first to last, following the continue-as-new chain."""
+    runs, run_id = [], first_run_id
+    while run_id:
+        runs.append(run_id)
+        last = (await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()).events[-1]
+        run_id = (last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+                  if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW else "")
+    return runs
+
+
+SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop]
+
+
+async def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.histories.capture", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE, help="Where the JSON files go (default: tests/histories).")
+    parser.add_argument("--tag", help="Suffix for new files, keeping the old ones (e.g. the patch id).")
+    args = parser.parse_args(argv)
+    capture = Capture(args.out, args.tag)
+    for scenario in SCENARIOS:
+        await scenario(capture)
+    for name, events in capture.saved:
+        print(f"{events:5d} events  {args.out / name}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,54 @@
+"""Saved workflow histories replay against the current workflow code (fast; in `make test`).
+
+A failure here means a change to workflows/ would break services that are running now: on their next
+workflow task, the worker would replay their history with the new code, meet a different command than
+the one recorded, and stop them with a NondeterminismError. Put the change behind ``workflow.patched``
+(CONTRIBUTING.md) instead of re-capturing; tests/histories/capture.py says how and when to re-capture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.worker import Replayer
+from temporalio.workflow import NondeterminismError
+
+from tests.conftest import DATA_CONVERTER
+from tests.fakes.changed_workflow import ExtraActivityFirst
+from workflows import names
+from workflows.replica import ReplicaWorkflow
+from workflows.service import ServiceRunWorkflow
+
+HISTORIES = sorted((Path(__file__).resolve().parent / "histories").glob("*.json"))
+
+
+def replayer(*workflows) -> Replayer:
+    # The worker's converter (models.codec via models.connection), as conftest builds it for every workflow
+    # test; the histories hold no secret, so no particular codec key is needed to read them.
+    return Replayer(workflows=list(workflows), data_converter=DATA_CONVERTER)
+
+
+def history(path: Path) -> WorkflowHistory:
+    return WorkflowHistory.from_json(path.stem, path.read_text())
+
+
+def workflow_type(h: WorkflowHistory) -> str:
+    return h.events[0].workflow_execution_started_event_attributes.workflow_type.name
+
+
+def test_histories_cover_both_workflows():
+    types = [workflow_type(history(p)) for p in HISTORIES]
+    assert types.count("ServiceRunWorkflow") >= 3 and "ReplicaWorkflow" in types, [p.name for p in HISTORIES]
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+async def test_saved_history_replays(path: Path):
+    await replayer(ServiceRunWorkflow, ReplicaWorkflow).replay_workflow(history(path))
+
+
+async def test_an_unpatched_change_is_caught():
+    path = next(p for p in HISTORIES if workflow_type(history(p)) == "ServiceRunWorkflow")
+    with pytest.raises(NondeterminismError, match=names.REMOVE_ROUTE):
+        await replayer(ExtraActivityFirst, ReplicaWorkflow).replay_workflow(history(path))
