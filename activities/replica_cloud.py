@@ -19,8 +19,11 @@ from temporalio.exceptions import ApplicationError
 from activities.catalog import load_catalog
 from activities.cloud import (CloudBackend, NoCapacity, activity_error, heartbeat_from_thread, placement_of,
                               provision_cloud, terminate_cloud, terminate_replica)
-from activities.ledger import Ledger
+from activities.liveness import keeps_alive
+from activities.metrics import NO_BACKEND, provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
+from activities.store import StoreLedger
+from activities.watch import watch_until_down
 from models.backends import CLOUDS, BackendsConfig, CloudError, CloudInstance, ErrorKind
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
@@ -35,7 +38,7 @@ DOWN = ("stopping", "stopped", "terminated")
 
 
 class CloudReplicas:
-    def __init__(self, config: BackendsConfig, backends: dict[str, CloudBackend], ledger: Ledger, *,
+    def __init__(self, config: BackendsConfig, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
                  queues: Optional[dict[str, str]] = None, catalog: Optional[list[InstanceOffer]] = None,
                  address: Optional[Callable[[CloudInstance], str]] = None, poll_seconds: float = 15.0,
                  boot_timeout: float = 900.0):
@@ -65,6 +68,7 @@ class CloudReplicas:
     # --- provision --------------------------------------------------------------------------------
 
     @activity.defn(name=names.PROVISION)
+    @keeps_alive
     async def provision(self, inp: ReplicaInput) -> Provisioned:
         return await self.provision_with(inp)
 
@@ -79,6 +83,7 @@ class CloudReplicas:
         if not offers:
             reasons = [f"{'/'.join(clouds)}: {describe_mismatch(pool, resources, **filters)}"] if clouds else []
             reasons += [*notes, *unconfigured]
+            provisioning_failed(NO_BACKEND, "no_offers")
             raise activity_error(NoCapacity("no offers: " + (
                 "; ".join(reasons) or "no cloud backend is configured ($DURASTACK_HOME/config.yml)")))
         order = list(dict.fromkeys(o.backend for o in offers))  # cheapest offer first
@@ -104,6 +109,7 @@ class CloudReplicas:
         deadline = time.monotonic() + self.boot_timeout
         while not (instance.state == "running" and self.address(instance)):
             if time.monotonic() > deadline:  # retryable: the next attempt adopts the instance and waits again
+                provisioning_failed(instance.backend, "not_running")
                 raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id} is not running after "
                                  f"{self.boot_timeout:g}s ({instance.state})", code="BootTimeout")
             activity.heartbeat(f"{instance.instance_id} is {instance.state}")
@@ -112,6 +118,7 @@ class CloudReplicas:
             if current is None or current.state in DOWN:
                 if current is not None:  # a stopped VM still bills for its disk
                     await asyncio.to_thread(terminate_cloud, current, backends=self.backends, ledger=self.ledger)
+                provisioning_failed(instance.backend, "not_running")
                 raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id} went away before it ran",
                                  code="Vanished")
             instance = current
@@ -147,12 +154,13 @@ class CloudReplicas:
     async def watch(self, ref: InstanceRef) -> str:
         """Heartbeat while the instance runs; return why it stopped (preempted, deleted outside durastack)."""
         instance = self._cloud_instance(ref)
-        while True:
+
+        async def down() -> Optional[str]:
+            nonlocal instance
             instance = await self._current(instance)
-            if instance.state in DOWN:
-                return f"instance {instance.state}"
-            activity.heartbeat()
-            await asyncio.sleep(self.poll_seconds)
+            return f"instance {instance.state}" if instance.state in DOWN else None
+
+        return await watch_until_down(down, self.poll_seconds)
 
     async def _current(self, instance: CloudInstance) -> CloudInstance:
         """The instance now (state ``terminated`` once gone); the last known state on a transient error."""
@@ -168,6 +176,7 @@ class CloudReplicas:
     # --- terminate ---------------------------------------------------------------------------------
 
     @activity.defn(name=names.TERMINATE)
+    @keeps_alive
     async def terminate(self, ref: InstanceRef) -> None:
         """Terminate the replica's instance; without a record (provision never returned), every instance
         tagged for this replica submission. Retried until it works: a leak costs money every hour."""

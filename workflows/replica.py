@@ -117,7 +117,7 @@ class ReplicaWorkflow:
     async def _provision_on(self, inp: ReplicaInput, where: Optional[Delegation]) -> Provisioned:
         return await workflow.execute_activity(
             names.PROVISION, inp, result_type=Provisioned, task_queue=where.task_queue if where else None,
-            start_to_close_timeout=timedelta(minutes=30), retry_policy=SHORT,
+            start_to_close_timeout=timedelta(minutes=30), heartbeat_timeout=self._liveness(), retry_policy=SHORT,
             summary=f"provision {self.inp.job.replica_id}" + (f" on {where.backend}" if where else ""))
 
     async def _serve(self) -> str:
@@ -129,13 +129,15 @@ class ReplicaWorkflow:
         self.ready = True
         await workflow.execute_activity(
             names.REGISTER, self._registration(), start_to_close_timeout=timedelta(seconds=60),
+            heartbeat_timeout=self._liveness(),
             retry_policy=SHORT, summary="register with the gateway")
         self.registered = True
         await self._report("running")
         # One heartbeating activity while healthy: no history events until the app exits.
         return await workflow.execute_activity(
             names.WATCH, ref, result_type=str, task_queue=self.queue, start_to_close_timeout=timedelta(days=3650),
-            heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds), retry_policy=FOREVER, summary="watch")
+            heartbeat_timeout=timedelta(seconds=max(self.inp.heartbeat_seconds, self.inp.watch_heartbeat_seconds)),
+            retry_policy=FOREVER, summary="watch")
 
     async def _until_stopped(self, work) -> str:
         """Run ``work`` until it ends (its result is a failure reason) or a stop is requested."""
@@ -160,12 +162,18 @@ class ReplicaWorkflow:
         if self.registered:
             await workflow.execute_activity(
                 names.UNREGISTER, self._registration(drain=True), start_to_close_timeout=timedelta(
-                    seconds=self.inp.stop_duration + 60), retry_policy=FOREVER, summary="leave the gateway, drain")
+                    seconds=self.inp.stop_duration + 60), heartbeat_timeout=self._liveness(), retry_policy=FOREVER,
+                summary="leave the gateway, drain")
             self.registered = False
         await workflow.execute_activity(
             names.TERMINATE, self._ref(), task_queue=self.queue, start_to_close_timeout=timedelta(minutes=10),
-            retry_policy=FOREVER, summary="terminate")
+            heartbeat_timeout=self._liveness(), retry_policy=FOREVER, summary="terminate")
         await self._report("failed" if failed else "terminated", reason)
+
+    def _liveness(self) -> timedelta:
+        """Heartbeat timeout of the short activities too: without one, an attempt lost with its worker
+        (SIGKILL) would wait for its start-to-close timeout, minutes (activities/liveness.py)."""
+        return timedelta(seconds=self.inp.heartbeat_seconds)
 
     def _ref(self) -> InstanceRef:
         backend = self.placement.backend if self.placement else "local"

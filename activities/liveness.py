@@ -1,0 +1,44 @@
+"""Heartbeats that only say "this worker is still alive", for activities that wait on one slow call.
+
+Temporal learns that a worker died (SIGKILL, a lost host) only from a timeout. Without a heartbeat timeout,
+an attempt held by a dead worker is retried at start-to-close: 30 minutes for provision, 10 for terminate,
+however short the call itself. ReplicaWorkflow gives provision, register, unregister and terminate a
+heartbeat timeout, and these activities run under ``keeps_alive``: an attempt lost with its worker is
+retried (on any worker) within that timeout, while a slow but live call is never cut short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any, Awaitable, Callable, TypeVar
+
+from temporalio import activity
+
+T = TypeVar("T")
+
+
+async def heartbeating(work: Awaitable[T]) -> T:
+    """Await ``work``, heartbeating every half heartbeat timeout meanwhile (nothing without a timeout)."""
+    timeout = activity.info().heartbeat_timeout
+    task = asyncio.ensure_future(work)
+    if not timeout:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=timeout.total_seconds() / 2)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    finally:
+        task.cancel()  # the activity was cancelled (or the wait failed): its work goes too
+
+
+def keeps_alive(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Decorate an async activity (under ``@activity.defn``) to run it under :func:`heartbeating`."""
+
+    @functools.wraps(fn)
+    async def run(*args: Any, **kwargs: Any) -> T:
+        return await heartbeating(fn(*args, **kwargs))
+
+    return run
