@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from bench.stack import BenchStack, free_port, median, replica_python, until
+from models.connection import client_options
 
 REACTION = """
 type: service
@@ -81,7 +81,7 @@ def window_requests(stack: BenchStack, service: str, window: int = 30) -> int:
 
 async def child_started_at(stack: BenchStack, service: str, replica_num: int) -> float:
     """When the service workflow started the ReplicaWorkflow of ``replica_num`` (epoch seconds)."""
-    client = await Client.connect(stack.settings.address, data_converter=pydantic_data_converter)
+    client = await Client.connect(**client_options(stack.settings))
     history = await client.get_workflow_handle(f"service/{service}").fetch_history()
     for event in history.events:
         if event.HasField("start_child_workflow_execution_initiated_event_attributes"):
@@ -94,7 +94,7 @@ async def child_started_at(stack: BenchStack, service: str, replica_num: int) ->
 def reaction(stack: BenchStack, rps: float, tmp: Path) -> float:
     (tmp / "react.yml").write_text(REACTION)
     stack.check("apply", "-f", str(tmp / "react.yml"), "-y")
-    token = stack.check("token").strip()
+    token = stack.token()
     stop, counts = threading.Event(), {}
     thread = threading.Thread(target=load, args=(f"{stack.gateway}/services/react/", token, rps, stop, counts))
     thread.start()
@@ -141,7 +141,7 @@ def _answers(url: str) -> bool:
 def from_zero(stack: BenchStack, burst: int, tmp: Path) -> tuple[float, dict]:
     (tmp / "cold.yml").write_text(FROM_ZERO)
     stack.check("apply", "-f", str(tmp / "cold.yml"), "-y")
-    token = stack.check("token").strip()
+    token = stack.token()
     url = f"{stack.gateway}/services/cold/"
 
     async def burst_at_zero() -> tuple[float, dict]:

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from bench.stack import BenchStack, until
+from models.connection import client_options
 
 SERVICE = """
 type: service
@@ -60,7 +60,7 @@ def main() -> None:
         time.sleep(15)  # settle: the first stats snapshot, route registration (a measurement, not a test)
 
         async def measure() -> tuple[dict, dict, float]:
-            client = await Client.connect(stack.settings.address, data_converter=pydantic_data_converter)
+            client = await Client.connect(**client_options(stack.settings))
             before, start = await event_counts(client), time.monotonic()
             await asyncio.sleep(args.minutes * 60)
             return before, await event_counts(client), time.monotonic() - start

@@ -35,7 +35,7 @@ def roll(stack: BenchStack, n: int, rps: float, tmp: Path) -> tuple[float, dict]
     for v in (0, 1):
         (tmp / f"v{v}.yml").write_text(SERVICE.format(n=n, v=v))
     stack.check("apply", "-f", str(tmp / "v0.yml"), "-y")
-    token = stack.check("token").strip()
+    token = stack.token()
     stop, counts = threading.Event(), {}
     thread = threading.Thread(target=load, args=(f"{stack.gateway}/services/roll/", token, rps, stop, counts))
     thread.start()

@@ -96,13 +96,16 @@ class BenchStack:
         self._pick_ports()
         self.proc: Optional[subprocess.Popen] = None
         self._out = None
+        self._token: Optional[str] = None
 
     # ---- life ------------------------------------------------------------------------------------
 
     def _pick_ports(self) -> None:
         self.env.update({"DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
                          "DURASTACK_GATEWAY_PORT": str(free_port()),
-                         "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port())})
+                         "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port()),
+                         "DURASTACK_WORKER_METRICS_PORT": str(free_port()),
+                         "DURASTACK_CODEC_PORT": str(free_port())})
         self.settings = Settings.from_env(environ=self.env)
         self.gateway = self.settings.gateway_url
         self.control = self.settings.gateway_control_url
@@ -203,7 +206,10 @@ class BenchStack:
         return [s["name"] for s in json.loads(self.check("ps", "--json"))]
 
     def token(self) -> str:
-        return self.check("token").strip()
+        """A gateway token for the benchmark's requests, added once (`durastack token add bench`)."""
+        if self._token is None:
+            self._token = self.check("token", "add", "bench").strip()
+        return self._token
 
     def stop_service(self, name: str) -> None:
         self.check("stop", name, "-y")

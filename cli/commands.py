@@ -1,4 +1,4 @@
-"""Commands that talk to the control plane: apply, ps, stop, scale, events, exec, logs, token.
+"""Commands that talk to the control plane: apply, ps, stop, scale, events, exec, logs, token (list, add, revoke).
 
 Exit codes: 0 ok, 1 user error, 2 control plane down.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from datetime import timedelta
@@ -21,14 +22,15 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFai
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from cli.client import ControlPlaneDown, connect
+from cli.client import EXIT_CONTROL_PLANE_DOWN, ControlPlaneDown, connect
 from cli.client import run as _run
 from cli.main import FileOption, app, err, out, print_errors
 from cli.render import ps_table, status_json
 from models.loader import load_config_file
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from models.service import SERVICE_NAME_RE, ServiceConfiguration
-from models.settings import Settings, load_or_create_token
+from models.gateway import TOKEN_NAME_PATTERN
+from models.settings import Settings
 from workflows.changes import classify
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -96,7 +98,9 @@ def _resolve(config: ServiceConfiguration, file: Path, environ: dict) -> Service
     if missing:
         raise _user_error("env: " + ", ".join(missing) + " not set in your environment (`env` takes them from it)")
     env = {k: (environ[k] if v is None else v) for k, v in config.env.items()}
-    return config.model_copy(update={"name": name, "env": env})
+    # Values from your environment are secret (models.secrets): their names join `secrets`.
+    secrets = [*config.secrets, *(k for k, v in config.env.items() if v is None and k not in config.secrets)]
+    return config.model_copy(update={"name": name, "env": env, "secrets": secrets})
 
 
 def _print_plan(config: ServiceConfiguration) -> list[str]:
@@ -193,7 +197,8 @@ async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, de
 def _print_access(settings: Settings, config: ServiceConfiguration) -> None:
     out.print(f"URL:   {service_url(settings, config.name or '')}")
     if config.auth:
-        out.print(f"Token: {load_or_create_token(settings.home)}  (header `Authorization: Bearer <token>`)")
+        out.print("Auth:  header `Authorization: Bearer <token>`, with a gateway token (`durastack token list`; "
+                  "`durastack token add NAME` creates one)", markup=False)
 
 
 async def _update(client: Client, settings: Settings, config: ServiceConfiguration, changes, yes: bool,
@@ -201,8 +206,14 @@ async def _update(client: Client, settings: Settings, config: ServiceConfigurati
     """The seed's update prompt, then the `apply` update: refused changes leave the service untouched."""
     name = config.name or ""
     out.print(f"Active run {name} already exists. Detected changes that can be updated in-place:")
-    fields = changes.in_place + changes.rolling
-    out.print("- Configuration properties:\n" + "\n".join(f"  - {f}" for f in fields), markup=False)
+    # dstack's shape: one sub-item per top-level field; what changed inside the groups follows it.
+    fields: dict[str, list[str]] = {}
+    for f in changes.in_place + changes.rolling:
+        top, _, inner = f.partition(".")
+        fields.setdefault(top, []).append(inner)
+    lines = [f"  - {top}" + (": " + ", ".join(i for i in inner if i) if any(inner) else "")
+             for top, inner in fields.items()]
+    out.print("- Configuration properties:\n" + "\n".join(lines), markup=False)
     _confirm("Update the run?", yes)
     handle = client.get_workflow_handle(service_workflow_id(name))
     await _send_update(handle, ServiceRunWorkflow.apply, ApplyRequest(config=config.model_dump(mode="json")))
@@ -284,6 +295,18 @@ def ps(
 
 
 async def _ps(settings: Settings, name: Optional[str], verbose: bool, as_json: bool, watch: bool) -> None:
+    try:
+        await _live_ps(settings, name, verbose, as_json, watch)
+    except ControlPlaneDown:  # show the store's last view, marked stale; still exit 2
+        from cli.db import print_stale_ps
+
+        if not watch:
+            await asyncio.to_thread(print_stale_ps, settings, name, verbose, as_json,
+                                    lambda n: service_url(settings, n))
+        raise
+
+
+async def _live_ps(settings: Settings, name: Optional[str], verbose: bool, as_json: bool, watch: bool) -> None:
     client = await connect(settings)
 
     async def collect() -> list[ServiceStatus]:
@@ -363,21 +386,61 @@ async def _scale(settings: Settings, name: str, group: str, count: int) -> None:
 def events(
     name: str = typer.Argument(..., help="Service name."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    since: Optional[str] = typer.Option(None, "--since", help="From this time (2026-11-29T03:00, UTC) or age (2h)."),
+    limit: Optional[int] = typer.Option(None, "--limit", "-n", min=1, help="Only the last N entries."),
 ) -> None:
-    """The decision log of a service: scaling, replica failures, stops."""
+    """The decision log of a service: scaling, replica failures, stops (every run, from the store)."""
+    from cli.db import parse_since
+
     settings = Settings.from_env()
-    _run(_events(settings, name, as_json))
+    try:
+        start = parse_since(since)
+    except ValueError as e:
+        raise _user_error(f"--since: {e}")
+    _run(_events(settings, name, as_json, start, limit))
 
 
-async def _events(settings: Settings, name: str, as_json: bool) -> None:
-    _, handle = await _running(settings, name)
-    items = await handle.query(ServiceRunWorkflow.events, rpc_timeout=RPC)
+async def _events(settings: Settings, name: str, as_json: bool, since=None, limit: Optional[int] = None) -> None:
+    from cli.db import select_events, stored_events
+
+    items = await asyncio.to_thread(stored_events, settings, name, since, limit)
+    if items is None:  # none in the store (another database, or an older worker): the workflow's latest entries
+        _, handle = await _running(settings, name)
+        items = select_events(await handle.query(ServiceRunWorkflow.events, rpc_timeout=RPC), since, limit)
     if as_json:
         out.print_json(json.dumps([e.model_dump(mode="json") for e in items]))
         return
     for e in items:
         group = f" group={e.group}" if e.group else ""
         out.print(f"{e.at:%Y-%m-%d %H:%M:%S} {e.kind:<8}{group} {e.message}", markup=False)
+
+
+@app.command(name="config")
+def config_(
+    name: str = typer.Argument(..., help="Service name."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Print the configuration a service runs; secret env values show as *** (models.secrets)."""
+    settings = Settings.from_env()
+    _run(_config(settings, name, as_json))
+
+
+async def _config(settings: Settings, name: str, as_json: bool) -> None:
+    from models.secrets import REDACT
+
+    _, handle = await _running(settings, name)
+    config = await handle.query(ServiceRunWorkflow.config, rpc_timeout=RPC)
+    data = config.model_dump(mode="json", context=REDACT, exclude_none=True)
+    if as_json:
+        out.print_json(json.dumps(data))
+        return
+    from io import StringIO
+
+    from ruamel.yaml import YAML
+
+    text = StringIO()
+    YAML().dump(data, text)
+    out.print(text.getvalue().rstrip(), markup=False)
 
 
 def _replica(status: ServiceStatus, replica: Optional[int]):
@@ -450,7 +513,64 @@ def logs(
             pass
 
 
-@app.command()
-def token() -> None:
-    """Print the token the gateway accepts (created on first use, kept in the durastack home)."""
-    out.print(load_or_create_token(Settings.from_env().home), markup=False)
+token_app = typer.Typer(no_args_is_help=True, help="Bearer tokens of the gateway: every service with auth accepts "
+                        "each of them. The gateway keeps only their hashes: a token is shown once, when added.")
+app.add_typer(token_app, name="token")
+
+
+def _gateway(command: str, call, errors: Optional[dict[int, str]] = None):
+    """``await call(gateway client)``; a gateway that is not there exits 2, an error answer exits 1."""
+    import httpx
+
+    from gateway.client import GatewayClient, GatewayError
+
+    settings = Settings.from_env()
+
+    async def go():
+        async with GatewayClient(settings.gateway_control_url, token=settings.control_token, timeout=30) as gw:
+            return await call(gw)
+
+    try:
+        return asyncio.run(go())
+    except httpx.TransportError:
+        err.print(f"durastack {command}: the gateway is not running at {settings.gateway_control_url}; "
+                  "start it with `durastack server`", style="red", markup=False)
+        raise typer.Exit(EXIT_CONTROL_PLANE_DOWN)
+    except GatewayError as e:
+        err.print(f"durastack {command}: {(errors or {}).get(e.status, e)}", style="red", markup=False)
+        raise typer.Exit(1)
+
+
+@token_app.command("list")
+def token_list(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The gateway's tokens: name, first characters, creation time (never the tokens themselves)."""
+    tokens = _gateway("token list", lambda gw: gw.tokens())
+    if as_json:
+        out.print_json(json.dumps([t.model_dump(mode="json") for t in tokens]))
+        return
+    if not tokens:
+        out.print("no tokens; `durastack token add NAME` creates one", markup=False)
+    for t in tokens:
+        out.print(f"{t.name:<24} {t.prefix}…  created {t.created_at:%Y-%m-%d %H:%M:%S} UTC", markup=False)
+
+
+@token_app.command("add")
+def token_add(name: str = typer.Argument(..., help="A new, unique name: letters, digits, '_', '.', '-'.")) -> None:
+    """Create a token and print it, this once (alone on stdout: TOKEN=$(durastack token add ci))."""
+    if not re.fullmatch(TOKEN_NAME_PATTERN, name):
+        err.print(f"durastack token add: {name!r} is not a token name: up to 64 letters, digits, '_', '.', '-', "
+                  "starting with a letter or digit", style="red", markup=False)
+        raise typer.Exit(1)
+    new = _gateway("token add", lambda gw: gw.create_token(name),
+                   {409: f"a token named {name!r} exists already; revoke it first or choose another name"})
+    out.print(new.token, markup=False)
+    err.print(f"token {name!r} added; it is not shown again. Send it as `Authorization: Bearer <token>`.",
+              markup=False)
+
+
+@token_app.command("revoke")
+def token_revoke(name: str = typer.Argument(..., help="Name of the token, as `durastack token list` shows it.")) -> None:
+    """Revoke a token: once this returns, the gateway answers 403 to it."""
+    _gateway("token revoke", lambda gw: gw.revoke_token(name),
+             {404: f"no token named {name!r}; `durastack token list` shows them"})
+    out.print(f"token {name!r} revoked", markup=False)

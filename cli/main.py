@@ -92,10 +92,12 @@ def validate(
 
 
 def _register_commands() -> None:
-    from cli import commands, offers, server  # noqa: F401  (commands registers itself on `app`)
+    from cli import codec_server, commands, db, offers, server  # noqa: F401  (commands registers itself on `app`)
 
     offers.register(app)
     server.register(app)
+    codec_server.register(app)
+    db.register(app)
 
 
 _register_commands()

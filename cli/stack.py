@@ -7,7 +7,8 @@ stop it by the PID we started (SIGTERM to the leader, then SIGKILL to the whole 
 
 Files in the home: ``server.lock`` (flock + our PID: one server per home), ``server.json`` (the live
 children, for tests and tools; removed on a clean stop), ``logs/<child>.log``, ``temporal.db``,
-``gateway/`` (the gateway's runtime dir).
+``gateway/`` (the gateway's runtime dir, with its hashed tokens in ``state.json``). Once all are up, a
+gateway that holds no token gets one named ``default``, printed in the banner that once.
 
 Test hooks (environment, never needed in normal use): ``DURASTACK_WORKER_CMD`` and
 ``DURASTACK_GATEWAY_CMD`` replace the worker / gateway command line (shell-quoted, split with shlex).
@@ -34,6 +35,7 @@ from models.settings import SEARCH_ATTRIBUTES, Settings
 
 ENV_WORKER_CMD = "DURASTACK_WORKER_CMD"
 ENV_GATEWAY_CMD = "DURASTACK_GATEWAY_CMD"
+DEFAULT_TOKEN = "default"  # the gateway token the first start creates
 POLL = 0.1
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 30.0
 STABLE_AFTER = 60.0  # a child that ran this long gets its restart backoff reset
@@ -46,6 +48,7 @@ PORT_KNOBS = {  # Settings field -> (what, flag, environment variable)
     "ui_port": ("Temporal Web UI", "--ui-port", "DURASTACK_UI_PORT"),
     "gateway_port": ("gateway", "--gateway-port", "DURASTACK_GATEWAY_PORT"),
     "gateway_control_port": ("gateway control", "--gateway-control-port", "DURASTACK_GATEWAY_CONTROL_PORT"),
+    "codec_port": ("Web UI codec", "--codec-port", "DURASTACK_CODEC_PORT"),
 }
 
 
@@ -80,7 +83,13 @@ def temporal_argv(settings: Settings, binary: Optional[str] = None) -> list[str]
     argv = [binary or temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1",
             "--port", str(settings.temporal_port), "--ui-port", str(settings.ui_port),
             "--db-filename", str(settings.home / "temporal.db"), "--namespace", settings.namespace,
-            "--log-level", "warn", "--ui-disable-news-fetch"]  # nothing reaches out to the internet
+            "--log-level", "warn", "--ui-disable-news-fetch",  # nothing reaches out to the internet
+            # A write-ahead log, synced at checkpoints: each commit no longer rewrites and fsyncs a rollback
+            # journal, which halved the server's CPU and start time at scale (bench/scale_out.py). A crashed
+            # process loses nothing; a power cut may lose the last commits, never the database.
+            "--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal"]
+    if settings.codec_port:  # served by the Stack itself (cli/codec_server.py): the UI shows secrets decrypted
+        argv += ["--ui-codec-endpoint", settings.codec_url]
     for name in SEARCH_ATTRIBUTES:
         argv += ["--search-attribute", f"{name}=Keyword"]
     return argv
@@ -212,7 +221,9 @@ async def ensure_search_attributes(client, namespace: str) -> None:
 async def _temporal_answers(settings: Settings) -> bool:
     from temporalio.client import Client
 
-    client = await asyncio.wait_for(Client.connect(settings.address, namespace=settings.namespace), 3.0)
+    from models.connection import client_options
+
+    client = await asyncio.wait_for(Client.connect(**client_options(settings)), 3.0)
     await asyncio.wait_for(ensure_search_attributes(client, settings.namespace), 5.0)
     return True
 
@@ -356,20 +367,27 @@ class Stack:
 
     async def run(self) -> int:
         self.home.mkdir(parents=True, exist_ok=True)
+        self._check_secrets_and_tls()
         lock = acquire_lock(self.home)
         loop = asyncio.get_running_loop()
+        codec = None
         try:
             await self._end_leftovers()
             ports = ["gateway_port", "gateway_control_port"]
-            check_ports(self.settings, (["temporal_port", "ui_port"] if self.embedded else []) + ports)
+            embedded = ["temporal_port", "ui_port"] + (["codec_port"] if self.settings.codec_port else [])
+            check_ports(self.settings, (embedded if self.embedded else []) + ports)
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.add_signal_handler(sig, self.request_stop)
             try:
+                codec = await self._start_codec_server()
                 if not self.embedded:
                     await self._check_external()
+                token = None
                 for c in self.children:
                     await self._start(c)
-                self.echo(self.banner())
+                    if c.name == "gateway":
+                        token = await self._first_token()
+                self.echo(self.banner(token))
                 watchers = [asyncio.create_task(self._supervise(c)) for c in self.children]
                 await self._stopping.wait()
                 await asyncio.wait(watchers, timeout=self.ready_timeout + 5)  # they return on stop
@@ -379,13 +397,60 @@ class Stack:
                 pass
             finally:
                 await self._shutdown()
+                if codec is not None:
+                    await codec.cleanup()
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                     loop.remove_signal_handler(sig)
         finally:
             release_lock(lock)
         return 0
 
-    def banner(self) -> str:
+    def _check_secrets_and_tls(self) -> None:
+        """The codec key every child shares (created once, mode 600); TLS settings only for an external server."""
+        from models.codec import CodecKeyError, ensure_key_file, load_keys
+        from models.connection import TemporalConfigError, uses_tls
+
+        try:
+            ensure_key_file(self.home)
+            load_keys(self.home)
+            tls = uses_tls(self.settings)
+        except (CodecKeyError, TemporalConfigError) as e:
+            raise StackError(str(e)) from None
+        if tls and self.embedded:
+            raise StackError("DURASTACK_TEMPORAL_TLS* and DURASTACK_TEMPORAL_API_KEY are for an external Temporal "
+                             "server (DURASTACK_TEMPORAL_ADDRESS); the embedded dev server speaks plain gRPC")
+
+    async def _start_codec_server(self):
+        """The embedded Web UI's codec endpoint (cli/codec_server.py), in this process; None when off."""
+        if not (self.embedded and self.settings.codec_port):
+            return None
+        from cli.codec_server import start_codec_server, ui_origins
+        from models.codec import SecretCodec, load_keys
+
+        s = self.settings
+        return await start_codec_server(SecretCodec(load_keys(s.home), strict=False), s.codec_port,
+                                        ui_origins(s.ui_port))
+
+    async def _first_token(self) -> Optional[str]:
+        """A gateway without any token gets one named ``default``; its plaintext is returned to be shown once."""
+        import httpx
+
+        from gateway.client import GatewayClient, GatewayError
+
+        legacy = self.home / "token"  # the plaintext token of earlier versions: no longer accepted
+        if legacy.exists():
+            legacy.unlink()
+            self.echo(f"durastack: removed {legacy}: tokens now live hashed in the gateway (`durastack token list`)")
+        try:
+            async with GatewayClient(self.settings.gateway_control_url, token=self.settings.control_token, timeout=30) as gw:
+                if await gw.tokens():
+                    return None
+                return (await gw.create_token(DEFAULT_TOKEN)).token
+        except (GatewayError, OSError, httpx.HTTPError) as e:
+            self.echo(f"durastack: warning: could not create the {DEFAULT_TOKEN!r} gateway token: {e}")
+            return None
+
+    def banner(self, token: Optional[str] = None) -> str:
         s = self.settings
         temporal = f"{s.address} (embedded, state {s.home / 'temporal.db'})" if self.embedded else \
             f"{s.address} (external, DURASTACK_TEMPORAL_ADDRESS)"
@@ -393,10 +458,17 @@ class Stack:
                  f"  Temporal  {temporal}"]
         if self.embedded:
             lines.append(f"  Web UI    {s.ui_url}")
+            if s.codec_port:
+                lines.append(f"  Codec     {s.codec_url}  (the Web UI shows secret env values decrypted through it)")
         lines += [f"  Gateway   {s.gateway_url}  (control {s.gateway_control_url})",
+                  f"  Metrics   gateway {s.gateway_metrics_url} · worker "
+                  + (s.worker_metrics_url if s.worker_metrics_port else "off (DURASTACK_WORKER_METRICS_PORT=0)"),
                   f"  Home      {s.home}",
-                  f"  Logs      {s.home / 'logs'}/{{{','.join(c.name for c in self.children)}}}.log",
-                  "Press Ctrl-C to stop."]
+                  f"  Logs      {s.home / 'logs'}/{{{','.join(c.name for c in self.children)}}}.log"]
+        if token:
+            lines += [f"  Token     {DEFAULT_TOKEN}: {token}",
+                      "            (shown only now: the gateway keeps its hash; `durastack token add NAME` makes more)"]
+        lines.append("Press Ctrl-C to stop.")
         return "\n".join(lines)
 
     async def _start(self, child: Child) -> None:

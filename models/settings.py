@@ -6,12 +6,22 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 TASK_QUEUE = "durastack"
 NAMESPACE = "default"
 # Custom search attributes registered on the Temporal server, so the Web UI list filters by them.
 SEARCH_ATTRIBUTES = ("DurastackService", "DurastackGroup", "DurastackBackend", "DurastackStatus")
+
+
+TEMPORAL_TLS_ENV = {  # Settings field -> environment variable
+    "temporal_tls": "DURASTACK_TEMPORAL_TLS",
+    "temporal_tls_ca": "DURASTACK_TEMPORAL_TLS_CA",
+    "temporal_tls_cert": "DURASTACK_TEMPORAL_TLS_CERT",
+    "temporal_tls_key": "DURASTACK_TEMPORAL_TLS_KEY",
+    "temporal_tls_server_name": "DURASTACK_TEMPORAL_TLS_SERVER_NAME",
+    "temporal_api_key": "DURASTACK_TEMPORAL_API_KEY",
+}
 
 
 class Settings(BaseModel):
@@ -21,9 +31,40 @@ class Settings(BaseModel):
     temporal_port: int = Field(7233, description="gRPC port of the embedded Temporal dev server.")
     ui_port: int = Field(8233, description="Web UI port of the embedded Temporal dev server.")
     gateway_port: int = Field(8000, description="Port the gateway (nginx) listens on for service traffic.")
-    gateway_control_port: int = Field(8001, description="Port of the gateway's control API (127.0.0.1).")
+    gateway_control_port: int = Field(8001, description="Port of the gateway's control API (127.0.0.1); also serves /metrics.")
+    worker_metrics_port: int = Field(9464, description="Port of the worker's Prometheus endpoint, /metrics (127.0.0.1); 0: none.")
+    codec_port: int = Field(8234, ge=0, le=65535, description=(
+        "Port of the Web UI's codec endpoint on 127.0.0.1 (`durastack codec-server`; `durastack server` runs it); "
+        "0: none."))
     namespace: str = Field(NAMESPACE, description="Temporal namespace.")
     task_queue: str = Field(TASK_QUEUE, description="Temporal task queue of the worker.")
+    bind_host: str = Field("127.0.0.1", description=(
+        "Address the gateway (nginx and control API) and the worker's metrics listen on (DURASTACK_BIND_HOST); "
+        "anything but loopback needs DURASTACK_GATEWAY_CONTROL_TOKEN."))
+    local_replicas: bool = Field(True, description=(
+        "Run replicas on the worker's own machine when a service allows `local` (DURASTACK_LOCAL_REPLICAS=on/off); "
+        "off in a cluster, where the gateway cannot reach a worker's container."))
+    gateway_control: Optional[str] = Field(None, description=(
+        "URL of the gateway's control API when it runs elsewhere (DURASTACK_GATEWAY_CONTROL_URL, e.g. "
+        "http://gateway:8001); unset: 127.0.0.1 and DURASTACK_GATEWAY_CONTROL_PORT."))
+    gateway_control_token: Optional[SecretStr] = Field(None, description=(
+        "Bearer token the gateway's control API requires on /api (DURASTACK_GATEWAY_CONTROL_TOKEN); unset: none, "
+        "which the gateway allows only on loopback."))
+    # How clients reach an external Temporal server (Temporal Cloud, a TLS cluster); models.connection uses them.
+    temporal_tls: Optional[bool] = Field(None, description=(
+        "TLS to Temporal (DURASTACK_TEMPORAL_TLS=on/off); unset: on when a CA, a client certificate or an API key "
+        "is set."))
+    temporal_tls_ca: Optional[Path] = Field(None, description=(
+        "PEM file of the CA that signed the server's certificate (DURASTACK_TEMPORAL_TLS_CA); unset: system roots."))
+    temporal_tls_cert: Optional[Path] = Field(None, description=(
+        "PEM client certificate for mTLS (DURASTACK_TEMPORAL_TLS_CERT); needs DURASTACK_TEMPORAL_TLS_KEY."))
+    temporal_tls_key: Optional[Path] = Field(None, description=(
+        "PEM private key of the client certificate (DURASTACK_TEMPORAL_TLS_KEY)."))
+    temporal_tls_server_name: Optional[str] = Field(None, description=(
+        "Name the server's certificate is checked against, and the SNI (DURASTACK_TEMPORAL_TLS_SERVER_NAME); "
+        "unset: the host of the address."))
+    temporal_api_key: Optional[SecretStr] = Field(None, description=(
+        "API key sent as `Authorization: Bearer` (DURASTACK_TEMPORAL_API_KEY, Temporal Cloud); implies TLS."))
 
     @classmethod
     def from_env(cls, environ: Optional[dict] = None, **overrides) -> "Settings":
@@ -35,8 +76,15 @@ class Settings(BaseModel):
             "ui_port": env.get("DURASTACK_UI_PORT", 8233),
             "gateway_port": env.get("DURASTACK_GATEWAY_PORT", 8000),
             "gateway_control_port": env.get("DURASTACK_GATEWAY_CONTROL_PORT", 8001),
+            "worker_metrics_port": env.get("DURASTACK_WORKER_METRICS_PORT", 9464),
+            "codec_port": env.get("DURASTACK_CODEC_PORT", 8234),
             "namespace": env.get("DURASTACK_NAMESPACE", NAMESPACE),
             "task_queue": env.get("DURASTACK_TASK_QUEUE", TASK_QUEUE),
+            "bind_host": env.get("DURASTACK_BIND_HOST") or "127.0.0.1",
+            "local_replicas": env.get("DURASTACK_LOCAL_REPLICAS") or True,
+            "gateway_control": env.get("DURASTACK_GATEWAY_CONTROL_URL") or None,
+            "gateway_control_token": env.get("DURASTACK_GATEWAY_CONTROL_TOKEN") or None,
+            **{field: env.get(var) or None for field, var in TEMPORAL_TLS_ENV.items()},
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(values)
@@ -55,7 +103,23 @@ class Settings(BaseModel):
 
     @property
     def gateway_control_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_control_port}"
+        return self.gateway_control or f"http://127.0.0.1:{self.gateway_control_port}"
+
+    @property
+    def control_token(self) -> Optional[str]:
+        return self.gateway_control_token.get_secret_value() if self.gateway_control_token else None
+
+    @property
+    def gateway_metrics_url(self) -> str:
+        return f"{self.gateway_control_url}/metrics"
+
+    @property
+    def worker_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.worker_metrics_port}/metrics"
+
+    @property
+    def codec_url(self) -> str:
+        return f"http://127.0.0.1:{self.codec_port}"
 
     def to_env(self) -> dict[str, str]:
         """The same settings as environment variables, for the processes the server starts."""
@@ -65,25 +129,22 @@ class Settings(BaseModel):
             "DURASTACK_UI_PORT": str(self.ui_port),
             "DURASTACK_GATEWAY_PORT": str(self.gateway_port),
             "DURASTACK_GATEWAY_CONTROL_PORT": str(self.gateway_control_port),
+            "DURASTACK_WORKER_METRICS_PORT": str(self.worker_metrics_port),
+            "DURASTACK_CODEC_PORT": str(self.codec_port),
             "DURASTACK_NAMESPACE": self.namespace,
             "DURASTACK_TASK_QUEUE": self.task_queue,
+            "DURASTACK_BIND_HOST": self.bind_host,
+            "DURASTACK_LOCAL_REPLICAS": "on" if self.local_replicas else "off",
         }
+        if self.gateway_control:
+            env["DURASTACK_GATEWAY_CONTROL_URL"] = self.gateway_control
+        if self.control_token:
+            env["DURASTACK_GATEWAY_CONTROL_TOKEN"] = self.control_token
         env["DURASTACK_TEMPORAL_ADDRESS"] = self.address
+        for field, var in TEMPORAL_TLS_ENV.items():
+            value = getattr(self, field)
+            if value is not None:
+                value = value.get_secret_value() if isinstance(value, SecretStr) else value
+                env[var] = ("on" if value else "off") if isinstance(value, bool) else str(value)
         return env
 
-
-def load_or_create_token(home: Path) -> str:
-    """The token the gateway accepts, created on first use and kept (mode 600) in the home."""
-    import secrets
-
-    path = home / "token"
-    if path.exists():
-        token = path.read_text().strip()
-        if token:
-            return token
-    home.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token

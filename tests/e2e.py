@@ -41,17 +41,27 @@ class Stack:
         self.home = home
         self.env = {**os.environ, "DURASTACK_HOME": str(home),
                     "DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
-                    "DURASTACK_GATEWAY_PORT": str(free_port()), "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port())}
+                    "DURASTACK_GATEWAY_PORT": str(free_port()), "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port()),
+                    "DURASTACK_WORKER_METRICS_PORT": str(free_port()), "DURASTACK_CODEC_PORT": str(free_port())}
         self.env.pop("DURASTACK_TEMPORAL_ADDRESS", None)
         self.log = open(home / "server.out", "wb")
         self.proc = subprocess.Popen([str(BIN / "durastack"), "server"], env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.gateway = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_PORT']}"
         self.control = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_CONTROL_PORT']}"
+        self._token: str | None = None
 
     def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "durastack"), *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def token(self) -> str:
+        """A gateway token of this stack's tests, added once with `durastack token add e2e`."""
+        if self._token is None:
+            result = self.cli("token", "add", "e2e")
+            assert result.returncode == 0, result.stderr
+            self._token = result.stdout.strip()
+        return self._token
 
     def ps(self, name: str) -> dict:
         result = self.cli("ps", name, "--json")

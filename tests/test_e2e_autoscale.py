@@ -37,7 +37,7 @@ def test_seed_scales_from_zero_up_to_the_clamps_and_back_to_zero(stack: Stack):
     result = stack.cli("apply", "-f", str(CONFIG), "-y")
     assert result.returncode == 0, result.stdout + result.stderr
     assert counts(stack) == {"replica-1": 0, "replica-2": 0}
-    token = stack.cli("token").stdout.strip()
+    token = stack.token()
     url = f"{stack.gateway}/services/{NAME}/"
 
     load = Load(url, token, rps=8).start()

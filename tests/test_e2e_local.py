@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e import Stack, ready, replica_processes, running_stack, until
 
@@ -68,8 +70,8 @@ def test_seed_service_groups_routes_auth_and_exec(stack: Stack):
     result = stack.cli("apply", "-f", str(FIXED), "-y")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{stack.gateway}/services/{NAME}/" in result.stdout
-    token = stack.cli("token").stdout.strip()
-    assert f"Token: {token}" in result.stdout
+    token = stack.token()
+    assert "`Authorization: Bearer <token>`" in result.stdout and token not in result.stdout  # never shown again
     status = stack.ps(NAME)
     assert ready(status) == {"0": [0], "1": [1, 2]}
     text = stack.cli("ps").stdout
@@ -95,13 +97,64 @@ def test_seed_service_groups_routes_auth_and_exec(stack: Stack):
     assert {r: request_lines(stack, r) for r in (0, 1, 2)} == after
 
 
+def test_gateway_tokens_from_the_cli(stack: Stack):
+    url = f"{stack.gateway}/services/{NAME}/"
+    # The first start printed a `default` token, once; it works like any other.
+    default = re.search(r"Token +default: (\S+)", (stack.home / "server.out").read_text()).group(1)
+    assert get(url, default, 2) == [200] * 2 and not (stack.home / "token").exists()
+    listed = stack.cli("token", "list", "--json")
+    assert listed.returncode == 0 and default not in listed.stdout
+    prefixes = {t["name"]: t["prefix"] for t in json.loads(listed.stdout)}
+    assert prefixes == {"default": default[:6], "e2e": stack.token()[:6]}
+
+    added = stack.cli("token", "add", "ci")
+    assert added.returncode == 0 and "not shown again" in added.stderr
+    ci = added.stdout.strip()
+    assert get(url, ci, 2) == [200] * 2
+    again = stack.cli("token", "add", "ci")
+    assert again.returncode == 1 and "durastack token add: a token named 'ci' exists already" in again.stderr
+
+    assert stack.cli("token", "revoke", "ci").returncode == 0
+    assert get(url, ci, 2) == [403] * 2  # at once: the command returned once nginx refuses it
+    assert get(url, stack.token(), 2) == [200] * 2
+    gone = stack.cli("token", "revoke", "ci")
+    assert gone.returncode == 1 and "durastack token revoke: no token named 'ci'" in gone.stderr
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_metrics_of_the_gateway_and_the_worker(stack: Stack):
+    def value(metrics, name, **labels):
+        return sum(v for found, v in metrics.get(name, []) if labels.items() <= found.items())
+
+    assert get(f"{stack.gateway}/services/{NAME}/", stack.token(), 6) == [200] * 6
+    assert get(f"{stack.gateway}/services/{NAME}/", "wrong", 1) == [403]
+    gateway = scrape(f"{stack.control}/metrics")
+    served = {g: value(gateway, "durastack_gateway_requests_total", service=NAME, group=g, code="200") for g in "01"}
+    assert served["0"] > 0 and served["1"] > 0  # both groups, known by their replicas' upstream addresses
+    assert value(gateway, "durastack_gateway_requests_total", service=NAME, group="-", code="403") >= 1
+    assert value(gateway, "durastack_gateway_request_duration_seconds_count", service=NAME) >= 6
+
+    worker = scrape(f"http://127.0.0.1:{stack.env['DURASTACK_WORKER_METRICS_PORT']}/metrics")
+    assert value(worker, "durastack_replicas", service=NAME, group="1", state="running") == 2
+    assert value(worker, "durastack_replicas_ready", service=NAME, group="1") == 2
+    assert value(worker, "durastack_desired_replicas", service=NAME, group="0") == 1
+    assert any(name.startswith("temporal_") for name in worker)  # the SDK's own metrics, same endpoint
+
+
 def test_worker_killed_during_provisioning_and_running(stack: Stack, tmp_path: Path):
     # While running: the replicas and their numbers survive a kill -9 of the worker.
     before = stack.ps(NAME)
     pid = stack.worker_pid()
     os.kill(pid, signal.SIGKILL)
     until(lambda: stack.worker_pid() not in (None, pid), 60, 0.2, "worker restarted")
-    token = stack.cli("token").stdout.strip()
+    token = stack.token()
     assert get(f"{stack.gateway}/services/{NAME}/", token, 5) == [200] * 5
     assert stack.ps(NAME)["groups"] == before["groups"]
 

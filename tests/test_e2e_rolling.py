@@ -60,7 +60,7 @@ def versions(stack: Stack) -> dict[int, str]:
 def test_rolling_update_under_load_drops_no_request(stack: Stack, tmp_path: Path):
     assert stack.cli("apply", "-f", str(write(tmp_path, 0)), "-y").returncode == 0
     assert ready(stack.ps(NAME)) == {"0": [0, 1], "1": [2, 3]}
-    token = stack.cli("token").stdout.strip()
+    token = stack.token()
     load = Load(f"{stack.gateway}/services/{NAME}/", token, rps=8).start()
     try:
         result = stack.cli("apply", "-f", str(write(tmp_path, 1)), "-y")
@@ -77,12 +77,12 @@ def test_rolling_update_under_load_drops_no_request(stack: Stack, tmp_path: Path
     text = stack.cli("ps", "-v").stdout
     assert "terminated" in text and "deployment=1" in text  # old replicas stay listed as terminated
     events = stack.cli("events", NAME).stdout
-    assert "deployment 1: changed groups; 0 replica(s) kept" in events
+    assert "deployment 1: changed groups.0.commands, groups.1.commands; 0 replica(s) kept" in events
 
 
 def test_failed_rollout_keeps_serving_and_rollback_restores(stack: Stack, tmp_path: Path):
     before = versions(stack)
-    token = stack.cli("token").stdout.strip()
+    token = stack.token()
     load = Load(f"{stack.gateway}/services/{NAME}/", token, rps=8).start()
     try:
         result = stack.cli("apply", "-f", str(write(tmp_path, 2, cmd="exit 3")), "-y")

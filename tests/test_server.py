@@ -10,6 +10,7 @@ import asyncio
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from cli import client as cli_client
 from cli import stack
+from models.gateway import hash_token
 from models.settings import SEARCH_ATTRIBUTES, Settings
 
 DURASTACK = str(Path(sys.executable).with_name("durastack"))
@@ -44,6 +46,7 @@ def free_ports(n: int) -> list[int]:
 
 def clean_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DURASTACK_")}
+    env["DURASTACK_WORKER_METRICS_PORT"] = str(free_ports(1)[0])  # not the default: other stacks may run
     env.update(extra)
     return env
 
@@ -150,7 +153,7 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ports() -> dict[str, int]:
-    return dict(zip(["temporal_port", "ui_port", "gateway_port", "gateway_control_port"], free_ports(4)))
+    return dict(zip(["temporal_port", "ui_port", "gateway_port", "gateway_control_port", "codec_port"], free_ports(5)))
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +178,17 @@ def test_stack_up_with_search_attributes(running: Server):
     for name in ("temporal", "gateway", "worker"):
         assert (running.home / "logs" / f"{name}.log").exists()
     assert f"http://127.0.0.1:{running.ports['ui_port']}" in running.output
+    assert f"http://127.0.0.1:{running.ports['gateway_control_port']}/metrics" in running.output
+    # The first start made the gateway's `default` token and showed it once; the gateway keeps its hash.
+    token = re.search(r"Token +default: (\S+)", running.output).group(1)
+    gateway_state = (running.home / "gateway" / "state.json").read_text()
+    assert token not in gateway_state and hash_token(token) in gateway_state
     assert (running.home / "server.lock").read_text().strip() == str(running.proc.pid)
 
 
 @pytest.mark.e2e
 def test_second_server_same_home_says_already_running(running: Server):
-    other = dict(zip(running.ports, free_ports(4)))
+    other = dict(zip(running.ports, free_ports(len(running.ports))))
     argv = [DURASTACK, "server", "--home", str(running.home)]
     for flag, port in other.items():
         argv += [f"--{flag.replace('_', '-')}", str(port)]
@@ -188,6 +196,31 @@ def test_second_server_same_home_says_already_running(running: Server):
     assert res.returncode == 1
     assert f"durastack server is already running (pid {running.proc.pid}, home {running.home})" in \
         " ".join((res.stdout + res.stderr).split())
+
+
+@pytest.mark.e2e
+def test_web_ui_decodes_secrets_through_the_stack_codec_server(running: Server):
+    import base64
+
+    import httpx
+    from temporalio.api.common.v1 import Payload
+
+    from models.codec import SecretCodec, load_keys
+    from models.secrets import SECRET_MARK
+
+    assert oct((running.home / "codec.key").stat().st_mode & 0o777) == "0o600"  # created by the server
+    ui, codec_url = f"http://127.0.0.1:{running.ports['ui_port']}", f"http://127.0.0.1:{running.ports['codec_port']}"
+    assert httpx.get(f"{ui}/api/v1/settings", timeout=5).json()["Codec"]["Endpoint"] == codec_url
+    plain = Payload(metadata={"encoding": b"json/plain"},
+                    data=json.dumps({"HF_TOKEN": SECRET_MARK + "hf_abc"}).encode())
+    sealed = asyncio.run(SecretCodec(load_keys(running.home, {})).encode([plain]))[0]
+    assert b"hf_abc" not in sealed.data
+    body = {"payloads": [{"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
+                          "data": base64.b64encode(sealed.data).decode()}]}
+    res = httpx.post(f"{codec_url}/decode", json=body, headers={"Origin": ui, "X-Namespace": "default"}, timeout=5)
+    assert res.status_code == 200 and res.headers["Access-Control-Allow-Origin"] == ui
+    assert json.loads(base64.b64decode(res.json()["payloads"][0]["data"])) == {"HF_TOKEN": SECRET_MARK + "hf_abc"}
+    assert f"Codec     {codec_url}" in running.output
 
 
 @pytest.mark.e2e
@@ -237,6 +270,7 @@ def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, 
     again = Server(home, ports)
     servers.append(again)
     again.wait_up()
+    assert "Token " not in again.output  # the gateway kept its tokens: no new default
     res = temporal_cli(ports["temporal_port"], "workflow", "describe", "--workflow-id", PERSIST_WF, "-o", "json")
     assert res.returncode == 0, res.stderr
     assert "WORKFLOW_EXECUTION_STATUS_RUNNING" in res.stdout
@@ -250,7 +284,7 @@ def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, 
 
 @pytest.mark.e2e
 def test_port_in_use_is_a_clear_error(tmp_path: Path, servers):
-    ports = dict(zip(["temporal_port", "ui_port", "gateway_port", "gateway_control_port"], free_ports(4)))
+    ports = dict(zip(["temporal_port", "ui_port", "gateway_port", "gateway_control_port", "codec_port"], free_ports(5)))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", ports["gateway_port"]))
         busy.listen()
@@ -284,6 +318,8 @@ def test_temporal_argv(tmp_path: Path):
     assert argv[:5] == ["temporal", "server", "start-dev", "--ip", "127.0.0.1"]
     assert argv[argv.index("--port") + 1] == "1234" and argv[argv.index("--ui-port") + 1] == "1235"
     assert argv[argv.index("--db-filename") + 1] == str(tmp_path / "temporal.db")
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--sqlite-pragma"] == ["journal_mode=wal",
+                                                                                 "synchronous=normal"]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--search-attribute"] == \
         [f"{n}=Keyword" for n in SEARCH_ATTRIBUTES]
 
