@@ -375,24 +375,34 @@ async def _activity_workers(stack: Stack, replica_ids: list[str]) -> dict[str, d
     return out
 
 
+# Replicas of the two-worker test: Temporal hands tasks to whichever worker polls first, so with few
+# replicas one worker can get them all (seen with 4; 7 to 1 seen with 8).
+SHARED = 8
+
+
 def test_two_workers_share_the_work_and_one_finishes_a_rollout_alone(stack: Stack, tmp_path: Path):
     name = "shared"
     for v in (0, 1):
-        (tmp_path / f"v{v}.yml").write_text(ROLLING.format(name=name, v=v).replace("count: 2", "count: 4"))
+        (tmp_path / f"v{v}.yml").write_text(ROLLING.format(name=name, v=v).replace("count: 2", f"count: {SHARED}"))
     first = until(lambda: alive(child_pid(stack, "worker")) and child_pid(stack, "worker"), 60, 0.1, "worker up")
     log = open(tmp_path / "worker2.log", "wb")
     second = subprocess.Popen([sys.executable, "-m", "worker"], cwd=ROOT, env=_worker_env(stack), stdout=log,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         until(lambda: b"worker polling" in (tmp_path / "worker2.log").read_bytes(), 60, 0.1, "second worker up")
-        _apply(stack, tmp_path / "v0.yml")
-        picture = until(lambda: converged(stack, name, 4, 0), CONVERGE, 0.5, "four replicas")
+        for attempt in range(3):  # tasks go to whichever worker polls first: rarely all to one; then again
+            if attempt:
+                _stop(stack, name)
+            _apply(stack, tmp_path / "v0.yml")
+            picture = until(lambda: converged(stack, name, SHARED, 0), CONVERGE, 0.5, "all replicas")
 
-        # Both workers ran replica activities. The robust signal is the worker identity Temporal records
-        # for each activity; the local backend agrees: a replica's leader is a child of the worker that ran
-        # its provision (the process tree is started in a session of its own, so it outlives that worker).
-        ran = asyncio.run(_activity_workers(stack, picture["replicas"]))
-        everyone = set().union(*(pids for acts in ran.values() for pids in acts.values()))
+            # Both workers ran replica activities. The robust signal is the worker identity Temporal records
+            # for each activity; the local backend agrees: a replica's leader is a child of the worker that ran
+            # its provision (the process tree is started in a session of its own, so it outlives that worker).
+            ran = asyncio.run(_activity_workers(stack, picture["replicas"]))
+            everyone = set().union(*(pids for acts in ran.values() for pids in acts.values()))
+            if len(everyone) == 2:
+                break
         assert everyone == {first, second.pid}, ran
         owner = {}
         for rid, acts in ran.items():
@@ -400,7 +410,7 @@ def test_two_workers_share_the_work_and_one_finishes_a_rollout_alone(stack: Stac
             inst = picture["live"][rid]
             assert proc_stat(inst.pid).ppid == provisioner, (rid, acts)
             owner[rid] = provisioner
-        FIGURES.append(f"two workers: activities of 4 replicas ran on {sorted(everyone)}; provisions per worker "
+        FIGURES.append(f"two workers: activities of {SHARED} replicas ran on {sorted(everyone)}; provisions per worker "
                        f"{dict(Counter(owner.values()))}")
 
         token = stack.token()
@@ -417,7 +427,7 @@ def test_two_workers_share_the_work_and_one_finishes_a_rollout_alone(stack: Stac
                         if r["status"] != "running"}
             orphaned = [rid for rid, pid in owner.items() if pid == second.pid and rid not in stopping]
             assert all(is_alive(picture["live"][rid].pid, picture["live"][rid].start_time) for rid in orphaned)
-            final = until(lambda: converged(stack, name, 4, 1), CONVERGE, 0.5, "the rollout finished by the first")
+            final = until(lambda: converged(stack, name, SHARED, 1), CONVERGE, 0.5, "the rollout finished by the first")
             done = time.monotonic()
         finally:
             counts = load.stop()
