@@ -34,26 +34,38 @@ from typing import Mapping, Optional
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Worker
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from activities.cloud import CloudBackend, make_backends
-from activities.ledger import Ledger
 from activities.local import LocalBackend
 from activities.reaper import ReaperActivities
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas
 from activities.stats import StatsActivities
+from activities.store import Store, StoreActivities, StoreLedger, database_url
 from gateway.client import GatewayClient
 from models.backends import BackendsConfig, load_backends_config
+from models.codec import CodecKeyError
+from models.connection import TemporalConfigError, client_options, connect_failure
 from models.reaper import ReaperInput, ReapTarget
-from models.settings import Settings, load_or_create_token
+from models.settings import Settings
 from workflows import names
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
 
 log = logging.getLogger("durastack.worker")
+# Each replica's watch holds an activity slot for the replica's whole life (an async activity costs a coroutine),
+# so the slots are sized for thousands of replicas plus the short activities around them (bench/scale_out.py).
+MAX_ACTIVITIES = 20_000
+# The sticky cache keeps the workflows touched last: every service workflow (each wakes at its safety tick) when the
+# worker holds up to ~1,000 services, while idle replica workflows, which get no task for days, are evicted and
+# replayed (about 40 events) on their next one. A cached workflow costs 0.1-0.6 MB (bench/scale_out.py).
+MAX_CACHED_WORKFLOWS = 1_500
+# Workflow task polls open at once (the SDK's default is 5, one of them for new and evicted workflows): when
+# thousands of replicas start, each poll waits on the server, and more of them start services sooner.
+WORKFLOW_TASK_POLLS = 20
 
 
 @dataclass
@@ -62,13 +74,27 @@ class Clouds:
 
     config: BackendsConfig
     backends: dict[str, CloudBackend]  # the clouds this worker calls itself
-    ledger: Ledger
+    ledger: StoreLedger  # in the store, which the main worker's record_service also writes
     queues: dict[str, str] = field(default_factory=dict)  # configured clouds other workers serve → their queue
 
 
+def metrics_runtime(port: int, host: str = "127.0.0.1") -> Optional[Runtime]:
+    """A Temporal runtime serving the SDK's metrics at <host>:<port>/metrics; None (the default runtime) for 0."""
+    if not port:
+        return None
+    try:
+        return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"{host}:{port}")))
+    except ValueError as e:  # e.g. the port is taken: metrics are not worth a worker that cannot start
+        log.warning("no SDK metrics: %s (port %d; set DURASTACK_WORKER_METRICS_PORT, 0 for none)", e, port)
+        return None
+
+
 async def connect(settings: Settings) -> Client:
-    return await Client.connect(settings.address, namespace=settings.namespace,
-                                data_converter=pydantic_data_converter)
+    """The worker's client: models.connection's options (codec, TLS) and the metrics runtime."""
+    options = client_options(settings)
+    options["data_converter"].payload_codec.keys()  # no key: fail now, not at the first secret
+    runtime = metrics_runtime(settings.worker_metrics_port, settings.bind_host)
+    return await Client.connect(**options, **({"runtime": runtime} if runtime else {}))
 
 
 def worker_backends(argv: Optional[list[str]] = None, environ: Mapping[str, str] = os.environ) -> Optional[list[str]]:
@@ -85,7 +111,7 @@ def load_clouds(settings: Settings, serves: Optional[list[str]] = None,
     held = every if serves is None else {c: b for c, b in every.items() if c in serves}
     main = serves is None or "local" in serves
     queues = {c: names.backend_queue(settings.task_queue, c) for c in every if c not in held} if main else {}
-    return Clouds(config, held, Ledger(settings.home / "ledger" / "instances.jsonl"), queues)
+    return Clouds(config, held, StoreLedger(Store(database_url(settings.home, environ))), queues)
 
 
 def build_worker(client: Client, settings: Settings, gateway: GatewayClient,
@@ -96,12 +122,20 @@ def build_worker(client: Client, settings: Settings, gateway: GatewayClient,
     if not local.isolated:
         log.warning("replica isolation is off (%s): each replica gets its own PORT", local.isolation_reason)
     cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, queues=clouds.queues)
-    acts = ReplicaActivities(local, gateway, tokens=lambda: [load_or_create_token(settings.home)], cloud=cloud)
+    acts = ReplicaActivities(local, gateway, cloud=cloud, local_replicas=settings.local_replicas)
     stats = StatsActivities(gateway.stats)
     reaper = ReaperActivities(client, clouds.backends, clouds.ledger)
-    return Worker(client, task_queue=settings.task_queue,
-                  workflows=[ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow],
-                  activities=[*acts.all(), stats.watch_stats, reaper.reap_orphans], max_concurrent_activities=500)
+    record = StoreActivities(clouds.ledger.store).record_service  # a local activity: must be on this worker
+    return main_worker(client, settings.task_queue,
+                       [*acts.all(), stats.watch_stats, reaper.reap_orphans, record])
+
+
+def main_worker(client: Client, task_queue: str, activities: list) -> Worker:
+    """The main worker's Worker and its tuning (bench/scale_out.py builds it with a fake backend)."""
+    return Worker(client, task_queue=task_queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow],
+                  activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
+                  max_cached_workflows=MAX_CACHED_WORKFLOWS,
+                  workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS))
 
 
 def build_cloud_workers(client: Client, settings: Settings, clouds: Clouds) -> list[Worker]:
@@ -144,7 +178,16 @@ async def main(argv: Optional[list[str]] = None) -> None:
     missing = sorted(set(serves or ()) - set(clouds.backends) - {"local"})
     if missing:
         sys.exit(f"worker: backend {', '.join(missing)} is not configured ($DURASTACK_HOME/config.yml)")
-    client = await connect(settings)
+    try:  # connect and migrate now, not in the first activity that needs the store
+        await asyncio.to_thread(clouds.ledger.store.open)
+    except Exception as e:  # noqa: BLE001 — no ledger, no launches: stop, saying which database
+        sys.exit(f"worker: store {clouds.ledger.store.where()}: {e}")
+    try:
+        client = await connect(settings)
+    except (CodecKeyError, TemporalConfigError) as e:
+        sys.exit(f"worker: {e}")
+    except RuntimeError as e:  # the SDK's "Failed client connect: ..."
+        sys.exit(f"worker: {connect_failure(settings, e)}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,7 +198,7 @@ async def main(argv: Optional[list[str]] = None) -> None:
                 await stack.enter_async_context(worker)
                 log.info("worker polling %s on %s", worker.task_queue, settings.address)
         else:
-            gateway = await stack.enter_async_context(GatewayClient(settings.gateway_control_url))
+            gateway = await stack.enter_async_context(GatewayClient(settings.gateway_control_url, token=settings.control_token))
             await stack.enter_async_context(build_worker(client, settings, gateway, clouds))
             log.info("worker polling %s on %s", settings.task_queue, settings.address)
             reaper = reaper_input(settings, clouds)

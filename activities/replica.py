@@ -1,6 +1,6 @@
 """The activities of a replica's life and of a service's gateway route.
 
-Dependencies (the local backend, the gateway client, the token source, the cloud backends) are
+Dependencies (the local backend, the gateway client, the cloud backends) are
 injected, so tests can swap any of them. Errors that retrying cannot fix are raised non-retryable,
 with a message a person can act on; everything else is left to Temporal's retries.
 
@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.catalog import local_offer
-from activities.ledger import Ledger
+from activities.liveness import keeps_alive
 from activities.local import LocalBackend, UnsupportedJobError
+from activities.metrics import NO_BACKEND, provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.replica_cloud import CloudReplicas
+from activities.store import StoreLedger
+from activities.watch import watch_until_down
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig
 from models.offers import describe_mismatch, match_offers
@@ -41,13 +44,13 @@ def _fatal(message: str, kind: str) -> ApplicationError:
 
 
 class ReplicaActivities:
-    def __init__(self, local: LocalBackend, gateway: GatewayClient, tokens: Callable[[], list[str]],
-                 cloud: Optional[CloudReplicas] = None):
-        """``cloud``: the clouds of ``$DURASTACK_HOME/config.yml`` (worker.py builds it); None: local only."""
-        self.local = local
+    def __init__(self, local: LocalBackend, gateway: GatewayClient, cloud: Optional[CloudReplicas] = None,
+                 local_replicas: bool = True):
+        """``cloud``: the clouds of ``$DURASTACK_HOME/config.yml`` (worker.py builds it); None: local only.
+        ``local_replicas``: False on cluster workers, whose own machine the gateway cannot reach."""
+        self.local, self.local_replicas = local, local_replicas
         self.gateway = gateway
-        self.tokens = tokens
-        self.cloud = cloud or CloudReplicas(BackendsConfig(), {}, Ledger())
+        self.cloud = cloud or CloudReplicas(BackendsConfig(), {}, StoreLedger())
 
     def all(self) -> list:
         return [self.provision, self.wait_ready, self.watch, self.terminate, self.register, self.unregister,
@@ -56,9 +59,12 @@ class ReplicaActivities:
     # --- instances ------------------------------------------------------------------------------
 
     @activity.defn(name=names.PROVISION)
+    @keeps_alive
     async def provision(self, inp: ReplicaInput) -> Provisioned:
         notes: tuple[str, ...] = ()
-        if inp.backends is None or "local" in inp.backends:
+        if not self.local_replicas and (inp.backends is None or "local" in inp.backends):
+            notes = ("this worker runs no replicas on its own machine (DURASTACK_LOCAL_REPLICAS=off)",)
+        elif inp.backends is None or "local" in inp.backends:
             resources = ResourcesSpec.model_validate(inp.resources)
             # The local machine has no spot market: the spot policy does not apply to it.
             offers = [local_offer()]
@@ -70,6 +76,7 @@ class ReplicaActivities:
             notes = (f"this machine does not fit ({why or resources.summary()})",)
         clouds, unconfigured = self.cloud.usable(inp)
         if not clouds:
+            provisioning_failed(NO_BACKEND, "no_offers")
             raise _fatal("no offers: " + "; ".join(notes + tuple(unconfigured)), "NoOffers")
         return await self.cloud.provision_with(inp, notes)
 
@@ -77,6 +84,7 @@ class ReplicaActivities:
         try:
             instance = await asyncio.to_thread(self.local.start, inp.job)
         except UnsupportedJobError as e:
+            provisioning_failed("local", "unsupported")
             raise _fatal(str(e), "Unsupported") from e
         placement = Placement(backend="local", region="local", instance_type="local", price=0.0,
                               address=instance.address, instance_id=str(instance.pid))
@@ -106,14 +114,15 @@ class ReplicaActivities:
         if ref.backend in CLOUDS:
             return await self.cloud.watch(ref)
         instance = self._instance(ref)
-        while True:
+
+        async def exited() -> Optional[str]:
             status = await asyncio.to_thread(self.local.status, instance)
-            if status.state != "running":
-                return _exit_reason(status.state, status.exit_code)
-            activity.heartbeat()
-            await asyncio.sleep(POLL_SECONDS)
+            return None if status.state == "running" else _exit_reason(status.state, status.exit_code)
+
+        return await watch_until_down(exited, POLL_SECONDS)
 
     @activity.defn(name=names.TERMINATE)
+    @keeps_alive
     async def terminate(self, ref: InstanceRef) -> None:
         """Stop the replica's processes (or its cloud instance); one that is already gone is success."""
         if ref.backend in CLOUDS:
@@ -127,10 +136,12 @@ class ReplicaActivities:
     # --- gateway --------------------------------------------------------------------------------
 
     @activity.defn(name=names.REGISTER)
+    @keeps_alive
     async def register(self, reg: Registration) -> None:
         await self.gateway.register(reg.service, reg.replica_id, reg.group, reg.address)
 
     @activity.defn(name=names.UNREGISTER)
+    @keeps_alive
     async def unregister(self, reg: Registration) -> None:
         # Returns once nginx serves a configuration without this replica; requests already in flight
         # on it are finished by nginx's old workers (a graceful reload): wait for those, within
@@ -143,8 +154,8 @@ class ReplicaActivities:
 
     @activity.defn(name=names.ENSURE_ROUTE)
     async def ensure_route(self, inp: RouteInput) -> None:
-        await self.gateway.put_service(inp.service, auth=inp.auth, tokens=self.tokens(),
-                                       cold_start_timeout=inp.cold_start_timeout)
+        # The gateway's own tokens (`durastack token`) guard every route with auth.
+        await self.gateway.put_service(inp.service, auth=inp.auth, cold_start_timeout=inp.cold_start_timeout)
 
     @activity.defn(name=names.REMOVE_ROUTE)
     async def remove_route(self, inp: RouteInput) -> None:

@@ -145,6 +145,9 @@ class ReplicaInput(BaseModel):
     max_price: Optional[float] = None
     stop_duration: int = 300
     heartbeat_seconds: int = Field(30, description="Heartbeat timeout of the long activities (probes, watch).")
+    watch_heartbeat_seconds: int = Field(300, description=(
+        "The watch's heartbeat timeout, if longer than heartbeat_seconds: a watch lost with its worker only delays "
+        "noticing the app's exit, while every watch heartbeats for the replica's whole life (bench/scale_out.py)."))
 
 
 class ApplyRequest(BaseModel):

@@ -61,7 +61,11 @@ class ServiceRunInput(BaseModel):
     safety_tick_seconds: int = Field(600, description="Longest sleep between passes when nothing happens.")
     history_limit: int = Field(8000, description="Continue-as-new past this many events (or when suggested).")
     heartbeat_seconds: int = Field(
-        30, description="Heartbeat timeout of long activities: how soon a dead worker's watch is taken over.")
+        30, description="Heartbeat timeout of long activities: how soon a dead worker's probes are taken over.")
+    watch_heartbeat_seconds: int = Field(
+        300, description="The replicas' watch heartbeat timeout, if longer: how soon a dead worker's watch is taken "
+                         "over. Each watch heartbeats every half of it, so 6,000 watches at 30 s cost a worker "
+                         "a quarter of a core (bench/scale_out.py).")
 
 
 @workflow.defn
@@ -124,7 +128,8 @@ class ServiceRunWorkflow:
         if replica.finished:
             replica.finished_at = workflow.now()
             self._event("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}", replica.group)
-        elif replica.ready and group is not None:
+        elif replica.ready and update.status == "running" and group is not None:
+            # Only a replica that serves ends the back-off: a crashed one reports `terminating` still ready.
             group.failures, group.retry_after = 0, None
         self.dirty = True
 
@@ -246,6 +251,10 @@ class ServiceRunWorkflow:
                     pass  # the safety tick, a back-off or a scaling delay has ended: decide again
                 if self._should_continue() and not state.stopping:
                     await self._stop_watching()
+                    if workflow.patched("watcher-cancel-then-continue"):
+                        # The watcher's cancellation and the continue-as-new in one workflow task stall the
+                        # time-skipping test server for good (tests/test_soak.py); a real server minds neither.
+                        await workflow.sleep(timedelta(seconds=1), summary="let the watcher's cancel land")
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     state.replicas = prune(state.replicas)
                     workflow.continue_as_new(inp.model_copy(update={"state": state}))
@@ -368,6 +377,7 @@ class ServiceRunWorkflow:
         inp = replica_input(state.config, state.name, workflow.info().workflow_id, replica.group,
                             replica.replica_num, replica.submission_num, replica.deployment_num)
         inp.heartbeat_seconds = self.inp.heartbeat_seconds
+        inp.watch_heartbeat_seconds = self.inp.watch_heartbeat_seconds
         try:
             await workflow.start_child_workflow(
                 ReplicaWorkflow.run, inp,
@@ -455,6 +465,33 @@ class ServiceRunWorkflow:
             ready = sum(1 for r in g.replicas if r.ready and r.status == "running")
             lines.append(f"group={g.name} ready {ready}/{g.desired}")
         workflow.set_current_details("\n\n".join(lines))
+        _set_gauges(self.state)
+
+
+# Replicas that hold (or will hold) an instance; finished ones leave the gauges.
+LIVE_STATES = ("submitted", "provisioning", "running", "terminating")
+
+
+def _set_gauges(state: ServiceState) -> None:
+    """The worker's Prometheus gauges of this service: replicas by group and state, ready, desired.
+
+    Replay-safe: the workflow meter emits nothing while a history replays. Every state of every group
+    is set, zeros too, so a replica that moved on leaves no stale count behind.
+    """
+    meter = workflow.metric_meter().with_additional_attributes({"service": state.name})
+    replicas = meter.create_gauge("durastack_replicas", "Live replicas of a replica group, by state.")
+    ready = meter.create_gauge("durastack_replicas_ready", "Replicas of a replica group that are ready to serve.")
+    desired = meter.create_gauge("durastack_desired_replicas", "Replicas a group should have (0 once stopping).")
+    groups = [g.name for g in state.config.replica_groups]
+    groups += sorted({r.group for r in state.replicas} - set(groups))  # e.g. a group removed by an apply
+    for group in groups:
+        live = [("terminating" if r.stop_requested else r.status, r.ready) for r in state.replicas
+                if r.group == group and not r.finished]
+        for name in LIVE_STATES:
+            replicas.set(sum(1 for status, _ in live if status == name), {"group": group, "state": name})
+        ready.set(sum(1 for status, is_ready in live if status == "running" and is_ready), {"group": group})
+        spec = state.groups.get(group)
+        desired.set(spec.desired if spec is not None and not state.stopping else 0, {"group": group})
 
 
 def _service_status(state: ServiceState) -> str:
