@@ -227,20 +227,11 @@ class RecordingCloud(FakeCloud):
         return [recording_provision, *(a for a in acts if a is not provision)]
 
 
-async def _closed_history(handle):
-    history = await handle.fetch_history()
-    last = history.events[-1]
-    return history if last.HasField("workflow_execution_continued_as_new_event_attributes") or \
-        last.HasField("workflow_execution_completed_event_attributes") else None
-
-
 async def histories(client, wid: str, first_run: str) -> list:
     """Every run of ``wid``, following continue-as-new from ``first_run``."""
     runs, run = [], first_run
     while run:
-        handle = client.get_workflow_handle(wid, run_id=run)
-        # A closed run's history ends with its close event; the test server can answer before it is there.
-        history = await eventually(lambda: _closed_history(handle))
+        history = await client.get_workflow_handle(wid, run_id=run).fetch_history()
         runs.append(history)
         last = history.events[-1]
         run = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id \
