@@ -241,7 +241,8 @@ class ServiceRunWorkflow:
                 self._autoscale()
                 await self._reconcile()
                 self._watch_stats()
-                await self._record(self._publish())
+                self._publish()
+                await self._record()
                 try:
                     await workflow.wait_condition(
                         lambda: self.dirty or state.stopping or self._should_continue() or self._snapshot_ready(),
@@ -415,7 +416,8 @@ class ServiceRunWorkflow:
             names.REMOVE_ROUTE, RouteInput(service=state.name), start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)), summary="remove gateway route")
         self._event("stop", "service stopped")
-        await self._record(self._publish())
+        self._publish()
+        await self._record()
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -430,11 +432,12 @@ class ServiceRunWorkflow:
         self.state.unrecorded.append(event)
         del self.state.unrecorded[:-MAX_UNRECORDED]
 
-    async def _record(self, view: ServiceStatus) -> None:
+    async def _record(self) -> None:
         """Write new events and a changed `ps` row to the store: a local activity, only on change.
 
         A store that stays unreachable does not stop the service: the events wait in state for the next pass.
         """
+        view = _status_view(self.state)
         if not self.state.unrecorded and view == self.recorded:
             return
         events = list(self.state.unrecorded)
@@ -450,10 +453,8 @@ class ServiceRunWorkflow:
         del self.state.unrecorded[:len(events)]
         self.recorded = view
 
-    def _publish(self) -> ServiceStatus:
-        """Search attribute, UI details and gauges (the upsert only on change: each is a history event).
-
-        Returns the status view, which `_record` writes to the store when it changed."""
+    def _publish(self) -> None:
+        """Search attribute and UI details, upserted only on change (each upsert is a history event)."""
         view = _status_view(self.state)
         if view.status != self.published_status:
             workflow.upsert_search_attributes([SA_SERVICE.value_set(self.state.name),
@@ -465,7 +466,6 @@ class ServiceRunWorkflow:
             lines.append(f"group={g.name} ready {ready}/{g.desired}")
         workflow.set_current_details("\n\n".join(lines))
         _set_gauges(self.state)
-        return view
 
 
 # Replicas that hold (or will hold) an instance; finished ones leave the gauges.
