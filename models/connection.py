@@ -76,7 +76,10 @@ def connect_failure(settings: Settings, error: BaseException) -> str:
     if not uses_tls(settings):
         return f"cannot connect to Temporal at {settings.address} ({text})"
     message = f"cannot connect to Temporal at {settings.address} over TLS ({text}); "
-    closed = any(s in text for s in ("close_notify", "UnexpectedEof", "CertificateRequired", "certificate required"))
+    # How rustls/hyper report a server hanging up mid-handshake depends on timing: an alert, an EOF, or a
+    # write into the closed socket.
+    closed = any(s in text for s in ("close_notify", "UnexpectedEof", "CertificateRequired", "certificate required",
+                                     "broken pipe", "reset by peer", "ConnectionReset"))
     if closed and settings.temporal_tls_cert is None:
         return message + ("the server ended the connection during TLS setup: if it requires a client certificate "
                           "(mTLS), set DURASTACK_TEMPORAL_TLS_CERT and DURASTACK_TEMPORAL_TLS_KEY")
