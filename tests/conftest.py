@@ -81,3 +81,22 @@ async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 30.0, i
             last = e
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s; last: {last!r}")
+
+
+async def last_run_result(client, workflow_id: str, timeout: float = 30.0):
+    """The result of a workflow's last run, once it has closed.
+
+    Not ``handle.result()`` after continue-as-new hops: that follows the chain from the first run, and
+    the time-skipping test server (temporalio 1.35) now and then marks a run continued-as-new without
+    writing the workflow-task-completed and continued-as-new events into its history, which leaves
+    ``result()`` waiting for them forever (seen under load, about 1 run in 20)."""
+    from temporalio.client import WorkflowExecutionStatus
+
+    handle = client.get_workflow_handle(workflow_id)
+
+    async def closed():
+        return (await handle.describe()).status not in (WorkflowExecutionStatus.RUNNING,
+                                                        WorkflowExecutionStatus.CONTINUED_AS_NEW)
+    await eventually(closed, timeout)
+    last = client.get_workflow_handle(workflow_id, run_id=(await handle.describe()).run_id)
+    return await last.result(follow_runs=False)

@@ -7,6 +7,7 @@ whose new replicas crash: the old ones keep serving everything, and rollback res
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,9 @@ def test_rolling_update_under_load_drops_no_request(stack: Stack, tmp_path: Path
     token = stack.token()
     load = Load(f"{stack.gateway}/services/{NAME}/", token, rps=8).start()
     try:
+        began = time.monotonic()
         result = stack.cli("apply", "-f", str(write(tmp_path, 1)), "-y")
+        rollout = time.monotonic() - began
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"Active run {NAME} already exists. Detected changes that can be updated in-place:" in result.stdout
         assert "- Configuration properties:\n  - groups" in result.stdout
@@ -72,7 +75,8 @@ def test_rolling_update_under_load_drops_no_request(stack: Stack, tmp_path: Path
         assert all(r["deployment"] == 1 for g in status["groups"] for r in g["replicas"] if r["status"] == "running")
     finally:
         statuses = load.stop()
-    assert set(statuses) == {200} and sum(statuses.values()) >= 30, statuses  # zero failed requests
+    assert set(statuses) == {200}, statuses  # zero failed requests
+    assert sum(statuses.values()) >= 0.75 * 8 * rollout, (statuses, rollout)  # and the load ran all along
     assert sorted(set(versions(stack).values())) == ["Group 1 - Version 1", "Group 2 - Version 1"]
     text = stack.cli("ps", "-v").stdout
     assert "terminated" in text and "deployment=1" in text  # old replicas stay listed as terminated

@@ -16,7 +16,6 @@ import pytest
 import typer
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
-from temporalio.client import WorkflowExecutionStatus
 from temporalio.worker import Worker
 
 from cli.codec_server import start_codec_server, ui_origins
@@ -28,7 +27,7 @@ from models.replica import JobSpec
 from models.run import ApplyRequest, Provisioned, ReplicaInput, ScaleRequest, ServiceState
 from models.secrets import ENCRYPTED_MARK, REDACT, SECRET_MARK
 from models.service import ServiceConfiguration
-from tests.conftest import eventually
+from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import FakeCloud
 from workflows import names
 from workflows.changes import classify, spec_hash
@@ -230,8 +229,8 @@ class RecordingCloud(FakeCloud):
 async def histories(client, wid: str, run_ids: list[str]) -> list:
     """The history of each run of ``wid`` the test saw.
 
-    By run id, not by following each run's continued-as-new event: the time-skipping server sometimes
-    serves a finished run's history before that close event is in it."""
+    By run id, not by following each run's continued-as-new event, which the time-skipping server
+    sometimes leaves out (see tests.conftest.last_run_result)."""
     return [await client.get_workflow_handle(wid, run_id=run).fetch_history() for run in run_ids]
 
 
@@ -269,9 +268,7 @@ async def test_service_run_history_holds_no_secret(ts_env, capsys):
         assert len(rolled) == 1 and rolled[0]["DATABASE"] == DB
         await _cli_shows_no_secret(ts_env, name, capsys)
         await handle.signal(ServiceRunWorkflow.stop)
-        # Not handle.result(): on the time-skipping server it sometimes never returns after these hops
-        # while other activities of the test still run; the closed status is what matters here.
-        await eventually(lambda: _completed(handle))
+        assert await last_run_result(ts_env.client, handle.id) == "stopped"
     last = (await handle.describe()).run_id
     service_runs = await histories(ts_env.client, handle.id, runs + ([last] if last not in runs else []))
     replicas = [await ts_env.client.get_workflow_handle(f"service/{rid}").fetch_history() for rid in cloud.envs]
@@ -341,10 +338,6 @@ async def _rolled_out(handle, deployment: int) -> bool:
     web = next(g for g in status.groups if g.name == "web")
     live = [r for r in web.replicas if r.status not in ("terminated", "failed")]
     return not web.rollout and [(r.deployment, r.ready) for r in live] == [(deployment, True)]
-
-
-async def _completed(handle) -> bool:
-    return (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
 
 async def _async(value):

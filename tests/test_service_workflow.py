@@ -10,7 +10,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 
 from models.loader import load_config_file, load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
-from tests.conftest import eventually
+from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -165,7 +165,7 @@ async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
     assert all(n == 1 for n in cloud.provisions.values())
     assert "svc-hops/0/r0-s0" in cloud.running()
     await handle.signal(ServiceRunWorkflow.stop)
-    await handle.result()
+    assert await last_run_result(ts_env.client, handle.id) == "stopped"
     assert cloud.running() == set()
     # The store's decision log got every decision once, in order, across the hops; its `ps` row is final.
     mine = [cloud.log_by_seq[seq] for seq in sorted(cloud.log_by_seq)]

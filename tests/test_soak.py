@@ -28,7 +28,7 @@ from temporalio.api.enums.v1 import EventType
 from models.loader import load_config_text
 from models.run import ApplyRequest, Event, ScaleRequest, ServiceState, ServiceStatus
 from models.service import ServiceConfiguration
-from tests.conftest import eventually
+from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
 from workflows.autoscaler import decide, next_check
@@ -189,7 +189,7 @@ async def test_a_month_of_traffic_rollouts_and_crashes(ts_env_alone, cloud: Fake
         manual, crashed = await live_a_month(env, handle, cloud, start)
         await check_month_end(handle, cloud, crashed)
         await handle.signal(ServiceRunWorkflow.stop)
-        assert await handle.result() == "stopped"
+        assert await last_run_result(env.client, handle.id, timeout=120) == "stopped"
     assert locks.error is None, locks.error
     assert cloud.running() == set() and cloud.routed == set()
 

@@ -32,7 +32,7 @@ from temporalio.api.enums.v1 import EventType
 
 from models.loader import load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
-from tests.conftest import _time_skipping_env, eventually
+from tests.conftest import _time_skipping_env, eventually, last_run_result
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
 from workflows.jobs import replica_workflow_id
@@ -178,7 +178,7 @@ async def autoscale_hop(capture: Capture) -> None:
         await env.sleep(begin + timedelta(hours=len(curve)) - await env.get_current_time())
         await settled(handle, {"router": 1, "decode": 0})
         await handle.signal(ServiceRunWorkflow.stop)
-        await handle.result()
+        await last_run_result(env.client, handle.id)
         runs = await run_ids(env.client, handle.id, handle.first_execution_run_id)
         assert len(runs) >= 2, "expected a continue-as-new"
         await capture.save("service_autoscale_hop.run1", env.client.get_workflow_handle(handle.id, run_id=runs[0]))
