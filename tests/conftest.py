@@ -89,7 +89,7 @@ async def last_run_result(client, workflow_id: str, timeout: float = 30.0):
     Not ``handle.result()`` after continue-as-new hops: that follows the chain from the first run, and
     the time-skipping test server (temporalio 1.35) now and then marks a run continued-as-new without
     writing the workflow-task-completed and continued-as-new events into its history, which leaves
-    ``result()`` waiting for them forever (seen under load, about 1 run in 20)."""
+    ``result()`` waiting for them forever (seen under load, a few hops in a hundred)."""
     from temporalio.client import WorkflowExecutionStatus
 
     handle = client.get_workflow_handle(workflow_id)
@@ -100,3 +100,17 @@ async def last_run_result(client, workflow_id: str, timeout: float = 30.0):
     await eventually(closed, timeout)
     last = client.get_workflow_handle(workflow_id, run_id=(await handle.describe()).run_id)
     return await last.result(follow_runs=False)
+
+
+async def run_histories(client, workflow_id: str) -> list:
+    """The history of every run of a workflow id, first to last.
+
+    Walked back from the last run through each run's started event (``continued_execution_run_id``),
+    which the test server always writes, rather than forward through continued-as-new events, which it
+    sometimes leaves out (see ``last_run_result``); the test server has no ListWorkflowExecutions."""
+    runs, run_id = [], (await client.get_workflow_handle(workflow_id).describe()).run_id
+    while run_id:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        runs.append(history)
+        run_id = history.events[0].workflow_execution_started_event_attributes.continued_execution_run_id
+    return runs[::-1]

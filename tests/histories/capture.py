@@ -28,14 +28,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
-from temporalio.api.enums.v1 import EventType
 
 from models.loader import load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
-from tests.conftest import _time_skipping_env, eventually, last_run_result
+from tests.conftest import _time_skipping_env, eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
-from workflows.jobs import replica_workflow_id
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 HERE = Path(__file__).resolve().parent
@@ -72,8 +70,7 @@ class Capture:
         self.out, self.tag = out, tag
         self.saved: list[tuple[str, int]] = []
 
-    async def save(self, name: str, handle) -> None:
-        history = await handle.fetch_history()
+    async def save(self, name: str, history) -> None:
         path = self.out / (f"{name}.{self.tag}.json" if self.tag else f"{name}.json")
         path.write_text(history.to_json() + "\n")
         self.saved.append((path.name, len(history.events)))
@@ -132,9 +129,9 @@ async def scale_crash_stop(capture: Capture) -> None:
         assert status.groups[0].replicas[0].submission == 1, status
         await handle.signal(ServiceRunWorkflow.stop)
         await handle.result()
-        await capture.save("service_scale_crash_stop", handle)
-        await capture.save("replica_crashed", env.client.get_workflow_handle(f"service/{crashed}"))
-        await capture.save("replica_scaled_down", env.client.get_workflow_handle(f"service/{scaled_down}"))
+        await capture.save("service_scale_crash_stop", await handle.fetch_history())
+        for saved_as, rid in (("replica_crashed", crashed), ("replica_scaled_down", scaled_down)):
+            await capture.save(saved_as, await env.client.get_workflow_handle(f"service/{rid}").fetch_history())
 
 
 async def rolling_rollback(capture: Capture) -> None:
@@ -158,7 +155,7 @@ async def rolling_rollback(capture: Capture) -> None:
         await settled(handle, {"a": 2, "b": 1})
         await handle.signal(ServiceRunWorkflow.stop)
         await handle.result()
-        await capture.save("service_rolling_rollback", handle)
+        await capture.save("service_rolling_rollback", await handle.fetch_history())
 
 
 async def autoscale_hop(capture: Capture) -> None:
@@ -179,21 +176,10 @@ async def autoscale_hop(capture: Capture) -> None:
         await settled(handle, {"router": 1, "decode": 0})
         await handle.signal(ServiceRunWorkflow.stop)
         await last_run_result(env.client, handle.id)
-        runs = await run_ids(env.client, handle.id, handle.first_execution_run_id)
+        runs = await run_histories(env.client, handle.id)
         assert len(runs) >= 2, "expected a continue-as-new"
-        await capture.save("service_autoscale_hop.run1", env.client.get_workflow_handle(handle.id, run_id=runs[0]))
-        await capture.save("service_autoscale_hop.last", env.client.get_workflow_handle(handle.id, run_id=runs[-1]))
-
-
-async def run_ids(client, workflow_id: str, first_run_id: str) -> list[str]:
-    """The runs of a workflow id, first to last, following the continue-as-new chain."""
-    runs, run_id = [], first_run_id
-    while run_id:
-        runs.append(run_id)
-        last = (await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()).events[-1]
-        run_id = (last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-                  if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW else "")
-    return runs
+        await capture.save("service_autoscale_hop.run1", runs[0])
+        await capture.save("service_autoscale_hop.last", runs[-1])
 
 
 SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop]
