@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterable
 
 import aiohttp
 from aiohttp import web
@@ -83,6 +83,13 @@ class Activator:
         for cond in list(self._ready.values()):
             async with cond:
                 cond.notify_all()
+
+    def forget(self, routed: Iterable[str]) -> None:
+        """A deleted service's count goes with it; applied again, it starts from 0."""
+        for name in set(self.held_total) - set(routed) - set(self.held):
+            del self.held_total[name]
+        for name in set(self._rr) - set(routed):
+            del self._rr[name]
 
     async def stop(self) -> None:
         """Answer every held request 503 now, so nginx can quit without waiting for them."""

@@ -200,6 +200,8 @@ class GatewayServer:
                 self.state = state
                 _write_private(self.state_path, state.model_dump_json(indent=1))
                 self._remember(state)
+                self.metrics.forget(state.services)
+                self.activator.forget(state.services)
                 await self.activator.notify()  # nginx serves the change: held requests may go
         for op, fut in batch:
             if fut in errors:

@@ -48,14 +48,27 @@ class GatewayMetrics:
             "logs it (a held request's time includes the hold).", ("service",), buckets=LATENCY_BUCKETS,
             registry=self.registry)
         self.registry.register(_Held(activator, services))
+        self.services = services
+        self._series: dict[str, set[tuple[str, str, str]]] = {}  # service → its request counters' labels
 
     def observe(self, entries: Iterable[LogEntry], group_of: Callable[[LogEntry], Optional[str]]) -> None:
+        routed = set(self.services())
         for e in entries:
-            if e.service == "-" or e.time < self.since:  # "-": no route matched (404s)
+            # "-": no route matched (404s); a deleted service's last lines must not bring its series back.
+            if e.service not in routed or e.time < self.since:
                 continue
-            self.requests.labels(e.service, group_of(e) or NO_GROUP, str(e.status)).inc()
+            labels = (e.service, group_of(e) or NO_GROUP, str(e.status))
+            self.requests.labels(*labels).inc()
+            self._series.setdefault(e.service, set()).add(labels)
             if e.hit or e.activator:
                 self.latency.labels(e.service).observe(e.request_time)
+
+    def forget(self, routed: Iterable[str]) -> None:
+        """Drop the series of services no longer routed: a deleted service leaves no metric behind."""
+        for service in set(self._series) - set(routed):
+            for labels in self._series.pop(service):
+                self.requests.remove(*labels)
+            self.latency.remove(service)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -131,6 +131,15 @@ async def test_held_requests_show_while_the_activator_holds_them(gateway, client
     assert sample(m, "durastack_gateway_held_requests", service="cold") == 0
     assert sample(m, "durastack_gateway_activator_requests_total", service="cold") == 3
     assert sample(m, "durastack_gateway_request_duration_seconds_count", service="cold") == 3
+    # Deleted, the service leaves no series behind; applied again, it counts from zero.
+    await client.delete_service("cold")
+    m = await scrape(gateway)
+    assert not requests(m, "cold"), m
+    assert all(dict(labels).get("service") != "cold" for samples in m.values() for labels in samples), m
+    await client.put_service("cold", auth=False)
+    m = await scrape(gateway)
+    assert sample(m, "durastack_gateway_activator_requests_total", service="cold") == 0
+    assert sample(m, "durastack_gateway_request_duration_seconds_count", service="cold") is None
 
 
 async def test_lines_of_an_earlier_gateway_process_are_not_counted_again():
