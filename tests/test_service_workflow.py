@@ -115,6 +115,52 @@ async def test_invalid_scale_is_refused_and_changes_nothing(ts_env, cloud):
     await handle.result()
 
 
+async def test_scale_and_apply_by_signal_log_what_they_refuse(ts_env, cloud):
+    """For tools that can only signal (the Web UI): the same scale and apply; a refused one is an event."""
+    name = "svc-signal"
+    handle = await start(ts_env, cloud, name)
+    await wait_ready(handle, {"0": [0], "1": []})
+
+    def config(text: str = CONFIG) -> dict:
+        return load_config_text(text.format(name=name)).config.model_dump(mode="json")
+    bad = config()
+    bad["groups"][1]["commands"] = []
+    refused = [("scale", {"group": "nope", "count": 1}, "scale signal refused: no replica group 'nope'"),
+               ("scale", {"group": "1", "count": 4}, "scale signal refused: group '1' takes 0..3 replicas, not 4"),
+               ("scale", {"group": "1", "count": "many"}, "scale signal refused: count: Input should be a valid "
+                                                          "integer"),
+               ("scale", ["1", 2], "scale signal refused: payload: Input should be a valid dictionary"),
+               ("apply", {"config": bad}, "apply signal refused: invalid configuration: groups[1]: replica group '1'"),
+               ("apply", {"config": config()}, "apply signal refused: no changes")]
+    for signal, payload, _ in refused:
+        await handle.signal(signal, payload)
+
+    async def rejected() -> list[str]:
+        messages = [e.message for e in await handle.query(ServiceRunWorkflow.events) if e.kind == "rejected"]
+        return messages if len(messages) == len(refused) else []
+    for message, (_, _, text) in zip(await eventually(rejected), refused):
+        assert message.startswith(text), message
+    status = await status_of(handle)
+    assert status.deployment == 0 and [g.desired for g in status.groups] == [1, 0]
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+
+    await handle.signal("scale", {"group": "1", "count": 2})
+    await wait_ready(handle, {"0": [0], "1": [1, 2]})
+    await handle.signal("apply", {"config": config(CONFIG.replace("Version 0", "Version 1"))})
+    await eventually(lambda: _rolled_out(handle, 1))
+    assert [e.message for e in await handle.query(ServiceRunWorkflow.events) if e.kind == "apply"][-1].startswith(
+        "deployment 1: changed groups.0.commands, groups.1.commands")
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def _rolled_out(handle, deployment: int) -> bool:
+    status = await status_of(handle)
+    live = [r for g in status.groups for r in g.replicas if r.status != "terminated"]
+    return status.deployment == deployment and all(r.deployment == deployment and r.ready for r in live) and \
+        len(live) == 3
+
+
 async def test_crashed_replica_is_replaced_with_a_new_submission(ts_env, cloud):
     handle = await start(ts_env, cloud, "svc-crash")
     await wait_ready(handle, {"0": [0], "1": []})

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError
@@ -209,6 +209,36 @@ class ServiceRunWorkflow:
             raise ApplicationError("nothing to roll back to: the service has had one configuration",
                                    type="NoPrevious")
         self._validate_apply(ApplyRequest(config=self.state.previous_config.model_dump(mode="json")))
+
+    # The same scale and apply as signals, for tools that can only signal (the Web UI, `temporal workflow
+    # signal`, other workflows). A signal cannot answer, so a refused one becomes a `rejected` event that
+    # says why, and nothing else changes. The payload arrives raw: a malformed one must not fail the task.
+
+    @workflow.signal(name="scale")
+    def scale_signal(self, payload: Any) -> None:
+        request = self._accepted("scale", ScaleRequest, payload, self._validate_scale)
+        if request is not None:
+            self.scale(request)
+
+    @workflow.signal(name="apply")
+    def apply_signal(self, payload: Any) -> None:
+        request = self._accepted("apply", ApplyRequest, payload, self._validate_apply)
+        if request is not None:
+            self.apply(request)
+
+    def _accepted(self, what: str, model: type[BaseModel], payload: Any, validate) -> Any:
+        try:
+            request = model.model_validate(payload)
+            validate(request)
+        except ValidationError as e:
+            reason = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'payload'}: {err['msg']}" for err in e.errors())
+        except ApplicationError as e:
+            reason = e.message
+        else:
+            return request
+        self._event("rejected", f"{what} signal refused: {reason}")
+        self.dirty = True
+        return None
 
     def _bump_in_place(self) -> int:
         """Replicas whose job does not change join the new deployment without a restart (spec 6.4)."""
