@@ -76,11 +76,13 @@ def connect_failure(settings: Settings, error: BaseException) -> str:
     if not uses_tls(settings):
         return f"cannot connect to Temporal at {settings.address} ({text})"
     message = f"cannot connect to Temporal at {settings.address} over TLS ({text}); "
-    # How rustls/hyper report a server hanging up mid-handshake depends on timing: an alert, an EOF, or a
-    # write into the closed socket.
+    check = "check DURASTACK_TEMPORAL_TLS_CA/_CERT/_KEY/_SERVER_NAME and DURASTACK_TEMPORAL_API_KEY"
+    if settings.temporal_tls_cert is not None:
+        return message + check
+    # A server that wants a client certificate hangs up during the handshake; rustls and hyper report that
+    # as an alert, an EOF, a closed connection or a broken pipe depending on timing, so say it either way.
     closed = any(s in text for s in ("close_notify", "UnexpectedEof", "CertificateRequired", "certificate required",
-                                     "broken pipe", "reset by peer", "ConnectionReset"))
-    if closed and settings.temporal_tls_cert is None:
-        return message + ("the server ended the connection during TLS setup: if it requires a client certificate "
-                          "(mTLS), set DURASTACK_TEMPORAL_TLS_CERT and DURASTACK_TEMPORAL_TLS_KEY")
-    return message + "check DURASTACK_TEMPORAL_TLS_CA/_CERT/_KEY/_SERVER_NAME and DURASTACK_TEMPORAL_API_KEY"
+                                     "connection closed", "broken pipe", "reset by peer", "ConnectionReset"))
+    return message + ("the server ended the connection during TLS setup: " if closed else "") + (
+        "if it requires a client certificate (mTLS), set DURASTACK_TEMPORAL_TLS_CERT and DURASTACK_TEMPORAL_TLS_KEY; "
+        f"else {check}")
