@@ -7,7 +7,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,13 +15,9 @@ from pathlib import Path
 
 import httpx
 
+from gateway.app import free_port
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):

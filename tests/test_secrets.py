@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import stat
 import uuid
 from datetime import timedelta
@@ -20,6 +19,7 @@ from temporalio.worker import Worker
 
 from cli.codec_server import start_codec_server, ui_origins
 from cli.commands import _resolve
+from gateway.app import free_port
 from models.codec import (KEY_ENV, KEY_FILE, CodecKeyError, SecretCodec, ensure_key_file, load_keys, new_key,
                           parse_keys)
 from models.loader import load_config_text
@@ -197,12 +197,6 @@ async def test_worker_without_a_key_stops_with_the_fix(tmp_path: Path, monkeypat
     monkeypatch.delenv(KEY_ENV)
     with pytest.raises(CodecKeyError, match=KEY_ENV):
         await worker.connect(Settings.from_env({}, home=tmp_path, temporal_port=free_port()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- a real service run ------------------------------------------------------------------------

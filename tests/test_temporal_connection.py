@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import socket
 import ssl
 from pathlib import Path
 from typing import Optional
@@ -34,6 +33,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from cli import client as cli_client
 from cli.stack import Stack, StackError
+from gateway.app import free_port
 from models.connection import TemporalConfigError, client_options
 from models.settings import Settings
 from tests.conftest import DATA_CONVERTER, eventually, tool
@@ -166,12 +166,6 @@ def settings(tmp_path: Path, address: str, **tls: object) -> Settings:
     env = {"DURASTACK_HOME": str(tmp_path), "DURASTACK_TEMPORAL_ADDRESS": address}
     env.update({f"DURASTACK_TEMPORAL_{k.upper()}": str(v) for k, v in tls.items()})
     return Settings.from_env(env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- TLS and mTLS against a real server --------------------------------------------------------

@@ -4,7 +4,6 @@ the provisioning-failure counter read from a metric buffer."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
@@ -12,17 +11,17 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from tests.conftest import DATA_CONVERTER
 from temporalio.runtime import MetricBuffer, PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.cloud import provision_cloud
 from activities.metrics import PROVISIONING_FAILURES, provisioning_failed
+from gateway.app import free_port
 from models.backends import ErrorKind
 from models.loader import load_config_text
 from models.run import ScaleRequest, ServiceState
 from models.settings import SEARCH_ATTRIBUTES
-from tests.conftest import eventually, tool
+from tests.conftest import DATA_CONVERTER, eventually, tool
 from tests.fakes.cloud import fake_cloud_worker
 from tests.test_cloud_walk import ANY, JOB, FakeBackend, err, ledger, offer  # noqa: F401 (ledger: a fixture)
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
@@ -40,12 +39,6 @@ replicas:
     scaling: {metric: rps, target: 2}
     commands: [python3 -m http.server 8000]
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
