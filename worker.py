@@ -45,7 +45,7 @@ from activities.replica_cloud import CloudReplicas
 from activities.stats import StatsActivities
 from activities.store import Store, StoreActivities, StoreLedger, database_url
 from gateway.client import GatewayClient
-from models.backends import BackendsConfig, load_backends_config
+from models.backends import BackendsConfig, installation_id, load_backends_config
 from models.codec import CodecKeyError
 from models.connection import TemporalConfigError, client_options, connect_failure
 from models.reaper import ReaperInput, ReapTarget
@@ -107,6 +107,9 @@ def worker_backends(argv: Optional[list[str]] = None, environ: Mapping[str, str]
 def load_clouds(settings: Settings, serves: Optional[list[str]] = None,
                 environ: Mapping[str, str] = os.environ) -> Clouds:
     config = load_backends_config(environ)
+    if (config.aws or config.gcp) and not config.installation:
+        config = config.model_copy(update={"installation": installation_id(
+            settings.temporal_address, settings.namespace, settings.home)})
     every = make_backends(config)
     held = every if serves is None else {c: b for c, b in every.items() if c in serves}
     main = serves is None or "local" in serves

@@ -22,7 +22,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
 
 from activities.userdata import cloud_init
 from models.backends import (TAG_NAMES, AWSConfig, CloudError, CloudInstance, ErrorKind, QuotaScope, aws_quota_class,
-                             classify_aws, replica_label)
+                             belongs, classify_aws, replica_label)
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
@@ -59,9 +59,11 @@ class AWSBackend:
     name = "aws"
 
     def __init__(self, config: AWSConfig, *, regions: Optional[list[str]] = None,
-                 session: Optional[boto3.session.Session] = None):
-        """``regions``: used when the config names none (the catalog's AWS regions)."""
+                 session: Optional[boto3.session.Session] = None, installation: Optional[str] = None):
+        """``regions``: used when the config names none (the catalog's AWS regions). ``installation``: the
+        control plane's id (``BackendsConfig.installation``)."""
         self.config = config
+        self.installation = installation
         self.regions = list(config.regions or regions or [])
         self._session = session
         self._lock = threading.Lock()  # boto3 sessions are not thread-safe; the clients they make are
@@ -106,11 +108,13 @@ class AWSBackend:
         return image
 
     def _security_group(self, region: str, job: JobSpec) -> str:
-        """The service's group: its port open to the gateway only, SSH only if configured. Created once."""
+        """The service's group: its port open to the gateway only, SSH only if configured. Created once, per
+        control plane: another one's gateway must not be let in to a service of the same name."""
         cache_key = (region, job.service, job.port)
         if cache_key in self._groups:
             return self._groups[cache_key]
-        ec2, name = self._client(region), f"durastack-{job.service}"
+        ec2 = self._client(region)
+        name = f"durastack-{self.installation}-{job.service}" if self.installation else f"durastack-{job.service}"
         with _errors("security group"):
             vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
             if not vpcs:
@@ -226,20 +230,20 @@ class AWSBackend:
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _tags(job: JobSpec, key: str) -> dict[str, str]:
+    def _tags(self, job: JobSpec, key: str) -> dict[str, str]:
         return {"Name": f"durastack-{job.service}-{job.group}-r{job.replica_num}-s{job.submission_num}",
                 TAGS["service"]: job.service, TAGS["group"]: job.group,
                 TAGS["replica"]: replica_label(job.replica_num, job.submission_num), TAGS["key"]: key,
-                TAGS["port"]: str(job.port)}
+                TAGS["port"]: str(job.port)} | ({TAGS["installation"]: self.installation} if self.installation else {})
 
     def _describe(self, region: str, filters: list[dict]) -> list[CloudInstance]:
         filters = filters + [{"Name": "instance-state-name", "Values": LIVE_STATES}]
         with _errors(f"DescribeInstances in {region}"):
             pages = self._client(region).get_paginator("describe_instances").paginate(Filters=filters)
             raws = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
-        return sorted((self._instance(raw, region) for raw in raws), key=lambda i: (i.launched_at is None,
-                                                                                   i.launched_at, i.instance_id))
+        mine = (self._instance(raw, region) for raw in raws)  # another control plane's instances are not listed
+        return sorted((i for i in mine if belongs(i.tags, "aws", self.installation)),
+                      key=lambda i: (i.launched_at is None, i.launched_at, i.instance_id))
 
     def _instance(self, raw: dict, region: str, *, price: float = 0.0) -> CloudInstance:
         tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}

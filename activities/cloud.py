@@ -30,6 +30,7 @@ class CloudBackend(Protocol):
 
     name: str
     regions: list[str]
+    installation: Optional[str]  # this control plane's id: tagged on its instances, the only ones it lists
 
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance: ...
     def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]: ...
@@ -52,10 +53,10 @@ def make_backends(config: BackendsConfig, catalog: Optional[list[InstanceOffer]]
     backends: dict[str, CloudBackend] = {}
     if config.aws:
         from activities.aws import AWSBackend
-        backends["aws"] = AWSBackend(config.aws, regions=regions["aws"])
+        backends["aws"] = AWSBackend(config.aws, regions=regions["aws"], installation=config.installation)
     if config.gcp:
         from activities.gcp import GCPBackend
-        backends["gcp"] = GCPBackend(config.gcp, regions=regions["gcp"])
+        backends["gcp"] = GCPBackend(config.gcp, regions=regions["gcp"], installation=config.installation)
     return backends
 
 
@@ -64,8 +65,8 @@ def _where(offer: InstanceOffer) -> str:
     return f"{offer.backend} {offer.instance_type}{spot} in {offer.region} (${offer.price:g}/h)"
 
 
-def _key(job: JobSpec, offer: InstanceOffer) -> str:
-    return provisioning_key(job.service, job.group, job.replica_num, job.submission_num, offer)
+def _key(job: JobSpec, offer: InstanceOffer, backend: CloudBackend) -> str:
+    return provisioning_key(job.service, job.group, job.replica_num, job.submission_num, offer, backend.installation)
 
 
 def _adoptable(backends: dict[str, CloudBackend], job: JobSpec, offers: list[InstanceOffer]
@@ -78,7 +79,7 @@ def _adoptable(backends: dict[str, CloudBackend], job: JobSpec, offers: list[Ins
         found = [i for i in backend.find_replica(job, regions) if i.state in ("pending", "running")] if regions else []
         if found:
             instance = found[0]
-            by_key = {_key(job, o): o for o in offers if o.backend == name}
+            by_key = {_key(job, o, backend): o for o in offers if o.backend == name}
             offer = by_key.get(instance.key) or next(
                 (o for o in offers if (o.backend, o.instance_type, o.region, o.spot) ==
                  (name, instance.instance_type, instance.region, instance.spot)), None) or InstanceOffer(
@@ -111,7 +112,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     if adopted:
         ledger.record(adopted[1].key, CREATED, _ledger_data(job, adopted[0], adopted[1], adopted=True))
         return adopted
-    keys = {id(o): _key(job, o) for o in candidates}
+    keys = {id(o): _key(job, o, backends[o.backend]) for o in candidates}
     unresolved = ledger.unresolved(keys.values())
     ordered = sorted(candidates, key=lambda o: keys[id(o)] not in unresolved)  # stable: cheapest first otherwise
     reasons: list[str] = []

@@ -25,8 +25,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from activities.userdata import startup_script
-from models.backends import (TAG_NAMES, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope, classify_gcp,
-                             replica_label, slug)
+from models.backends import (TAG_NAMES, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope, belongs,
+                             classify_gcp, replica_label, slug)
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
@@ -75,10 +75,13 @@ def region_of(zone: str) -> str:
 class GCPBackend:
     name = "gcp"
 
-    def __init__(self, config: GCPConfig, *, regions: Optional[list[str]] = None, credentials=None):
+    def __init__(self, config: GCPConfig, *, regions: Optional[list[str]] = None, credentials=None,
+                 installation: Optional[str] = None):
         """``regions``: used when the config names none. ``credentials``: default is application default
-        credentials — or anonymous for a plain-http endpoint (a fake), so real tokens never go over http."""
+        credentials — or anonymous for a plain-http endpoint (a fake), so real tokens never go over http.
+        ``installation``: the control plane's id (``BackendsConfig.installation``)."""
         self.config = config
+        self.installation = installation
         self.project = config.project_id
         self.regions = list(config.regions or regions or [])
         self._credentials = credentials
@@ -204,6 +207,8 @@ class GCPBackend:
         labels = {"managed-by": "durastack", LABELS["service"]: slug(job.service), LABELS["group"]: slug(job.group),
                   LABELS["replica"]: replica_label(job.replica_num, job.submission_num), LABELS["key"]: key,
                   LABELS["port"]: str(job.port)}
+        if self.installation:
+            labels[LABELS["installation"]] = self.installation
         boot = compute_v1.AttachedDiskInitializeParams(
             source_image=self.config.gpu_image if gpu else self.config.cpu_image,
             disk_size_gb=max(10, math.ceil(offer.disk_gb)), disk_type=f"zones/{zone}/diskTypes/pd-balanced")
@@ -252,7 +257,8 @@ class GCPBackend:
             for scope, scoped in instances.aggregated_list(request=request, retry=_READ_RETRY):
                 zone = scope.rsplit("/", 1)[-1]
                 if not wanted or region_of(zone) in wanted:
-                    found += [self._instance(raw, zone) for raw in scoped.instances]
+                    found += [self._instance(raw, zone) for raw in scoped.instances
+                              if belongs(raw.labels, "gcp", self.installation)]
         return sorted(found, key=lambda i: (i.launched_at is None, i.launched_at, i.zone, i.instance_id))
 
     def _instance(self, raw: compute_v1.Instance, zone: str) -> CloudInstance:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from datetime import datetime
 from enum import Enum
@@ -25,6 +26,7 @@ from models.offers import InstanceOffer
 CloudName = Literal["aws", "gcp"]
 CLOUDS: tuple[CloudName, ...] = ("aws", "gcp")
 DEFAULT_MAX_OFFERS = 25  # dstack's DSTACK_SERVER_MAX_OFFERS_TRIED
+INSTALLATION_PATTERN = r"^[a-z0-9][a-z0-9-]{0,30}$"  # an AWS tag value and a GCP label value alike
 
 # --- configuration ------------------------------------------------------------------------------
 
@@ -75,6 +77,11 @@ class BackendsConfig(BaseModel):
     aws: Optional[AWSConfig] = Field(None, description="AWS EC2; None when not configured.")
     gcp: Optional[GCPConfig] = Field(None, description="GCP Compute Engine; None when not configured.")
     max_offers: int = Field(DEFAULT_MAX_OFFERS, ge=1, description="Offers tried per replica before giving up.")
+    installation: Optional[str] = Field(
+        None, pattern=INSTALLATION_PATTERN,
+        description="This control plane's id (DURASTACK_INSTALLATION), tagged on every instance it makes: it "
+                    "adopts, stops and reaps only its own instances (and untagged ones from older versions), so "
+                    "several control planes can share a cloud account. Unset: see `installation_id`.")
 
     def configured(self) -> list[str]:
         """Backends in use: the configured clouds, then ``local`` (always available)."""
@@ -133,7 +140,36 @@ def backends_config_from(data: Mapping[str, Any], environ: Mapping[str, str]) ->
         aws = aws if "aws" in keep else None
         gcp = gcp if "gcp" in keep else None
     max_offers = environ.get("DURASTACK_MAX_OFFERS") or data.get("max_offers") or DEFAULT_MAX_OFFERS
-    return BackendsConfig.model_validate({"aws": aws, "gcp": gcp, "max_offers": max_offers})
+    installation = environ.get("DURASTACK_INSTALLATION") or data.get("installation")
+    return BackendsConfig.model_validate({"aws": aws, "gcp": gcp, "max_offers": max_offers,
+                                          "installation": installation})
+
+
+def installation_id(temporal_address: Optional[str], namespace: str, home: Path) -> str:
+    """The control plane's id when DURASTACK_INSTALLATION is not set.
+
+    With an external Temporal, from its address and namespace: every worker of one deployment derives the same
+    id (a provisioning retry on another worker must find the same key). With the embedded one of `durastack
+    server`, a random id kept in the home, which its workers share: two laptops never look alike."""
+    if temporal_address:
+        return "t-" + hashlib.sha256(f"{temporal_address}/{namespace}".encode()).hexdigest()[:12]
+    path = Path(home) / "installation"
+    try:
+        with open(path, "x", encoding="ascii") as f:  # exclusive: workers starting together agree on one
+            f.write("h-" + os.urandom(6).hex() + "\n")
+    except FileExistsError:
+        pass
+    value = path.read_text(encoding="ascii").strip()
+    if not re.match(INSTALLATION_PATTERN, value):
+        raise ValueError(f"{path}: not an installation id ({value!r}); remove it to make a new one")
+    return value
+
+
+def belongs(tags: Mapping[str, str], backend: str, installation: Optional[str]) -> bool:
+    """Whether an instance with these tags/labels is this control plane's: tagged with its id, or untagged
+    (made before installations were tagged). A backend made without an id sees every instance."""
+    tagged = tags.get(TAG_NAMES[backend]["installation"])
+    return not installation or tagged is None or tagged == installation
 
 
 def load_backends_config(environ: Mapping[str, str], path: Optional[Path] = None) -> BackendsConfig:
@@ -162,15 +198,17 @@ def slug(value: str, limit: int = 63) -> str:
 
 
 def provisioning_key(service: str, group: str, replica_num: int, submission_num: int,
-                     offer: InstanceOffer) -> str:
+                     offer: InstanceOffer, installation: Optional[str] = None) -> str:
     """``ds-<service>-<group>-r<N>s<M>-<type>-<region>-<hash>``: deterministic, ≤ 63 chars of ``[a-z0-9-]``.
 
     The hash covers every input exactly (the readable parts are lossy), including what tells two offers of
     one type apart (GPU model and count for GCP N1, spot). The zone is not in it: one key per offer, and the
     backends look the key up in every zone before creating, so at most one instance exists per key.
+    ``installation`` keeps two control planes' same-named services apart (absent: the keys of older versions).
     """
-    ident = json.dumps([service, group, replica_num, submission_num, offer.backend, offer.instance_type,
-                        offer.region, offer.spot, offer.gpu_name, offer.gpu_count], separators=(",", ":"))
+    parts = [service, group, replica_num, submission_num, offer.backend, offer.instance_type,
+             offer.region, offer.spot, offer.gpu_name, offer.gpu_count] + ([installation] if installation else [])
+    ident = json.dumps(parts, separators=(",", ":"))
     digest = hashlib.sha256(ident.encode()).hexdigest()[:_HASH_LEN]
     head = "-".join(["ds", slug(service, 10), slug(group, 8), f"r{replica_num}s{submission_num}",
                      slug(offer.instance_type, 14), slug(offer.region, 12)])
@@ -185,9 +223,9 @@ def replica_label(replica_num: int, submission_num: int) -> str:
 # Tag (AWS) and label (GCP) names; GCP label keys cannot hold ':'.
 TAG_NAMES: dict[str, dict[str, str]] = {
     "aws": {"service": "durastack:service", "group": "durastack:group", "replica": "durastack:replica",
-            "key": "durastack:key", "port": "durastack:port"},
+            "key": "durastack:key", "port": "durastack:port", "installation": "durastack:installation"},
     "gcp": {"service": "durastack-service", "group": "durastack-group", "replica": "durastack-replica",
-            "key": "durastack-key", "port": "durastack-port"},
+            "key": "durastack-key", "port": "durastack-port", "installation": "durastack-installation"},
 }
 
 

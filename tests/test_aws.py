@@ -17,7 +17,7 @@ import boto3
 import pytest
 
 from activities.aws import AWSBackend
-from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_service
+from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_replica, terminate_service
 from activities.store import Store, StoreLedger
 from activities.userdata import cloud_init
 from models.backends import AWSConfig, BackendsConfig, CloudError, ErrorKind, provisioning_key
@@ -329,6 +329,29 @@ def test_stopping_the_service_leaves_no_instance_tagged_for_it(aws, ledger):
     running = [i for r in ("us-east-1", "us-west-2") for i in all_instances(r)
                if {"Key": "durastack:service", "Value": "svc"} in i.get("Tags", [])]
     assert running == []
+
+
+def test_two_control_planes_share_an_account_without_touching_each_other(aws, ledger, fake_ec2):
+    """A laptop and a cluster on one AWS account, each with a service `svc`: keys, adoption, listing (the
+    reaper's view), stop and replica teardown each see only their own instances — and untagged old ones."""
+    config = aws.config
+    laptop, cluster = (AWSBackend(config, installation=i) for i in ("h-laptop", "t-cluster"))
+    old = walk(aws, ledger, [G5], j=job(5))[1]  # from before installations were tagged
+    chosen, mine = walk(laptop, ledger, [G5])
+    _, theirs = walk(cluster, ledger, [G5])  # the same service, group, replica and offer: not adopted
+    assert mine.instance_id != theirs.instance_id and mine.key != theirs.key
+    assert mine.key == provisioning_key("svc", "llm", 0, 0, chosen, "h-laptop") != provisioning_key(
+        "svc", "llm", 0, 0, chosen)
+    raw = next(i for i in all_instances() if i["InstanceId"] == mine.instance_id)
+    assert {"Key": "durastack:installation", "Value": "h-laptop"} in raw["Tags"]
+    assert [g["GroupName"] for g in raw["SecurityGroups"]] == ["durastack-h-laptop-svc"]  # not the cluster's
+    assert {i.instance_id for i in laptop.list_tagged()} == {mine.instance_id, old.instance_id}
+    assert [i.instance_id for i in laptop.find_replica(job())] == [mine.instance_id]
+    assert terminate_replica(job(), backends={"aws": cluster}) == 1
+    assert terminate_service({"aws": laptop}, "svc", ledger=ledger) == 2  # its own and the untagged one
+    assert laptop.get(mine) is None and laptop.get(old) is None and cluster.get(theirs) is None
+    _, again = walk(cluster, ledger, [G5], j=job(1))
+    assert terminate_service({"aws": laptop}, "svc", ledger=ledger) == 0 and cluster.get(again) is not None
 
 
 def test_make_backends_from_config_uses_catalog_regions_when_none_configured():

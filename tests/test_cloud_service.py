@@ -191,6 +191,10 @@ def ec2():
     return boto3.client("ec2", region_name="us-east-1")
 
 
+def tags_of(raw: dict) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in raw["Tags"]}
+
+
 def live_instances(service=None, states=("pending", "running")) -> list[dict]:
     filters = [{"Name": "instance-state-name", "Values": list(states)}]
     if service:
@@ -318,10 +322,11 @@ async def test_gcp_spot_gpu_service_gets_accelerators_and_spot_scheduling(dev_en
 
 # --- the reaper ---------------------------------------------------------------------------------------
 
-def rogue(service: str, replica: str, key: str) -> str:
-    """An instance launched behind durastack's back, with durastack's tags."""
+def rogue(service: str, replica: str, key: str, installation: str = "") -> str:
+    """An instance launched behind durastack's back, with durastack's tags (of another control plane's)."""
     names_ = TAG_NAMES["aws"]
     tags = {names_["service"]: service, names_["group"]: "llm", names_["replica"]: replica, names_["key"]: key}
+    tags |= {names_["installation"]: installation} if installation else {}
     image = ec2().describe_images(Owners=["self"])["Images"][0]["ImageId"]
     res = ec2().run_instances(ImageId=image, InstanceType="t3.micro", MinCount=1, MaxCount=1, TagSpecifications=[
         {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}])
@@ -342,6 +347,8 @@ async def test_reaper_terminates_orphans_and_spares_owned_young_and_in_flight(de
         duplicate = rogue("aws-reap", "r0-s0", "ds-rogue-2")  # the live replica runs on `owned`, not on this
         in_flight = rogue("gone", "r1-s0", "ds-rogue-3")
         s.clouds.ledger.record("ds-rogue-3", INTENT, {})
+        theirs = rogue("aws-reap", "r7-s0", "ds-rogue-4", installation="t-another")  # another control plane's
+        assert tags_of(owned)["durastack:installation"] == s.clouds.config.installation != "t-another"
         untagged = ec2().run_instances(ImageId=owned["ImageId"], InstanceType="t3.micro", MinCount=1,
                                        MaxCount=1)["Instances"][0]["InstanceId"]
 
@@ -363,7 +370,7 @@ async def test_reaper_terminates_orphans_and_spares_owned_young_and_in_flight(de
             assert actions[orphan].service == "aws-reap" and actions[orphan].owner == "r7-s0"
             assert "runs on" in actions[duplicate].reason
             alive = {i["InstanceId"] for i in live_instances()}
-            assert alive == {owned["InstanceId"], in_flight, untagged}
+            assert alive == {owned["InstanceId"], in_flight, untagged, theirs}
             reaped_entries = [e for e in s.clouds.ledger.entries() if e["data"].get("reaped")]
             assert {e["data"]["instance_id"] for e in reaped_entries} == {orphan, duplicate}
             assert all(e["data"]["service"] == "aws-reap" for e in reaped_entries)
@@ -374,7 +381,7 @@ async def test_reaper_terminates_orphans_and_spares_owned_young_and_in_flight(de
         finally:
             await reaper_handle.terminate("test over")
         await s.stop(handle)
-        assert {i["InstanceId"] for i in live_instances()} == {in_flight, untagged}
+        assert {i["InstanceId"] for i in live_instances()} == {in_flight, untagged, theirs}
 
 
 # --- small pieces ------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from activities.cloud import (NoCapacity, activity_error, cloud_offers, heartbea
                              provision_cloud, terminate_cloud, terminate_replica)
 from activities.store import Store, StoreLedger
 from models.backends import (AWSConfig, BackendsConfig, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope,
-                             TAG_NAMES, aws_quota_class, backends_config_from, classify_aws, classify_gcp,
-                             load_backends_config, owner, provisioning_key, replica_label)
+                             INSTALLATION_PATTERN, TAG_NAMES, aws_quota_class, backends_config_from, classify_aws,
+                             classify_gcp, installation_id, load_backends_config, owner, provisioning_key,
+                             replica_label)
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
@@ -37,6 +38,8 @@ def offer(instance_type: str, price: float, backend="aws", region="us-east-1", s
 
 
 class FakeBackend:
+    installation = None
+
     def __init__(self, name: str, regions=(), errors: Optional[dict] = None):
         self.name, self.regions, self.errors = name, list(regions), errors or {}
         self.calls: list[tuple[str, str, bool]] = []
@@ -328,6 +331,25 @@ def test_config_file_and_env_overrides(tmp_path):
     assert config.aws == AWSConfig(regions=["us-west-2", "eu-west-1"], ami_id="ami-123")
     assert config.gcp.endpoint == "http://127.0.0.1:1" and config.max_offers == 3
     assert load_backends_config({**env, "DURASTACK_BACKENDS": "gcp"}).configured() == ["gcp", "local"]
+
+
+def test_installation_from_config_env_or_derived(tmp_path):
+    assert backends_config_from({"installation": "prod-eu"}, {}).installation == "prod-eu"
+    assert backends_config_from({"installation": "prod-eu"}, {"DURASTACK_INSTALLATION": "dev"}).installation == "dev"
+    with pytest.raises(ValueError, match="installation"):  # it must be a tag value and a GCP label value
+        backends_config_from({}, {"DURASTACK_INSTALLATION": "Prod EU"})
+    # An external Temporal: every worker of the deployment derives the same id, another deployment another.
+    cluster = installation_id("temporal.prod:7233", "durastack", tmp_path / "a")
+    assert cluster == installation_id("temporal.prod:7233", "durastack", tmp_path / "b")
+    assert cluster != installation_id("temporal.prod:7233", "default", tmp_path / "a")
+    assert re.match(INSTALLATION_PATTERN, cluster) and not (tmp_path / "a").exists()
+    # The embedded Temporal: random, kept in the home, the same for every worker of that home.
+    homes = [tmp_path / "laptop1", tmp_path / "laptop2"]
+    for home in homes:
+        home.mkdir()
+    first = installation_id(None, "default", homes[0])
+    assert first == installation_id(None, "default", homes[0]) == (homes[0] / "installation").read_text().strip()
+    assert first != installation_id(None, "default", homes[1]) and re.match(INSTALLATION_PATTERN, first)
 
 
 def test_env_alone_enables_a_cloud():

@@ -248,6 +248,20 @@ def test_stopping_the_service_leaves_no_instance_labelled_for_it(gcp, ledger, gc
     assert [i["labels"]["durastack-service"] for i in gce.all_instances()] == ["keep"]
 
 
+def test_two_control_planes_share_a_project_without_touching_each_other(gcp, ledger, gce):
+    laptop, cluster = (GCPBackend(gcp.config, installation=i) for i in ("h-laptop", "t-cluster"))
+    old = walk(gcp, ledger, [G2], j=job(5))[1]  # from before installations were labelled
+    _, mine = walk(laptop, ledger, [G2])
+    _, theirs = walk(cluster, ledger, [G2])  # the same replica and offer: another name, not adopted on 409
+    assert mine.instance_id != theirs.instance_id
+    assert {i["name"]: i["labels"].get("durastack-installation") for i in gce.all_instances()} == {
+        old.instance_id: None, mine.instance_id: "h-laptop", theirs.instance_id: "t-cluster"}
+    assert {i.instance_id for i in laptop.list_tagged()} == {mine.instance_id, old.instance_id}
+    assert [i.instance_id for i in cluster.find_replica(job())] == [theirs.instance_id]
+    assert terminate_service({"gcp": laptop}, "Svc.One", ledger=ledger) == 2
+    assert [i["name"] for i in gce.all_instances()] == [theirs.instance_id]
+
+
 def test_operation_polling_never_leaves_the_configured_endpoint(gcp, gce):
     gce.op_polls = 3  # the insert operation stays RUNNING for a while
     gcp.create(job(), G2, provisioning_key("Svc.One", "llm", 0, 0, G2))
