@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import pytest
@@ -350,6 +351,11 @@ def test_installation_from_config_env_or_derived(tmp_path):
     first = installation_id(None, "default", homes[0])
     assert first == installation_id(None, "default", homes[0]) == (homes[0] / "installation").read_text().strip()
     assert first != installation_id(None, "default", homes[1]) and re.match(INSTALLATION_PATTERN, first)
+    fresh = tmp_path / "together"
+    fresh.mkdir()
+    with ThreadPoolExecutor(8) as pool:  # workers starting at once agree on one id
+        assert len(set(pool.map(lambda _: installation_id(None, "default", fresh), range(32)))) == 1
+    assert sorted(p.name for p in fresh.iterdir()) == ["installation"]
 
 
 def test_env_alone_enables_a_cloud():
