@@ -271,8 +271,7 @@ class ServiceRunWorkflow:
                 self._autoscale()
                 await self._reconcile()
                 self._watch_stats()
-                self._publish()
-                await self._record()
+                await self._record(self._publish())
                 try:
                     await workflow.wait_condition(
                         lambda: self.dirty or state.stopping or self._should_continue() or self._snapshot_ready(),
@@ -446,8 +445,7 @@ class ServiceRunWorkflow:
             names.REMOVE_ROUTE, RouteInput(service=state.name), start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)), summary="remove gateway route")
         self._event("stop", "service stopped")
-        self._publish()
-        await self._record()
+        await self._record(self._publish())
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -462,12 +460,11 @@ class ServiceRunWorkflow:
         self.state.unrecorded.append(event)
         del self.state.unrecorded[:-MAX_UNRECORDED]
 
-    async def _record(self) -> None:
+    async def _record(self, view: ServiceStatus) -> None:
         """Write new events and a changed `ps` row to the store: a local activity, only on change.
 
         A store that stays unreachable does not stop the service: the events wait in state for the next pass.
         """
-        view = _status_view(self.state)
         if not self.state.unrecorded and view == self.recorded:
             return
         events = list(self.state.unrecorded)
@@ -483,8 +480,10 @@ class ServiceRunWorkflow:
         del self.state.unrecorded[:len(events)]
         self.recorded = view
 
-    def _publish(self) -> None:
-        """Search attribute and UI details, upserted only on change (each upsert is a history event)."""
+    def _publish(self) -> ServiceStatus:
+        """Search attribute, UI details and gauges (the upsert only on change: each is a history event).
+
+        Returns the status view, which `_record` writes to the store when it changed."""
         view = _status_view(self.state)
         if view.status != self.published_status:
             workflow.upsert_search_attributes([SA_SERVICE.value_set(self.state.name),
@@ -496,6 +495,7 @@ class ServiceRunWorkflow:
             lines.append(f"group={g.name} ready {ready}/{g.desired}")
         workflow.set_current_details("\n\n".join(lines))
         _set_gauges(self.state)
+        return view
 
 
 # Replicas that hold (or will hold) an instance; finished ones leave the gauges.
