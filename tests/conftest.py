@@ -62,6 +62,15 @@ async def ts_env_alone():
 
 
 @pytest.fixture
+async def client(gateway):
+    """A control-API client of the module's ``gateway`` fixture (the gateway tests')."""
+    from gateway.client import GatewayClient
+
+    async with GatewayClient(gateway.control_url) as c:
+        yield c
+
+
+@pytest.fixture
 def tmpdir_short():
     """A temporary dir with a short path: Unix socket paths must fit in 107 bytes."""
     with tempfile.TemporaryDirectory(prefix="gw", dir="/tmp") as d:

@@ -84,12 +84,6 @@ async def gateway(tmpdir_short):
     assert not os.path.exists(f"/proc/{pid}")  # ended and reaped
 
 
-@pytest.fixture
-async def client(gateway):
-    async with GatewayClient(gateway.control_url) as c:
-        yield c
-
-
 async def bearer(client: GatewayClient, name: str = "test") -> dict[str, str]:
     """The header of a new gateway token, made by the control API (which keeps only its hash)."""
     return {"Authorization": f"Bearer {(await client.create_token(name)).token}"}

@@ -10,7 +10,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.activator import Activator
 from gateway.app import GatewayServer
-from gateway.client import GatewayClient
 from gateway.metrics import GatewayMetrics
 from gateway.stats import LogEntry, StatsCollector
 from models.gateway import GatewayState
@@ -49,12 +48,6 @@ async def gateway(tmpdir_short):
     await gw.start()
     yield gw
     await gw.stop()
-
-
-@pytest.fixture
-async def client(gateway):
-    async with GatewayClient(gateway.control_url) as c:
-        yield c
 
 
 async def scrape(gw: GatewayServer) -> dict[str, dict[tuple, float]]:

@@ -51,12 +51,6 @@ async def gateway(tmpdir_short, upstream):
     await gw.stop()
 
 
-@pytest.fixture
-async def client(gateway):
-    async with GatewayClient(gateway.control_url) as c:
-        yield c
-
-
 async def status(gw: GatewayServer, token: str | None, service: str = "svc") -> int:
     """One request on a fresh connection: a pooled one could sit on an nginx worker of an older config."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
