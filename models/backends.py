@@ -21,6 +21,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from models.files import write_once
 from models.offers import InstanceOffer
 
 CloudName = Literal["aws", "gcp"]
@@ -154,16 +155,7 @@ def installation_id(temporal_address: Optional[str], namespace: str, home: Path)
     if temporal_address:
         return "t-" + hashlib.sha256(f"{temporal_address}/{namespace}".encode()).hexdigest()[:12]
     path = Path(home) / "installation"
-    if not path.exists():  # written whole, then linked: workers starting together agree on the first one
-        draft = path.with_name(f".installation.{os.getpid()}.{os.urandom(4).hex()}")
-        draft.write_text("h-" + os.urandom(6).hex() + "\n", encoding="ascii")
-        try:
-            os.link(draft, path)
-        except FileExistsError:
-            pass
-        finally:
-            draft.unlink()
-    value = path.read_text(encoding="ascii").strip()
+    value = write_once(path, "h-" + os.urandom(6).hex() + "\n").strip()  # workers starting together agree
     if not re.match(INSTALLATION_PATTERN, value):
         raise ValueError(f"{path}: not an installation id ({value!r}); remove it to make a new one")
     return value

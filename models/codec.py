@@ -36,6 +36,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter, PayloadCodec
 
+from models.files import write_once
 from models.secrets import ENCRYPTED_MARK, SECRET_MARK
 
 KEY_ENV = "DURASTACK_CODEC_KEY"
@@ -111,13 +112,7 @@ def ensure_key_file(home: Path, environ: Optional[Mapping[str, str]] = None) -> 
     if env.get(KEY_ENV, "").strip():
         return None
     path = Path(home) / KEY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # O_EXCL: two starters, one key
-    except FileExistsError:
-        return path
-    with os.fdopen(fd, "w") as f:
-        f.write(new_key() + "\n")
+    write_once(path, new_key() + "\n", 0o600)  # two starters, one key
     return path
 
 
