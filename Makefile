@@ -1,12 +1,13 @@
 # Two commands do all set-up on a fresh Linux machine with Python 3.11+:
 #   make demo   – create .venv, install, run the main job on the embedded default
+#   make demo-pd – the same for the PD-disaggregation stand-in (router, prefill and decode groups)
 #   make test   – create .venv, install, pass the tests (make test-long: the slow ones)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-long clean
+.PHONY: install demo demo-pd test test-long clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,10 @@ install: $(STAMP)
 demo: install
 	$(BIN)/durastack offers -f examples/replica-groups-service.yml --limit 3
 	$(BIN)/python examples/demo.py
+
+# PD disaggregation: a router group in front of prefill and autoscaled decode workers (examples/pd-disaggregation).
+demo-pd: install
+	$(BIN)/python examples/demo_pd.py
 
 test: install
 	$(BIN)/python -m pytest -q -m "not long"

@@ -6,18 +6,19 @@ clouds from ``$DURASTACK_HOME/config.yml`` (models.backends); credentials from e
 
 Which backends a worker calls (``--backends`` or ``DURASTACK_WORKER_BACKENDS``, a comma list):
 
-* unset — the default, and the embedded stack: one worker runs everything on the task queue — workflows,
-  gateway activities, this machine, and every configured cloud.
-* a list with ``local`` (``local``, ``local,aws``): the same main worker, calling only the clouds listed; a
-  replica that needs another configured cloud is delegated to that cloud's queue, ``<queue>-<cloud>``.
-* a list without ``local`` (``aws``, ``aws,gcp``): a cloud worker. No workflows; only each cloud's instance
-  activities (provision, probes, watch, terminate) and ``reap_orphans``, on ``<queue>-<cloud>``. Run it
-  where that cloud's credentials are.
+* unset — the default, and the embedded stack: one worker process runs everything — workflows, gateway
+  activities, this machine, and every configured cloud.
+* a list with ``local`` (``local``, ``local,aws``): the same main worker, calling only the clouds listed; the
+  other configured clouds are left to workers of their own.
+* a list without ``local`` (``aws``, ``aws,gcp``): a cloud worker. No workflows; only each cloud's replica
+  activities (launch, teardown, monitor) and ``reap_orphans``, on ``<queue>-<cloud>``. Run it where that cloud's
+  credentials are; it reaches the gateway's control API too (it registers the replicas it launches).
 
-Routing: ReplicaWorkflow schedules PROVISION on its own queue. The main worker provisions there (this machine,
-or a cloud it calls), or answers with a delegation: the workflow then schedules PROVISION for one cloud on that
-cloud's queue and keeps the instance's later activities there (workflows/replica.py). The main worker starts
-the reaper (workflows/reaper.py) with one target per queue that serves a cloud.
+Task queues: the main worker polls ``<queue>`` (workflows, gateway routes, stats, ``served_backends``, the
+reaper, ``record_service``), ``<queue>-local`` unless ``DURASTACK_LOCAL_REPLICAS=off``, and ``<queue>-<cloud>``
+for each cloud it calls itself. ``served_backends`` tells the workflows which backends exist, in the order to
+try them, and the workflow schedules a replica's activities on that backend's queue. The main worker starts the
+reaper (workflows/reaper.py) with one target per queue that serves a cloud.
 """
 
 from __future__ import annotations
@@ -40,24 +41,28 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 from activities.cloud import CloudBackend, make_backends
 from activities.local import LocalBackend
 from activities.reaper import ReaperActivities
-from activities.replica import ReplicaActivities
+from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
+from activities.signals import judge_signal
 from activities.stats import StatsActivities
-from activities.store import Store, StoreActivities, StoreLedger, database_url
+from activities.store import StoreActivities
+from connect.codec import CodecKeyError
+from connect.connection import TemporalConfigError, client_options, connect_failure
+from connect.installation import installation_id
 from gateway.client import GatewayClient
-from models.backends import BackendsConfig, installation_id, load_backends_config
-from models.codec import CodecKeyError
-from models.connection import TemporalConfigError, client_options, connect_failure
+from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget
 from models.settings import Settings
+from store import Store, StoreLedger, database_url
 from workflows import names
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
 
 log = logging.getLogger("durastack.worker")
-# Each replica's watch holds an activity slot for the replica's whole life (an async activity costs a coroutine),
-# so the slots are sized for thousands of replicas plus the short activities around them (bench/scale_out.py).
+# Each service holds a slot for its stats watcher on the main queue and one for each backend's monitor on that
+# backend's queue for its whole life (an async activity costs a coroutine), so the slots are sized for thousands
+# of services plus the launches and teardowns around them (bench/scale_out.py).
 MAX_ACTIVITIES = 20_000
 # The sticky cache keeps the workflows touched last: every service workflow (each wakes at its safety tick) when the
 # worker holds up to ~1,000 services, while idle replica workflows, which get no task for days, are evicted and
@@ -90,7 +95,7 @@ def metrics_runtime(port: int, host: str = "127.0.0.1") -> Optional[Runtime]:
 
 
 async def connect(settings: Settings) -> Client:
-    """The worker's client: models.connection's options (codec, TLS) and the metrics runtime."""
+    """The worker's client: connect.connection's options (codec, TLS) and the metrics runtime."""
     options = client_options(settings)
     options["data_converter"].payload_codec.keys()  # no key: fail now, not at the first secret
     runtime = metrics_runtime(settings.worker_metrics_port, settings.bind_host)
@@ -117,20 +122,58 @@ def load_clouds(settings: Settings, serves: Optional[list[str]] = None,
     return Clouds(config, held, StoreLedger(Store(database_url(settings.home, environ))), queues)
 
 
-def build_worker(client: Client, settings: Settings, gateway: GatewayClient,
-                 clouds: Optional[Clouds] = None) -> Worker:
-    """The main worker: every workflow, the gateway activities, this machine and the clouds it calls."""
-    clouds = clouds or load_clouds(settings)
+def served(settings: Settings, clouds: Clouds) -> list[str]:
+    """What ``served_backends`` answers: this machine first (free, and the quickest to start), then each configured
+    cloud, whoever serves it."""
+    configured = set(clouds.backends) | set(clouds.queues)
+    return (["local"] if settings.local_replicas else []) + [c for c in CLOUDS if c in configured]
+
+
+def worker_activities(client: Client, settings: Settings, gateway: GatewayClient, clouds: Clouds) -> dict[str, list]:
+    """What the main worker process runs, by task queue: every workflow and the service activities on the task
+    queue (first), and the replica activities on the queue of each backend it serves itself."""
     local = LocalBackend(settings.home)
-    if not local.isolated:
+    if settings.local_replicas and not local.isolated:
         log.warning("replica isolation is off (%s): each replica gets its own PORT", local.isolation_reason)
-    cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, queues=clouds.queues)
+    cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, **_ssh_path(settings))
     acts = ReplicaActivities(local, gateway, cloud=cloud, local_replicas=settings.local_replicas)
     stats = StatsActivities(gateway.stats)
     reaper = ReaperActivities(client, clouds.backends, clouds.ledger)
     record = StoreActivities(clouds.ledger.store).record_service  # a local activity: must be on this worker
-    return main_worker(client, settings.task_queue,
-                       [*acts.all(), stats.watch_stats, reaper.reap_orphans, record])
+    backends = BackendsServed(served(settings, clouds))
+    own = (["local"] if settings.local_replicas else []) + sorted(clouds.backends)
+    return {settings.task_queue: [*acts.route_activities(), stats.watch_stats, reaper.reap_orphans, record,
+                                  backends.served_backends, judge_signal],
+            **{names.backend_queue(settings.task_queue, b): acts.backend_activities() for b in own}}
+
+
+def cloud_worker_activities(client: Client, settings: Settings, gateway: GatewayClient,
+                            clouds: Clouds) -> dict[str, list]:
+    """What a cloud worker process (``--backends aws,gcp``) runs: each cloud alone on ``<queue>-<cloud>``."""
+    queues = {}
+    for name, backend in clouds.backends.items():
+        acts = ReplicaActivities(None, gateway, cloud=CloudReplicas(clouds.config, {name: backend}, clouds.ledger,
+                                                                    **_ssh_path(settings)))
+        reaper = ReaperActivities(client, {name: backend}, clouds.ledger)
+        queues[names.backend_queue(settings.task_queue, name)] = [*acts.backend_activities(), reaper.reap_orphans]
+    return queues
+
+
+def _ssh_path(settings: Settings) -> dict:
+    """Cloud replicas are reached over SSH with the home's keys (connect/ssh_keys.py), tunnels under the home."""
+    from activities.ssh import SSHClient
+    from connect.ssh_keys import SSHKeys
+
+    keys = SSHKeys.of_home(settings.home)
+    return dict(ssh=SSHClient.from_keys(keys), ssh_keys=keys, home=settings.home)
+
+
+def build_workers(client: Client, settings: Settings, gateway: GatewayClient,
+                  clouds: Optional[Clouds] = None) -> list[Worker]:
+    """The main worker process's workers (``worker_activities``)."""
+    queues = worker_activities(client, settings, gateway, clouds or load_clouds(settings))
+    return [main_worker(client, q, acts) if q == settings.task_queue else backend_worker(client, q, acts)
+            for q, acts in queues.items()]
 
 
 def main_worker(client: Client, task_queue: str, activities: list) -> Worker:
@@ -141,15 +184,15 @@ def main_worker(client: Client, task_queue: str, activities: list) -> Worker:
                   workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS))
 
 
-def build_cloud_workers(client: Client, settings: Settings, clouds: Clouds) -> list[Worker]:
+def backend_worker(client: Client, task_queue: str, activities: list) -> Worker:
+    """A worker of one backend's replica activities, on ``<queue>-<backend>``."""
+    return Worker(client, task_queue=task_queue, activities=activities, max_concurrent_activities=MAX_ACTIVITIES)
+
+
+def build_cloud_workers(client: Client, settings: Settings, clouds: Clouds, gateway: GatewayClient) -> list[Worker]:
     """One worker per cloud this process serves, each on ``<queue>-<cloud>`` with that cloud alone."""
-    workers = []
-    for name, backend in clouds.backends.items():
-        cloud = CloudReplicas(clouds.config, {name: backend}, clouds.ledger)
-        reaper = ReaperActivities(client, {name: backend}, clouds.ledger)
-        workers.append(Worker(client, task_queue=names.backend_queue(settings.task_queue, name),
-                              activities=[*cloud.all(), reaper.reap_orphans], max_concurrent_activities=500))
-    return workers
+    return [backend_worker(client, q, acts)
+            for q, acts in cloud_worker_activities(client, settings, gateway, clouds).items()]
 
 
 def reaper_input(settings: Settings, clouds: Clouds, environ: Mapping[str, str] = os.environ) -> Optional[ReaperInput]:
@@ -196,14 +239,15 @@ async def main(argv: Optional[list[str]] = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as stack:
+        gateway = await stack.enter_async_context(GatewayClient(settings.gateway_control_url, token=settings.control_token))
         if cloud_only:
-            for worker in build_cloud_workers(client, settings, clouds):
-                await stack.enter_async_context(worker)
-                log.info("worker polling %s on %s", worker.task_queue, settings.address)
+            workers = build_cloud_workers(client, settings, clouds, gateway)
         else:
-            gateway = await stack.enter_async_context(GatewayClient(settings.gateway_control_url, token=settings.control_token))
-            await stack.enter_async_context(build_worker(client, settings, gateway, clouds))
-            log.info("worker polling %s on %s", settings.task_queue, settings.address)
+            workers = build_workers(client, settings, gateway, clouds)
+        for worker in workers:
+            await stack.enter_async_context(worker)
+            log.info("worker polling %s on %s", worker.task_queue, settings.address)
+        if not cloud_only:
             reaper = reaper_input(settings, clouds)
             if reaper is not None:
                 try:

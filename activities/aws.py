@@ -20,9 +20,10 @@ from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
                                  PartialCredentialsError, ProfileNotFound)
 
-from activities.userdata import cloud_init
-from models.backends import (TAG_NAMES, AWSConfig, CloudError, CloudInstance, ErrorKind, QuotaScope, aws_quota_class,
-                             belongs, classify_aws, replica_label)
+from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
+from activities.userdata import BootKeys, cloud_init
+from connect.ssh_keys import SSHKeys
+from models.backends import TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
@@ -59,10 +60,12 @@ class AWSBackend:
     name = "aws"
 
     def __init__(self, config: AWSConfig, *, regions: Optional[list[str]] = None,
-                 session: Optional[boto3.session.Session] = None, installation: Optional[str] = None):
+                 session: Optional[boto3.session.Session] = None, installation: Optional[str] = None,
+                 ssh_keys: Optional[SSHKeys] = None):
         """``regions``: used when the config names none (the catalog's AWS regions). ``installation``: the
-        control plane's id (``BackendsConfig.installation``)."""
+        control plane's id (``BackendsConfig.installation``). ``ssh_keys``: the home's (connect.ssh_keys)."""
         self.config = config
+        self.ssh_keys = ssh_keys
         self.installation = installation
         self.regions = list(config.regions or regions or [])
         self._session = session
@@ -108,13 +111,14 @@ class AWSBackend:
         return image
 
     def _security_group(self, region: str, job: JobSpec) -> str:
-        """The service's group: its port open to the gateway only, SSH only if configured. Created once, per
-        control plane: another one's gateway must not be let in to a service of the same name."""
-        cache_key = (region, job.service, job.port)
+        """The service's group: SSH (22) from the gateway's CIDRs, and nothing else — never the service port,
+        which the gateway reaches through an SSH tunnel. Created once, per control plane: another one's gateway
+        must not be let in to a service of the same name."""
+        cache_key = (region, job.service, 22)
         if cache_key in self._groups:
             return self._groups[cache_key]
         ec2 = self._client(region)
-        name = f"durastack-{self.installation}-{job.service}" if self.installation else f"durastack-{job.service}"
+        name = self._group_name(job.service)
         with _errors("security group"):
             vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
             if not vpcs:
@@ -132,8 +136,7 @@ class AWSBackend:
                         raise
                     group_id = self._find_group(ec2, name, vpc["VpcId"])
             sources = self.config.gateway_cidrs or [vpc["CidrBlock"]]
-            rules = [(job.port, sources)] + ([(22, self.config.ssh_cidrs)] if self.config.ssh_cidrs else [])
-            for port, cidrs in rules:
+            for port, cidrs in [(22, sorted(set(sources) | set(self.config.ssh_cidrs)))]:
                 try:
                     ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[{
                         "IpProtocol": "tcp", "FromPort": port, "ToPort": port,
@@ -144,6 +147,28 @@ class AWSBackend:
         self._groups[cache_key] = group_id
         return group_id
 
+    def _group_name(self, service: str) -> str:
+        return f"durastack-{self.installation}-{service}" if self.installation else f"durastack-{service}"
+
+    def release(self, service: str) -> None:
+        """Delete the service's security groups in the regions where none of its instances is left. A group
+        still held by a terminating instance (DependencyViolation) is left for the next stop or the reaper."""
+        for region in self.regions:
+            if self.list_tagged([region], service=service):
+                continue
+            ec2 = self._client(region)
+            with _errors("security group"):
+                groups = ec2.describe_security_groups(
+                    Filters=[{"Name": "group-name", "Values": [self._group_name(service)]}])["SecurityGroups"]
+            for group in groups:
+                try:
+                    with _errors(f"DeleteSecurityGroup {group['GroupId']}"):
+                        ec2.delete_security_group(GroupId=group["GroupId"])
+                except CloudError as e:
+                    if e.code not in ("InvalidGroup.NotFound", "DependencyViolation"):
+                        raise
+            self._groups = {k: v for k, v in self._groups.items() if not (k[0] == region and k[1] == service)}
+
     @staticmethod
     def _find_group(ec2, name: str, vpc_id: str) -> Optional[str]:
         groups = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": [name]},
@@ -153,25 +178,72 @@ class AWSBackend:
     # --- the backend interface ------------------------------------------------------------------
 
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
-        """RunInstances for one offer under ``key``; raises CloudError (capacity, quota, transient, fatal)."""
+        """RunInstances for one offer under ``key``, in each of the offer's zones (its default subnet there) until
+        one has capacity; raises CloudError (capacity once every zone lacked it; quota, transient, fatal at once).
+
+        One key in every zone is safe: RunInstances' idempotency is zonal when a zone is given, and a retry walks
+        the zones in the same order, so it meets the zone whose launch it repeats before any other."""
         region = offer.region
         image = self._ami(region, offer)
         group_id = self._security_group(region, job)
+        zones = self._subnets(region, offer.zones)
+        exhausted = []
+        for zone, subnet in zones or [(None, None)]:
+            try:
+                return self._create_in(job, offer, key, image, group_id, zone, subnet)
+            except CloudError as e:
+                if e.kind is not ErrorKind.CAPACITY or e.code == "IdempotentInstanceTerminated":
+                    raise
+                exhausted.append(f"{zone}: {e.code}")
+                if len(zones) <= 1:
+                    raise
+        raise CloudError(ErrorKind.CAPACITY, _short(f"no capacity for {offer.instance_type} in any zone of {region} "
+                                                    f"({'; '.join(exhausted)})"),
+                         code=exhausted[-1].split(": ", 1)[-1] if exhausted else "NoZones")
+
+    def _subnets(self, region: str, zones: list[str]) -> list[tuple[str, str]]:
+        """(zone, default subnet) for the offer's zones that have one, in the offer's order."""
+        if not zones:
+            return []
+        with _errors("DescribeSubnets"):
+            subnets = self._client(region).describe_subnets(Filters=[
+                {"Name": "availability-zone", "Values": list(zones)},
+                {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        by_zone = {s["AvailabilityZone"]: s["SubnetId"] for s in subnets}
+        return [(z, by_zone[z]) for z in zones if z in by_zone]
+
+    def _create_in(self, job: JobSpec, offer: InstanceOffer, key: str, image: dict, group_id: str,
+                   zone: Optional[str], subnet: Optional[str]) -> CloudInstance:
+        region = offer.region
         tags = [{"Key": k, "Value": v} for k, v in self._tags(job, key).items()]
+        # The root volume is at least the AMI's own snapshot (a smaller one is refused).
+        root = image.get("RootDeviceName") or "/dev/sda1"
+        snapshot = next((m.get("Ebs", {}).get("VolumeSize") or 0 for m in image.get("BlockDeviceMappings", [])
+                         if m.get("DeviceName") == root), 0)
         params: dict[str, Any] = dict(
             ImageId=image["ImageId"], InstanceType=offer.instance_type, MinCount=1, MaxCount=1, ClientToken=key,
-            UserData=cloud_init(job, gpu=offer.gpu_count > 0, nvcc=nvcc), SecurityGroupIds=[group_id],
-            BlockDeviceMappings=[{"DeviceName": image.get("RootDeviceName") or "/dev/sda1",
-                                  "Ebs": {"VolumeSize": max(8, math.ceil(offer.disk_gb)), "VolumeType": "gp3",
-                                          "DeleteOnTermination": True}}],
+            UserData=cloud_init(job, gpu=offer.gpu_count > 0, keys=self._boot_keys(key)),
+            # IMDSv2 only, one hop: the container (one hop further) cannot reach the metadata service.
+            MetadataOptions={"HttpTokens": "required", "HttpPutResponseHopLimit": 1, "HttpEndpoint": "enabled"},
+            BlockDeviceMappings=[{"DeviceName": root,
+                                  "Ebs": {"VolumeSize": max(8, math.ceil(offer.disk_gb), int(snapshot)),
+                                          "VolumeType": "gp3", "DeleteOnTermination": True}}],
             # A shutdown from inside must not leave a stopped instance (and its disk) behind.
             InstanceInitiatedShutdownBehavior="terminate",
             TagSpecifications=[{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": tags}])
+        if subnet:
+            # The zone's subnet, and a public IP exactly when configured (not the subnet's default).
+            params["Placement"] = {"AvailabilityZone": zone}
+            params["NetworkInterfaces"] = [{"DeviceIndex": 0, "SubnetId": subnet, "Groups": [group_id],
+                                            # An interface made at launch goes with the instance by default.
+                                            "AssociatePublicIpAddress": self.config.public_ip}]
+        else:
+            params["SecurityGroupIds"] = [group_id]
         if offer.spot:
             params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
         try:
-            with _errors(f"RunInstances {offer.instance_type} in {region}"):
+            with _errors(f"RunInstances {offer.instance_type} in {zone or region}"):
                 raw = self._client(region, run=True).run_instances(**params)["Instances"][0]
         except CloudError as e:
             if e.code == "IdempotentParameterMismatch":
@@ -230,6 +302,12 @@ class AWSBackend:
 
     # --- helpers ----------------------------------------------------------------------------------
 
+    def _boot_keys(self, key: str) -> BootKeys:
+        keys = self.ssh_keys or SSHKeys.of_home(_home())
+        host = keys.host_key(key)
+        return BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
+                        authorized_key=keys.client_public())
+
     def _tags(self, job: JobSpec, key: str) -> dict[str, str]:
         return {"Name": f"durastack-{job.service}-{job.group}-r{job.replica_num}-s{job.submission_num}",
                 TAGS["service"]: job.service, TAGS["group"]: job.group,
@@ -257,6 +335,11 @@ class AWSBackend:
             spot=raw.get("InstanceLifecycle") == "spot", price=price,
             address=f"{ip}:{port}" if ip and port else "", private_ip=private, public_ip=public,
             launched_at=raw.get("LaunchTime"), tags=tags)
+
+
+def _home():
+    from activities.catalog import durastack_home
+    return durastack_home()
 
 
 __all__ = ["AWSBackend", "AMI_TTL"]

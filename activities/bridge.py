@@ -1,7 +1,7 @@
 """Unix-socket → TCP forwarder that runs inside a replica's network namespace.
 
 Filesystem sockets cross network namespaces, so nginx and probes on the host reach the app (which
-listens on 127.0.0.1:<port> inside its own namespace) through ``<work_dir>/replica.sock``.
+listens on 127.0.0.1:<port> inside its own namespace) through ``<work_dir>/.durastack/replica.sock``.
 
 Stdlib only: the local backend runs it by path with ``python -I``, outside durastack's venv
 assumptions. Also runnable as ``python -m activities.bridge --socket PATH --port N``.

@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional, Protocol
 
+from activities.cloud_errors import CloudError, ErrorKind, QuotaScope
 from activities.metrics import provisioning_failed
-from activities.store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
-from models.backends import (BackendsConfig, CloudError, CloudInstance, ErrorKind, QuotaScope, provisioning_key)
+from models.backends import BackendsConfig, CloudInstance, provisioning_key
+from models.failures import ALL_OFFERS_FAILED, NO_OFFERS
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
 from models.run import Placement
+from store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
 
 log = logging.getLogger("durastack.cloud")
 MAX_REASONS_CHARS = 3000
@@ -41,7 +43,12 @@ class CloudBackend(Protocol):
 
 
 class NoCapacity(Exception):
-    """No offer could be provisioned: ``no offers: …`` or ``all offers failed: <reasons>``. Not retryable."""
+    """No offer could be provisioned: ``no offers: …`` or ``all offers failed: <reasons>``. Not retryable.
+    ``tried`` and ``reasons`` say the same for code (the launch's typed ``models.run.NoCapacity`` details)."""
+
+    def __init__(self, message: str, *, tried: bool = False, reasons: Optional[list[str]] = None):
+        super().__init__(message)
+        self.tried, self.reasons = tried, list(reasons or [])
 
 
 def make_backends(config: BackendsConfig, catalog: Optional[list[InstanceOffer]] = None) -> dict[str, CloudBackend]:
@@ -105,8 +112,9 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     cloud call (pass a heartbeat). Raises NoCapacity, or CloudError (TRANSIENT: retry; FATAL: fail)."""
     candidates = cloud_offers(offers, resources, backends)[:max_offers]
     if not candidates:
-        raise NoCapacity(f"no offers: none of the {len(offers)} offers is on a configured cloud backend "
-                         f"({', '.join(sorted(backends)) or 'none configured'})")
+        why = (f"none of the {len(offers)} offers is on a configured cloud backend "
+               f"({', '.join(sorted(backends)) or 'none configured'})")
+        raise NoCapacity(f"{NO_OFFERS}: {why}", reasons=[why])
     progress("looking for an instance of an earlier attempt")
     adopted = _adoptable(backends, job, candidates)
     if adopted:
@@ -144,7 +152,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     text = "; ".join(reasons)
     if len(text) > MAX_REASONS_CHARS:
         text = text[:MAX_REASONS_CHARS - 1] + "…"
-    raise NoCapacity(f"all offers failed: {text}")
+    raise NoCapacity(f"{ALL_OFFERS_FAILED}: {text}", tried=True, reasons=reasons)
 
 
 def _ledger_data(job: JobSpec, offer: InstanceOffer, instance: Optional[CloudInstance] = None,
@@ -187,12 +195,18 @@ def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger
     found = [i for i in list_tagged_all(backends, service=service) if i.state != "terminated"]
     for instance in found:
         terminate_cloud(instance, backends=backends, ledger=ledger)
+    # Then what the instances were let in by: the service's security groups, the SSH firewall rule.
+    for backend in backends.values():
+        release = getattr(backend, "release", None)
+        if release is not None:
+            release(service)
     return len(found)
 
 
 def placement_of(offer: InstanceOffer, instance: CloudInstance) -> Placement:
     return Placement(backend=instance.backend, region=instance.region, instance_type=instance.instance_type,
-                     price=offer.price, spot=instance.spot, address=instance.address, instance_id=instance.instance_id)
+                     price=offer.price, spot=instance.spot, address=instance.address, instance_id=instance.instance_id,
+                     ip=instance.private_ip)
 
 
 def activity_error(error: Exception, *, teardown: bool = False) -> Exception:

@@ -24,9 +24,10 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from activities.userdata import startup_script
-from models.backends import (TAG_NAMES, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope, belongs,
-                             classify_gcp, replica_label, slug)
+from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, classify_gcp
+from activities.userdata import BootKeys, startup_script
+from connect.ssh_keys import SSHKeys
+from models.backends import TAG_NAMES, CloudInstance, GCPConfig, belongs, replica_label, slug
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
@@ -68,6 +69,15 @@ def _errors(what: str) -> Iterator[None]:
         raise CloudError(ErrorKind.TRANSIENT, _short(f"{what}: {e}"), code=type(e).__name__) from e
 
 
+def _zone_lacks_it(e: CloudError) -> bool:
+    return e.code == "invalid" and ("Unknown zone" in e.message or "does not exist in zone" in e.message)
+
+
+def _home():
+    from activities.catalog import durastack_home
+    return durastack_home()
+
+
 def region_of(zone: str) -> str:
     return zone.rsplit("-", 1)[0]
 
@@ -76,18 +86,22 @@ class GCPBackend:
     name = "gcp"
 
     def __init__(self, config: GCPConfig, *, regions: Optional[list[str]] = None, credentials=None,
-                 installation: Optional[str] = None):
+                 installation: Optional[str] = None, ssh_keys: Optional[SSHKeys] = None):
         """``regions``: used when the config names none. ``credentials``: default is application default
         credentials — or anonymous for a plain-http endpoint (a fake), so real tokens never go over http.
         ``installation``: the control plane's id (``BackendsConfig.installation``)."""
         self.config = config
         self.installation = installation
+        self.ssh_keys = ssh_keys
+        self._firewall_ready = False
         self.project = config.project_id
         self.regions = list(config.regions or regions or [])
         self._credentials = credentials
         self._lock = threading.Lock()
         self._instances: Optional[compute_v1.InstancesClient] = None
         self._operations: Optional[compute_v1.ZoneOperationsClient] = None
+        self._firewalls: Optional[compute_v1.FirewallsClient] = None
+        self._global_operations: Optional[compute_v1.GlobalOperationsClient] = None
 
     def _clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
         with self._lock:
@@ -102,20 +116,93 @@ class GCPBackend:
                                                                  client_options=opts)
                     self._operations = compute_v1.ZoneOperationsClient(credentials=creds, transport="rest",
                                                                        client_options=opts)
+                    self._firewalls = compute_v1.FirewallsClient(credentials=creds, transport="rest",
+                                                                 client_options=opts)
+                    self._global_operations = compute_v1.GlobalOperationsClient(
+                        credentials=creds, transport="rest", client_options=opts)
             return self._instances, self._operations
+
+    # --- the firewall rule for durastack's network tag ------------------------------------------------
+
+    @property
+    def network_tag(self) -> str:
+        """The tag durastack's instances carry and its firewall rule targets (one per control plane)."""
+        return slug(f"durastack-{self.installation}" if self.installation else "durastack-ssh", 63)
+
+    @property
+    def firewall_name(self) -> str:
+        return slug(f"{self.network_tag}-ssh", 63)
+
+    def gateway_sources(self) -> list[str]:
+        return sorted(set(self.config.gateway_cidrs or ["10.0.0.0/8"]))
+
+    def ensure_firewall(self) -> None:
+        """The rule that lets the gateway's SSH (22) in to durastack's instances — and nothing else: the
+        service port is reached through the tunnel. Made once; an existing rule is brought to these sources."""
+        if self._firewall_ready:
+            return
+        self._clients()
+        rule = compute_v1.Firewall(
+            name=self.firewall_name, network=self.config.network, direction="INGRESS", priority=1000,
+            description="durastack: SSH from the gateway to its replicas",
+            target_tags=[self.network_tag], source_ranges=self.gateway_sources(),
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])])
+        try:
+            with _errors(f"firewall {self.firewall_name}"):
+                op = self._firewalls.insert_unary(project=self.project, firewall_resource=rule)
+        except CloudError as e:
+            if e.code != "alreadyExists":
+                raise
+            with _errors(f"firewall {self.firewall_name}"):
+                op = self._firewalls.patch_unary(project=self.project, firewall=self.firewall_name,
+                                                 firewall_resource=rule)
+        self._wait_global(op, f"firewall {self.firewall_name}")
+        self._firewall_ready = True
+
+    def release(self, service: str) -> None:
+        """Remove the firewall rule once no durastack instance of this control plane is left."""
+        if self.list_tagged():
+            return
+        self._clients()
+        try:
+            with _errors(f"delete firewall {self.firewall_name}"):
+                op = self._firewalls.delete_unary(project=self.project, firewall=self.firewall_name)
+        except CloudError as e:
+            if e.code == "notFound":
+                self._firewall_ready = False
+                return
+            raise
+        self._wait_global(op, f"delete firewall {self.firewall_name}")
+        self._firewall_ready = False
+
+    def _wait_global(self, op: compute_v1.Operation, what: str) -> None:
+        deadline = time.monotonic() + self.config.operation_timeout
+        while compute_v1.Operation.Status(op.status).name != "DONE":
+            if time.monotonic() > deadline:
+                raise CloudError(ErrorKind.TRANSIENT, f"{what}: operation {op.name} still running", code="Timeout")
+            with _errors(f"{what} (operation)"):
+                op = self._global_operations.wait(project=self.project, operation=op.name)
+        if op.error and op.error.errors:
+            codes = [e.code for e in op.error.errors]
+            raise CloudError(classify_gcp(codes, int(op.http_error_status_code or 500)),
+                             _short(f"{what}: " + "; ".join(f"{e.code}: {e.message}" for e in op.error.errors)),
+                             code=codes[0])
 
     # --- the backend interface --------------------------------------------------------------------
 
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
         """Insert in each of the offer's zones until one has capacity; raises CloudError."""
+        self.ensure_firewall()
         zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
         exhausted = []
         for zone in zones:
             try:
                 return self._create_in_zone(job, offer, key, zone, nvcc)
             except CloudError as e:
-                if e.kind is ErrorKind.CAPACITY:
-                    exhausted.append(f"{zone}: {e.code}")
+                if e.kind is ErrorKind.CAPACITY or _zone_lacks_it(e):
+                    # No capacity there, or the zone does not exist or lacks the machine/accelerator type (the
+                    # catalog can be out of date): the next zone, then the next offer, may have it.
+                    exhausted.append(f"{zone}: {e.code}" + (" (not in this zone)" if _zone_lacks_it(e) else ""))
                     continue
                 if e.kind is ErrorKind.QUOTA:
                     # GPUS_ALL_REGIONS is project-wide: no other region can help either.
@@ -198,7 +285,13 @@ class GCPBackend:
             automatic_restart=not offer.spot, provisioning_model="SPOT" if offer.spot else "STANDARD")
         if offer.spot:
             scheduling.instance_termination_action = "DELETE"  # a preempted replica is gone; its disk must not bill
-        metadata = [compute_v1.Items(key="startup-script", value=startup_script(job, gpu=gpu, nvcc=nvcc))]
+        keys = self.ssh_keys or SSHKeys.of_home(_home())
+        host = keys.host_key(key)
+        boot_keys = BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
+                             authorized_key=keys.client_public())
+        # No env and no command in metadata: they arrive over SSH after boot.
+        metadata = [compute_v1.Items(key="startup-script", value=startup_script(job, gpu=gpu, keys=boot_keys)),
+                    compute_v1.Items(key="block-project-ssh-keys", value="true")]
         if gpu:
             metadata.append(compute_v1.Items(key="install-nvidia-driver", value="True"))  # Deep Learning VM images
         nic = compute_v1.NetworkInterface(network=self.config.network)
@@ -216,7 +309,8 @@ class GCPBackend:
             name=key, machine_type=f"zones/{zone}/machineTypes/{offer.instance_type}", labels=labels,
             guest_accelerators=accelerators, scheduling=scheduling, network_interfaces=[nic],
             metadata=compute_v1.Metadata(items=metadata),
-            tags=compute_v1.Tags(items=["durastack", f"durastack-{slug(job.service, 52)}"]),  # network tags ≤ 63
+            # Network tags ≤ 63; the first is what the SSH firewall rule targets.
+            tags=compute_v1.Tags(items=[self.network_tag, f"durastack-{slug(job.service, 52)}"]),
             disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=boot)])
 
     def _wait(self, zone: str, op: compute_v1.Operation, what: str) -> None:

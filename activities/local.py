@@ -1,14 +1,26 @@
 """Local compute backend: each replica is a process tree on this machine.
 
 Layout of a replica's work dir ``<home>/replicas/<service>/<group>/r<N>-s<M>/``: ``replica.log``
-(stdout+stderr), ``replica.sock`` (the bridge, when isolated), ``exit_code`` (written by the wrapper
-when the commands end), ``tmp/`` (the replica's /tmp when isolated) and ``.durastack/`` (the
-instance record, the launch file, python wrappers, the bridge's log, a lock).
+(stdout+stderr), ``tmp/`` (the replica's /tmp when isolated) and ``.durastack/`` (the instance
+record, the launch file, ``exit_code`` written by the wrapper when the commands end,
+``replica.sock`` served by the bridge when isolated, python wrappers, the bridge's log, a lock).
+``.durastack`` is root's and only walkable by the replica: a confined replica owns its work dir, and
+must not be able to plant a symlink where root (or nginx, connecting to the socket) later follows it.
 
 When isolation is available every replica runs under ``unshare`` in new network, mount and PID
-namespaces, so the seeds' "every replica binds port 8000 and writes /tmp/version.txt" runs unchanged;
-the host reaches the app through a Unix socket served by ``bridge.py`` inside the namespace.
+namespaces, so the seeds' "every replica binds port 8000 and writes /tmp/version.txt" runs unchanged.
+As root, the replicas of one service share a private network (``local_net``): each has an address there
+(``DURASTACK_REPLICA_IP``). The gateway's nginx, in the home's gateway namespace, connects to the app there
+(listening on that address, or on all); the host reaches it through a Unix socket on which the service's nginx
+stream proxy listens. Without root each replica is alone in its
+namespace, and ``bridge.py`` serves that socket from inside it, to the app's 127.0.0.1 port.
 Otherwise replicas share the host's network and /tmp, and each gets its own ``PORT``.
+
+When the backend runs as root with namespaces, every replica is also *confined* (see
+``local_host.probe_confinement``): its commands run as a non-root host user with no capabilities,
+the control plane's home is covered by a tmpfs in its mount namespace (its own work dir put back),
+durastack's code and venv are read-only, and /dev/shm is its own. ``confinement_reason()`` says
+whether that is so here, for the server's banner.
 
 All methods are blocking and idempotent, so they can back synchronous Temporal activities that
 may be retried after the worker died at any point.
@@ -35,9 +47,12 @@ from typing import Iterator, Optional, Union
 
 import httpx
 
-from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, MARKER, NoOffersError, check_resources,
-                                   children, default_python, find_python, find_tree, free_port, is_alive,
-                                   probe_isolation, proc_stat, process_group, send_signal, unshare_argv)
+from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, LOCAL_USERS_ENV, MARKER, Account,
+                                   NoOffersError, account_for, allowed_users, check_resources, children,
+                                   default_python, drop_argv, find_python, find_tree, free_port, is_alive,
+                                   probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
+                                   send_signal, unshare_argv)
+from activities import local_net
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 
 ENV_ISOLATION = "DURASTACK_LOCAL_ISOLATION"  # "0"/"off" forces isolation off, e.g. to test that mode
@@ -48,7 +63,9 @@ _REPLICA_ID = re.compile(r"(?P<service>[A-Za-z0-9][A-Za-z0-9._-]*)/(?P<group>[A-
                          r"/(?P<dir>r\d+-s\d+)")
 
 __all__ = ["LocalBackend", "LocalBackendError", "UnsupportedJobError", "NoOffersError",
-           "isolation_available", "isolation_reason", "check_resources"]
+           "isolation_available", "isolation_reason", "confinement_available", "confinement_reason", "network_reason",
+           "private_home", "check_resources"]
+CODE_DIR = str(Path(__file__).resolve().parent.parent)  # durastack's own code: read-only for confined replicas
 
 
 class LocalBackendError(RuntimeError):
@@ -73,6 +90,39 @@ def isolation_reason() -> str:
     return _forced_off() or probe_isolation()[1]
 
 
+def confinement_available() -> bool:
+    return isolation_available() and probe_confinement()[0]
+
+
+def confinement_reason() -> str:
+    """One line saying whether replicas are confined here (non-root, no capabilities, home hidden), or why not."""
+    off = _forced_off()
+    return f"confinement off: replicas run as this user ({off})" if off else probe_confinement()[1]
+
+
+def networks_available() -> bool:
+    """Whether a backend made here gives each service a private network (and so the gateway a namespace to join)."""
+    return isolation_available() and local_net.probe()[0]
+
+
+def network_reason() -> str:
+    """One line saying whether the replicas of a service share a private network here, or why not."""
+    if not isolation_available():
+        return "service networks off: isolation off, replicas share the host's network"
+    return local_net.probe()[1]
+
+
+def private_home(home: Union[Path, str]) -> Path:
+    """Make the home (if needed) and keep it mode 700: it holds the codec key, the gateway's token
+    hashes, the store, the logs and every replica's work dir."""
+    path = Path(home)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_mode & 0o777 != 0o700 and st.st_uid == os.geteuid():  # another user's home is not ours to fix
+        path.chmod(0o700)
+    return path
+
+
 # Leaders we spawned are our children: poll them so that ended ones do not linger as zombies.
 _spawned: dict[int, subprocess.Popen] = {}
 _spawned_lock = threading.Lock()
@@ -83,6 +133,46 @@ def _reap() -> None:
         for pid, proc in list(_spawned.items()):
             if proc.poll() is not None:
                 del _spawned[pid]
+
+
+def _open_log(path: Path) -> int:
+    """The replica's log, appended to, mode 600. A confined replica owns the directory it is in, so
+    what is there may be its doing: a symlink or a hard link is replaced, never written through."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError:  # ELOOP (a symlink), ENXIO (a FIFO), EISDIR, …: not ours
+            _remove(path)
+            continue
+        st = os.fstat(fd)
+        if st.st_nlink == 1 and (st.st_mode & 0o170000) == 0o100000 and st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+        _remove(path)
+    raise LocalBackendError(f"cannot create {path}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _root_dir(path: Path, mode: int, owner: Optional[Account] = None) -> None:
+    """A directory at ``path`` (not a symlink planted there), with ``mode`` and ``owner``."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    path.mkdir(exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if owner is not None:
+            os.fchown(fd, owner.uid, owner.gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -102,8 +192,9 @@ def _locked(path: Path) -> Iterator[None]:
 
 class LocalBackend:
     def __init__(self, home: Union[Path, str], isolation: Optional[bool] = None):
-        """``isolation``: None = use it when available; False = never; True = require it."""
-        self.home = Path(home).absolute()
+        """``isolation``: None = use it when available; False = never; True = require it.
+        Replicas are confined whenever they are isolated and this machine allows it."""
+        self.home = private_home(Path(home).absolute())
         if isolation is None:
             self.isolated = isolation_available()
             self.isolation_reason = isolation_reason()
@@ -112,6 +203,26 @@ class LocalBackend:
         else:
             self.isolated = isolation
             self.isolation_reason = isolation_reason() if isolation else "isolation off: disabled for this backend"
+        self.account: Optional[Account] = replica_account() if self.isolated and probe_confinement()[0] else None
+        self.confined = self.account is not None
+        self.confinement_reason = confinement_reason() if self.isolated else \
+            "confinement off: replicas run as this user (isolation off)"
+        # Isolated replicas of one service share a private network, reached through an nginx stream proxy;
+        # without root, each replica is alone in its namespace, reached through bridge.py.
+        self.networked, self.network_reason = local_net.probe() if self.isolated else \
+            (False, "service networks off: isolation off, replicas share the host's network")
+        if self.networked:
+            local_net.reap_all(self.home)  # networks whose replicas all died with an earlier worker
+
+    def network(self, service: str) -> local_net.ServiceNetwork:
+        return local_net.ServiceNetwork(self.home, service)
+
+    def upstream(self, job: JobSpec, inst: LocalInstance) -> str:
+        """Where the gateway reaches the app: its address on the service's network when the gateway's nginx runs in
+        the namespace linked to that network (no proxy in between); else its socket on the host."""
+        if self.networked and inst.ip and self.network(job.service).gateway_linked(job.replica_id):
+            return f"{inst.ip}:{job.port}"
+        return inst.address
 
     def work_dir(self, job: JobSpec) -> Path:
         return self.home / "replicas" / job.service / job.group / f"r{job.replica_num}-s{job.submission_num}"
@@ -148,6 +259,13 @@ class LocalBackend:
         """What an earlier attempt to start ``job`` recorded (a worker may die before reporting it)."""
         return self.find_instance(job.replica_id)
 
+    def recorded_at(self, job: JobSpec) -> Optional[float]:
+        """When ``job``'s instance was last recorded (Unix time), or None: tells this run's record from one a
+        service of the same name left behind (work dirs outlive their replicas, for their logs)."""
+        with contextlib.suppress(FileNotFoundError):
+            return (self.work_dir(job) / ".durastack" / "instance.json").stat().st_mtime
+        return None
+
     # ---- start -------------------------------------------------------------------------------
 
     def start(self, job: JobSpec) -> LocalInstance:
@@ -157,14 +275,34 @@ class LocalBackend:
                     f"{job.replica_id}: the local backend cannot run images (image={job.image!r}); "
                     "give the group commands, or use a cloud backend")
             raise UnsupportedJobError(f"{job.replica_id}: no commands to run")
+        self.run_as(job)  # refused before anything is made
+        self.commands_dir(job)
         wd = self.work_dir(job)
         meta = wd / ".durastack"
         meta.mkdir(parents=True, exist_ok=True)
         with _locked(meta / "lock"):
-            existing = self._find_running(wd)
-            if existing is not None:
-                return existing
-            return self._spawn(job, wd, meta)
+            inst = self._find_running(wd)
+            net = self.network(job.service) if self.networked and (inst is None or inst.ip) else None
+            # The service's lock only while its leases and namespace change: from the lease until the process
+            # that keeps it alive is recorded (a release of the last other replica would tear the namespace down
+            # under a lease without one). Linking and the proxy come after it, so that the replicas of an apply
+            # start side by side, not one after the other.
+            with net.locked() if net is not None else contextlib.nullcontext():
+                if inst is None:
+                    inst = self._spawn(job, wd, meta)
+                elif net is not None:  # an earlier attempt may have died between spawning and linking it
+                    net.lease(job.replica_id, str(wd), str(self._socket_path(wd)), job.port)
+                if net is not None:
+                    net.ensure_namespace()
+            if net is not None:
+                try:
+                    local_net.wait_unshared(inst.pid)
+                    net.link(job.replica_id, inst.pid)  # idempotent, like the rest
+                    net.link_gateway(job.replica_id, inst.pid, inst.ip)
+                    net.serve()
+                except local_net.NetworkError as e:
+                    raise LocalBackendError(f"{job.replica_id}: {e}") from e
+            return inst
 
     def _find_running(self, wd: Path) -> Optional[LocalInstance]:
         meta = wd / ".durastack"
@@ -173,6 +311,11 @@ class LocalBackend:
             inst = LocalInstance.model_validate_json((meta / "instance.json").read_text())
             if is_alive(inst.pid, inst.start_time):
                 return inst
+        if not (meta / "launch.json").exists():
+            # Never spawned here: every spawn writes it first and it is never removed (.durastack is root's, out of a
+            # confined replica's reach). So no tree to look for, and no scan of every process's environment, which
+            # 16 starts of an apply each did at once in the worker.
+            return None
         # A tree without a live record: the starter died between spawning and recording it.
         tree = find_tree(str(wd))
         for pid, started in tree.items():
@@ -181,36 +324,94 @@ class LocalBackend:
                 launch = json.loads((meta / "launch.json").read_text())
                 inst = LocalInstance(replica_id=launch["replica_id"], pid=pid, start_time=started, work_dir=str(wd),
                                      address=launch["address"], isolated=launch["isolated"],
-                                     log_path=str(wd / "replica.log"))
+                                     log_path=str(wd / "replica.log"), ip=launch.get("ip", ""))
                 _write_private(meta / "instance.json", inst.model_dump_json())
                 return inst
         for pid, started in tree.items():  # fragments of an earlier run must not squat the replica
             send_signal(pid, started, signal.SIGKILL)
         return None
 
+    def run_as(self, job: JobSpec) -> Optional[Account]:
+        """The host user the job's commands run as (None: this process's own), or UnsupportedJobError."""
+        if not self.confined:
+            if job.user is None:
+                return None
+            acct = account_for(job.user)
+            if acct is not None and acct.uid == os.geteuid():
+                return None
+            raise UnsupportedJobError(f"{job.replica_id}: cannot run the commands as user {job.user!r}: replicas "
+                                      f"run as this backend's own user here ({self.confinement_reason})")
+        assert self.account is not None
+        if job.user is None:
+            return self.account
+        acct = account_for(job.user)
+        if acct is None:
+            raise UnsupportedJobError(f"{job.replica_id}: user {job.user!r}: no such user on this machine")
+        if acct.uid == 0:
+            raise UnsupportedJobError(f"{job.replica_id}: user {job.user!r}: the local backend never runs "
+                                      "replicas as root")
+        if acct.uid != self.account.uid and not {acct.name, str(acct.uid)} & allowed_users():
+            # Running as any host user would hand a service file that user's files.
+            raise UnsupportedJobError(
+                f"{job.replica_id}: user {job.user!r}: replicas run as {self.account.name}; to allow "
+                f"{acct.name}, list it in {LOCAL_USERS_ENV} (comma-separated) where the worker runs")
+        return acct
+
+    def commands_dir(self, job: JobSpec) -> str:
+        """Where the commands run: ``working_dir`` inside the work dir, or the work dir itself."""
+        wd = str(self.work_dir(job))
+        if not job.working_dir:
+            return wd
+        path = os.path.normpath(os.path.join(wd, job.working_dir))  # an absolute working_dir stays as it is
+        if path != wd and not path.startswith(wd + os.sep):
+            raise UnsupportedJobError(
+                f"{job.replica_id}: working_dir {job.working_dir!r} is outside the replica's work dir ({wd}); "
+                "give a path relative to it")
+        return path
+
     def _spawn(self, job: JobSpec, wd: Path, meta: Path) -> LocalInstance:
         log_path = wd / "replica.log"
+        account = self.run_as(job)
+        (meta / "exit_code").unlink(missing_ok=True)
         (wd / "exit_code").unlink(missing_ok=True)
         (meta / "ns_ready").unlink(missing_ok=True)
-        tmp = wd / "tmp"
-        tmp.mkdir(exist_ok=True)
-        tmp.chmod(0o1777)  # it becomes the replica's /tmp
+        if self.confined:
+            _root_dir(wd, 0o700, account)  # the commands' own
+            _root_dir(meta, 0o711)  # root's; the replica may only walk through it (python wrappers)
+        _root_dir(wd / "tmp", 0o1777)  # it becomes the replica's /tmp
         port = job.port if self.isolated else free_port()
         address = f"unix:{self._socket_path(wd)}" if self.isolated else f"127.0.0.1:{port}"
-        env, notes = self._env(job, wd, meta, port)
+        net = self.network(job.service) if self.networked else None
+        # The address other replicas of the service reach it at: on its service's network; on the host's
+        # loopback when replicas share the host's network; none when each is alone in its namespace.
+        ip = net.lease(job.replica_id, str(wd), str(self._socket_path(wd)), port) if net else \
+            ("" if self.isolated else "127.0.0.1")
+        env, notes = self._env(job, wd, meta, port, ip)
         if job.image:
             notes.append(f"image {job.image!r} is ignored: the local backend runs the commands on this machine")
-        launch = {"replica_id": job.replica_id, "isolated": self.isolated, "port": port, "address": address,
+        launch = {"replica_id": job.replica_id, "isolated": self.isolated, "port": port, "address": address, "ip": ip,
                   "script": "\n".join(job.commands), "python": sys.executable, "bridge": BRIDGE_SCRIPT, "env": env,
+                  "cwd": self.commands_dir(job),
                   # what must stay visible if it lives under the host's /tmp (hidden by the private /tmp)
-                  "keep": [os.path.dirname(BRIDGE_SCRIPT), sys.prefix, sys.base_prefix, *self._python_homes(job)]}
+                  # or under the home (hidden from a confined replica)
+                  "keep": [CODE_DIR, sys.prefix, sys.base_prefix, *self._python_homes(job)]}
+        if net is not None:
+            launch["net"] = {"dev": local_net.REPLICA_DEV, "ip": ip, "prefix": local_net.PREFIX}
+            notes.append(f"address {ip} on the network of service {job.service} ({net.net}); the host reaches "
+                         f"port {port} there through the service's stream proxy")
+        if self.confined and account is not None:
+            launch.update(hide=str(self.home), readonly=[CODE_DIR, sys.prefix], drop=drop_argv(account))
+            notes.append(f"commands run as {account.name} (uid {account.uid}), confined")
         _write_private(meta / "launch.json", json.dumps(launch))
-        argv = [sys.executable, "-I", INIT_SCRIPT, str(meta / "launch.json")]
+        # -S: local_init needs the standard library alone; Python's site step (the venv's .pth files, durastack's
+        # editable finder) cost 14 ms of CPU per replica, which the replicas of an apply pay all at once.
+        argv = [sys.executable, "-I", "-S", INIT_SCRIPT, str(meta / "launch.json")]
         if self.isolated:
             argv = unshare_argv() + argv
-        with open(log_path, "ab") as log:
+        with os.fdopen(_open_log(log_path), "ab") as log:
             now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            for line in [f"{now} starting {job.replica_id} ({self.isolation_reason}) at {address}", *notes]:
+            for line in [f"{now} starting {job.replica_id} ({self.isolation_reason}; {self.confinement_reason}) "
+                         f"at {address}", *notes]:
                 log.write(f"[durastack] {line}\n".encode())
             log.flush()
             # A new session: the tree outlives the worker and is not hit by signals sent to the worker's group.
@@ -222,26 +423,32 @@ class LocalBackend:
         if started is None:
             raise LocalBackendError(f"{job.replica_id}: the leader vanished at once; see {log_path}")
         inst = LocalInstance(replica_id=job.replica_id, pid=proc.pid, start_time=started.start, work_dir=str(wd),
-                             address=address, isolated=self.isolated, log_path=str(log_path))
+                             address=address, isolated=self.isolated, log_path=str(log_path), ip=ip)
         _write_private(meta / "instance.json", inst.model_dump_json())
-        return inst
+        return inst  # linked to its service's network by ``start``
 
     def _socket_path(self, wd: Path) -> Path:
-        sock = wd / "replica.sock"
+        sock = wd / ".durastack" / "replica.sock"
         if len(str(sock)) <= _SUN_PATH_MAX:
             return sock
-        # Deep work dirs exceed sun_path; clients connect through a short symlink (connect follows it).
-        link = self.home / "run" / (hashlib.sha1(str(wd).encode()).hexdigest()[:16] + ".sock")
-        if len(str(link)) > _SUN_PATH_MAX:
+        # Deep work dirs exceed sun_path. With a stream proxy it listens at a short path itself; else clients
+        # connect through a short symlink to the bridge's socket (connect follows it).
+        short = self.home / "run" / (hashlib.sha1(str(wd).encode()).hexdigest()[:16] + ".sock")
+        if len(str(short)) > _SUN_PATH_MAX:
             raise LocalBackendError(f"home {self.home} is too long for Unix socket paths; use a shorter one")
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.unlink(missing_ok=True)
-        link.symlink_to(sock)
-        return link
+        short.parent.mkdir(parents=True, exist_ok=True)
+        if not self.networked:
+            short.unlink(missing_ok=True)
+            short.symlink_to(sock)
+        elif short.is_symlink():  # left by a run without the proxy: binding there would fail
+            short.unlink()
+        return short
 
-    def _env(self, job: JobSpec, wd: Path, meta: Path, port: int) -> tuple[dict[str, str], list[str]]:
+    def _env(self, job: JobSpec, wd: Path, meta: Path, port: int, ip: str = "") -> tuple[dict[str, str], list[str]]:
         notes: list[str] = []
-        env = {"PATH": BASE_PATH, "HOME": os.environ.get("HOME") or str(Path.home()), "LANG": "C.UTF-8"}
+        # A confined replica cannot see this user's home (nor has one of its own): its work dir is its HOME.
+        home = str(wd) if self.confined else os.environ.get("HOME") or str(Path.home())
+        env = {"PATH": BASE_PATH, "HOME": home, "LANG": "C.UTF-8"}
         if not self.isolated:
             env["TMPDIR"] = str(wd / "tmp")  # /tmp is shared with the host; well-behaved tools use TMPDIR
         env.update(job.env)
@@ -253,8 +460,10 @@ class LocalBackend:
             else:
                 notes.append(f"python {job.python} is not installed on this machine; "
                              f"using the default python3 ({default_python() or 'none found'})")
+        # Its own coordinates (after the job's env: a service file cannot fake them).
         env.update({"DURASTACK_SERVICE": job.service, "DURASTACK_GROUP": job.group,
-                    "DURASTACK_REPLICA_NUM": str(job.replica_num), "PORT": str(port), MARKER: str(wd)})
+                    "DURASTACK_REPLICA": str(job.replica_num), "DURASTACK_REPLICA_NUM": str(job.replica_num),
+                    "DURASTACK_REPLICA_IP": ip, "PORT": str(port), MARKER: str(wd)})
         return env, notes
 
     @staticmethod
@@ -267,6 +476,7 @@ class LocalBackend:
         """python/python3/pip wrappers for the wanted interpreter (scripts, not symlinks, so venvs keep working)."""
         bindir = meta / "bin"
         bindir.mkdir(exist_ok=True)
+        bindir.chmod(0o755)  # a confined replica's user runs them, whatever the umask
         scripts = {n: f'exec {shlex.quote(exe)} "$@"' for n in ("python", "python3", f"python{version}")}
         scripts.update({n: f'exec {shlex.quote(exe)} -m pip "$@"' for n in ("pip", "pip3")})
         for name, body in scripts.items():
@@ -279,6 +489,10 @@ class LocalBackend:
     def status(self, inst: LocalInstance) -> InstanceStatus:
         _reap()
         if is_alive(inst.pid, inst.start_time):
+            if self.networked and inst.isolated and inst.ip and (m := _REPLICA_ID.fullmatch(inst.replica_id)):
+                # Watched replicas are asked often: the way in to them comes back soon after it died.
+                with contextlib.suppress(local_net.NetworkError):
+                    self.network(m["service"]).ensure_proxy()
             return InstanceStatus(state="running", message=f"pid {inst.pid}")
         code = _read_exit_code(Path(inst.work_dir))
         if code is not None:
@@ -293,7 +507,17 @@ class LocalBackend:
         if tail is not None and tail <= 0:
             return ""
         try:
-            with open(inst.log_path, "rb") as f:
+            # O_NOFOLLOW: a confined replica owns the log's directory, and could link the log to a file
+            # it may not read, for `durastack logs` to read it out as root.
+            fd = os.open(inst.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return ""
+        st = os.fstat(fd)
+        if (st.st_mode & 0o170000) != 0o100000 or st.st_uid != os.geteuid():
+            os.close(fd)
+            return ""
+        try:
+            with os.fdopen(fd, "rb") as f:
                 if tail is None:
                     return f.read().decode(errors="replace")
                 pos = f.seek(0, os.SEEK_END)
@@ -325,15 +549,23 @@ class LocalBackend:
         if not is_alive(inst.pid, inst.start_time):
             raise LocalBackendError(f"{inst.replica_id} is not running")
         wd = inst.work_dir
-        env = json.loads((Path(wd) / ".durastack" / "launch.json").read_text())["env"]
+        launch = json.loads((Path(wd) / ".durastack" / "launch.json").read_text())
+        env, cwd = launch["env"], launch.get("cwd", wd)
+        if not os.path.isdir(cwd):
+            cwd = wd  # the commands have not made it (yet)
         cmd = list(argv)
         if inst.isolated:
             inner = self._namespace_init(inst)
             ns = ["-n", "-m", "-p"]
             if os.readlink(f"/proc/{inner[0]}/ns/user") != os.readlink("/proc/self/ns/user"):
                 ns = ["-U", "--preserve-credentials", *ns]  # unprivileged: its user namespace holds the others
-            cmd = [shutil.which("nsenter") or "nsenter", "-t", str(inner[0]), *ns, f"--wd={wd}", "--", *argv]
-        proc = subprocess.Popen(cmd, cwd=wd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            # Into a confined replica only as what its commands run as: as root, `exec` would undo it all.
+            drop = launch.get("drop", [])
+            # cd inside, not nsenter's --wd: that one is opened before entering, so the cwd would be the
+            # host's view of the directory, which the namespace's root cannot name.
+            cmd = [shutil.which("nsenter") or "nsenter", "-t", str(inner[0]), *ns, "--", *drop,
+                   "/bin/sh", "-c", 'cd -- "$0" && exec "$@"', cwd, *argv]
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -399,9 +631,14 @@ class LocalBackend:
                 for pid in self._wrappers(inst, leader, tree):
                     send_signal(pid, tree[pid], signal.SIGTERM)
             time.sleep(POLL)
-        exit_file = Path(inst.work_dir) / "exit_code"
-        if killed and not exit_file.exists():
-            exit_file.write_text(f"{128 + signal.SIGKILL}\n")  # the wrapper died before it could record one
+        if self.networked and inst.isolated and inst.ip:
+            m = _REPLICA_ID.fullmatch(inst.replica_id)
+            if m:
+                self.network(m["service"]).release(inst.replica_id)
+        meta = Path(inst.work_dir) / ".durastack"
+        if killed and _read_exit_code(Path(inst.work_dir)) is None and meta.is_dir():
+            _write_private(meta / "exit_code", f"{128 + signal.SIGKILL}\n")  # the wrapper died before recording one
+        _scrub_launch(meta / "launch.json")
 
 
     @staticmethod
@@ -419,8 +656,24 @@ def _cmdline(pid: int) -> str:
 
 
 def _read_exit_code(wd: Path) -> Optional[int]:
+    # wd/exit_code: where wrappers started before .durastack/exit_code existed still write it.
+    for path in (wd / ".durastack" / "exit_code", wd / "exit_code"):
+        if path.is_symlink():  # wd is a confined replica's: never read through its links
+            continue
+        try:
+            return int(path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            continue
+    return None
+
+
+def _scrub_launch(path: Path) -> None:
+    """Drop the job's env (its secrets, in clear) from the launch file once nothing runs: what is left
+    (id, address) is all a later ``start`` needs to adopt a tree, and a stopped one has none."""
     try:
-        return int((wd / "exit_code").read_text().strip())
+        launch = json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
-        return None
+        return
+    if launch.get("env"):
+        _write_private(path, json.dumps({**launch, "env": {}}))
 

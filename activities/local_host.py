@@ -9,6 +9,7 @@ import functools
 import glob
 import os
 import platform
+import pwd
 import shutil
 import signal
 import socket
@@ -145,6 +146,83 @@ def probe_isolation() -> tuple[bool, str]:
         why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
         return False, f"isolation off: cannot create namespaces here ({why})"
     return True, "isolation on: each replica gets its own network, mount and PID namespaces"
+
+
+# ---- confinement -----------------------------------------------------------------------------
+#
+# Namespaces alone do not confine a replica started by root: it is still root on the host, with
+# every capability, so it can unmount what hides the control plane, read any file, enter other
+# namespaces. A confined replica's commands run under a non-root *host* uid (a uid mapped by a user
+# namespace is not enough: the host still sees root), with an empty capability bounding set and
+# no_new_privs (no setuid or file-capability binary can give any back). The mounts that hide the
+# home are made by the namespace's root before it drops, so the replica cannot undo them: umount
+# needs CAP_SYS_ADMIN in the user namespace that owns the mount namespace, which is the host's.
+
+REPLICA_USER_ENV = "DURASTACK_REPLICA_USER"  # the host user confined replicas run as
+DEFAULT_REPLICA_USER = "durastack-replica"
+LOCAL_USERS_ENV = "DURASTACK_LOCAL_USERS"  # host users a service's `user:` may name (comma list)
+
+
+class Account(NamedTuple):
+    name: str
+    uid: int
+    gid: int
+
+
+def replica_account(create: bool = True) -> Optional[Account]:
+    """The host user confined replicas run as; created (a system user, no home, no shell) when missing."""
+    name = os.environ.get(REPLICA_USER_ENV, "").strip() or DEFAULT_REPLICA_USER
+    for attempt in range(2):
+        try:
+            pw = pwd.getpwnam(name)
+            return Account(pw.pw_name, pw.pw_uid, pw.pw_gid) if pw.pw_uid != 0 else None
+        except KeyError:
+            pass
+        if attempt or not create or os.geteuid() != 0 or not shutil.which("useradd"):
+            return None
+        # Two workers may race here: the loser's useradd fails, and the lookup above finds the user.
+        subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+                        "--shell", "/usr/sbin/nologin", "--comment", "durastack local replicas", name],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    return None
+
+
+def account_for(user: str) -> Optional[Account]:
+    """A host user by name or uid, or None."""
+    try:
+        pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except (KeyError, OverflowError):
+        return None
+    return Account(pw.pw_name, pw.pw_uid, pw.pw_gid)
+
+
+def allowed_users() -> set[str]:
+    return {u.strip() for u in os.environ.get(LOCAL_USERS_ENV, "").split(",") if u.strip()}
+
+
+def drop_argv(account: Account) -> list[str]:
+    """argv prefix that runs what follows as ``account`` with no capability left, nor a way to gain one."""
+    return [shutil.which("setpriv") or "setpriv", f"--reuid={account.uid}", f"--regid={account.gid}",
+            "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def probe_confinement() -> tuple[bool, str]:
+    """Whether replicas can be confined here (see above), and a line saying so or why not."""
+    isolated, why = probe_isolation()
+    if not isolated:
+        return False, f"confinement off: replicas run as this user ({why})"
+    if os.geteuid() != 0:
+        return False, ("confinement off: not running as root, so replicas run as this user and can read "
+                       "its files, the home included")
+    if not shutil.which("setpriv"):
+        return False, "confinement off: setpriv (util-linux) not found; replicas run as root"
+    account = replica_account()
+    if account is None:
+        return False, (f"confinement off: no non-root user for replicas (set {REPLICA_USER_ENV}, or install "
+                       "useradd); replicas run as root")
+    return True, (f"confinement on: replicas run as {account.name} (uid {account.uid}) without capabilities; "
+                  "the home is hidden from them and durastack's code is read-only")
 
 
 # ---- python, ports -----------------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """The wrapper process of one local replica (PID 1 of its PID namespace when isolated).
 
-Run by path as ``python -I local_init.py <launch.json>`` with cwd = the work dir and the replica's
-environment; stdout/stderr are already ``replica.log``. Stdlib only, since ``-I`` hides the project.
+Run by path as ``python -I -S local_init.py <launch.json>`` with cwd = the work dir and the replica's
+environment; stdout/stderr are already ``replica.log``. Stdlib only, since ``-I`` hides the project (and ``-S``
+skips site-packages, whose setup cost more than the rest of this script's start).
 
-It sets up the namespaces' insides (loopback up, private /tmp, the Unix-socket bridge), runs the
-commands with ``/bin/sh -e -c``, forwards termination signals, and writes the commands' exit code
-to ``exit_code`` *before* exiting, so the backend can tell "exited with 3" from "killed".
+It sets up the namespaces' insides (loopback up, private /tmp, the Unix-socket bridge and, when the
+replica is confined, the mounts that hide the control plane), runs the commands with
+``/bin/sh -e -c`` (as the replica's own user when confined), forwards termination signals, and
+writes the commands' exit code to ``.durastack/exit_code`` *before* exiting, so the backend can
+tell "exited with 3" from "killed". It stays root itself: the commands, under another uid and
+without capabilities, can neither signal nor trace it.
 ``--selftest`` does only the namespace setup, to check that isolation works on this machine.
 """
 
@@ -23,8 +27,13 @@ import subprocess
 import sys
 import time
 
-_MS_BIND, _MS_REC = 0x1000, 0x4000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 0x1, 0x2, 0x4, 0x20, 0x1000, 0x4000
+# Runs the commands in their working dir, made by the replica's own user (so a symlink it planted
+# there earlier leads nowhere it could not already go).
+_IN_DIR = 'mkdir -p -- "$1" && cd -- "$1" && exec /bin/sh -e -c "$2"'
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_SIOCSIFADDR, _SIOCSIFNETMASK = 0x8916, 0x891C
+NET_WAIT = 30.0  # how long the backend may take to move the replica's end of its veth in
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -40,11 +49,102 @@ def loopback_up() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
 
 
-def bind_mount(src: str, dst: str, flags: int = _MS_BIND | _MS_REC) -> None:
+def _link_up(s: socket.socket, dev: bytes) -> None:
+    flags = struct.unpack("16sH22x", fcntl.ioctl(s, _SIOCGIFFLAGS, struct.pack("16sH22x", dev, 0)))[1]
+    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH22x", dev, flags | _IFF_UP))
+
+
+def service_link(dev: str, ip: str, prefix: int) -> None:
+    """Give ``dev`` (the replica's end of its veth, which the backend moves in once we exist) the replica's
+    address on its service's network, and bring it up; the kernel adds the route to that network alone."""
+    deadline = time.monotonic() + NET_WAIT
+    while True:
+        try:
+            socket.if_nametoindex(dev)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise OSError(f"{dev} did not appear within {NET_WAIT}s") from None
+            time.sleep(0.01)
+    mask = (0xFFFFFFFF << (32 - prefix)) & 0xFFFFFFFF
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        name = dev.encode()
+        # struct ifreq with a sockaddr_in: name, family, port, address, padding (40 bytes).
+        fcntl.ioctl(s, _SIOCSIFADDR, struct.pack("16sHH4s8x8x", name, socket.AF_INET, 0, socket.inet_aton(ip)))
+        fcntl.ioctl(s, _SIOCSIFNETMASK, struct.pack("16sHH4s8x8x", name, socket.AF_INET, 0, struct.pack("!I", mask)))
+        _link_up(s, name)
+
+
+def _mount(src, dst: str, fstype, flags: int, data, what: str) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(src.encode(), dst.encode(), None, flags, None) != 0:
+    enc = (lambda v: v.encode() if isinstance(v, str) else v)
+    if libc.mount(enc(src), dst.encode(), enc(fstype), flags, enc(data)) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"mount --bind {src} {dst}: {os.strerror(err)}")
+        raise OSError(err, f"{what} {dst}: {os.strerror(err)}")
+
+
+def bind_mount(src: str, dst: str, flags: int = _MS_BIND | _MS_REC) -> None:
+    _mount(src, dst, None, flags, None, f"mount --bind {src}")
+
+
+def read_only(path: str) -> None:
+    """Make the bind mount at ``path`` read-only (a bind mount takes its flags only from a remount)."""
+    _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None, "remount read-only")
+
+
+def tmpfs(path: str, mode: str) -> None:
+    _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode}", "mount tmpfs on")
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _closed_ancestor(path: str) -> str | None:
+    """The topmost ancestor of ``path`` that others cannot enter (e.g. /root), or None."""
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts)):
+        ancestor = "/" + "/".join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return None
+
+
+def confine_mounts(home: str, work_dir: str, keep: list[str], readonly: list[str]) -> None:
+    """Hide the control plane's home but for this replica's own work dir; durastack's code read-only.
+
+    A tmpfs covers the home, or its topmost ancestor that others cannot enter (/root for
+    /root/.durastack), and so does any such ancestor of what the replica needs (a pyenv Python under
+    /root): the replica's user must be able to walk down to its work dir and to those, and through a
+    tmpfs it can; they are bound back in it (read-only, but for the work dir), nothing else is.
+    Made by the namespace's root; the commands, without CAP_SYS_ADMIN, cannot unmount any of it
+    (nor from a nested user namespace: mounts inherited from a more privileged one come locked).
+    """
+    home = os.path.realpath(home)
+    readonly = sorted({os.path.realpath(p) for p in readonly if os.path.isdir(p)})
+    for path in readonly:
+        bind_mount(path, path)
+        read_only(path)
+    needed = sorted({os.path.realpath(p) for p in keep + readonly if os.path.isdir(p)})
+    covers = {_closed_ancestor(home) or home} | {a for p in needed if (a := _closed_ancestor(p))}
+    covers = {c for c in covers if not any(c != o and _under(c, o) for o in covers)}
+    visible = [p for p in needed if p not in covers and any(_under(p, c) for c in covers)]
+    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in visible}  # taken before they are covered
+    own = os.open(work_dir, os.O_PATH | os.O_DIRECTORY)
+    for cover in sorted(covers):
+        tmpfs(cover, "755")
+    for path, fd in handles.items():
+        os.makedirs(path, exist_ok=True)
+        bind_mount(f"/proc/self/fd/{fd}", path)
+        read_only(path)
+        os.close(fd)
+    os.makedirs(work_dir, exist_ok=True)
+    bind_mount(f"/proc/self/fd/{own}", work_dir)
+    os.close(own)
+    tmpfs("/dev/shm", "1777")  # the host's is shared by every replica (and anyone else)
+    if os.path.isdir("/var/tmp"):
+        bind_mount("/tmp", "/var/tmp", _MS_BIND)  # the other world-writable place: the replica's own /tmp
+    os.chdir(work_dir)  # through the new mount, so that the work dir's path resolves for the commands
 
 
 def private_tmp(src: str, keep: list[str]) -> None:
@@ -59,15 +159,49 @@ def private_tmp(src: str, keep: list[str]) -> None:
     fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in outer}  # handles on the host's inodes
     bind_mount(src, "/tmp")
     for path, fd in fds.items():
-        os.makedirs(path, exist_ok=True)  # inside the new /tmp
-        bind_mount(f"/proc/self/fd/{fd}", path, _MS_BIND)
+        where = _makedirs_nofollow(path)  # inside the new /tmp: the replica's own, from an earlier run
+        bind_mount(f"/proc/self/fd/{fd}", f"/proc/self/fd/{where}", _MS_BIND)
         os.close(fd)
+        os.close(where)
+
+
+def _makedirs_nofollow(path: str) -> int:
+    """``mkdir -p path`` that never follows a symlink, as an O_PATH handle on the last directory.
+
+    The new /tmp is the replica's own directory: a (confined) replica may have left symlinks there
+    in an earlier run, and root must not make directories, nor mount, where they point.
+    """
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    for part in [p for p in path.split("/") if p]:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o755, dir_fd=fd)
+        try:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
 
 
 def _write_exit_code(code: int) -> None:
-    with open("exit_code.tmp", "w") as f:
+    # In .durastack, which the replica's user cannot write: in the work dir, it could plant a
+    # symlink there for root to write through.
+    path = os.path.join(".durastack", "exit_code")
+    with open(path + ".tmp", "w") as f:
         f.write(f"{code}\n")
-    os.replace("exit_code.tmp", "exit_code")  # atomic: readers never see a half-written file
+    os.replace(path + ".tmp", path)  # atomic: readers never see a half-written file
+
+
+def _scrub_launch(launch: str) -> None:
+    """The commands are over: the job's env (its secrets) need not stay on disk."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(launch) as f:
+            cfg = json.load(f)
+        cfg["env"] = {}
+        fd = os.open(launch + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(cfg, f)
+        os.replace(launch + ".tmp", launch)
 
 
 def _reap_all() -> None:
@@ -125,17 +259,25 @@ def main() -> int:
         cfg = json.load(f)
     isolated = cfg["isolated"]
     signals = _Signals(isolated)  # PID 1 of a namespace ignores signals it has no handler for
+    os.umask(0o022)  # what it makes (the tmpfs's directories) the replica's user must be able to walk
     if isolated:
         try:
             loopback_up()
-            private_tmp(os.path.abspath("tmp"), [os.getcwd(), *cfg["keep"]])
+            if cfg.get("net"):
+                service_link(cfg["net"]["dev"], cfg["net"]["ip"], cfg["net"]["prefix"])
+            work_dir = os.getcwd()
+            private_tmp(os.path.abspath("tmp"), [work_dir, *cfg["keep"]])
+            if cfg.get("hide"):
+                confine_mounts(cfg["hide"], work_dir, cfg["keep"], cfg.get("readonly", []))
         except OSError as e:
             log(f"namespace setup failed: {e}")
             _write_exit_code(125)
             return 125
-        with open(os.path.join(".durastack", "bridge.log"), "ab") as blog:
-            subprocess.Popen([cfg["python"], "-I", cfg["bridge"], "--socket", "replica.sock",
-                              "--port", str(cfg["port"])], stdin=subprocess.DEVNULL, stdout=blog, stderr=blog)
+        if not cfg.get("net"):  # without a service network (not root): the socket is served from in here
+            fd = os.open(os.path.join(".durastack", "bridge.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "ab") as blog:
+                subprocess.Popen([cfg["python"], "-I", cfg["bridge"], "--socket", os.path.join(".durastack", "replica.sock"),
+                                  "--port", str(cfg["port"])], stdin=subprocess.DEVNULL, stdout=blog, stderr=blog)
         open(os.path.join(".durastack", "ns_ready"), "w").close()  # exec may enter from now on
     else:
         # Orphans of the app (its background jobs) become our children rather than the host init's.
@@ -143,7 +285,10 @@ def main() -> int:
     if signals.received:
         _write_exit_code(128 + signals.received)
         return 128 + signals.received
-    app = subprocess.Popen(["/bin/sh", "-e", "-c", cfg["script"]], stdin=subprocess.DEVNULL, process_group=0)
+    argv = ["/bin/sh", "-e", "-c", cfg["script"]]
+    if cfg.get("cwd") and os.path.realpath(cfg["cwd"]) != os.path.realpath(os.getcwd()):
+        argv = ["/bin/sh", "-c", _IN_DIR, "sh", cfg["cwd"], cfg["script"]]
+    app = subprocess.Popen([*cfg.get("drop", []), *argv], stdin=subprocess.DEVNULL, process_group=0)
     signals.app_pid = app.pid
     if signals.received:
         signals.handle(signals.received)  # it came while the app was being spawned
@@ -155,6 +300,7 @@ def main() -> int:
             code = os.waitstatus_to_exitcode(status)
     code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as shells report it
     _write_exit_code(code)
+    _scrub_launch(sys.argv[1])
     if signals.received:
         # Being stopped: the shell died at once, but the server it ran (which got the signal too) may
         # still be draining, and so may the bridge. Wait for all of them; the backend bounds the wait

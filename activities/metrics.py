@@ -5,7 +5,7 @@
 * a cloud offer that failed: ``backend`` is its cloud, ``reason`` the error kind — ``capacity``,
   ``quota``, ``transient`` (outcome unknown: retried with the same key) or ``fatal``;
 * ``not_running``: a launched instance that went away or never ran within the boot timeout;
-* ``no_offers``: no offer of any backend fits the replica (``backend`` is ``-``);
+* ``no_offers``: no offer of the backend a launch tried fits the replica (this machine is ``local``'s one offer);
 * ``unsupported``: this machine cannot run the job (``backend`` is ``local``).
 
 Outside an activity (unit tests of the offer walker) nothing is counted.
@@ -16,7 +16,6 @@ from __future__ import annotations
 from temporalio import activity
 
 PROVISIONING_FAILURES = "durastack_provisioning_failures"
-NO_BACKEND = "-"
 
 
 def provisioning_failed(backend: str, reason: str) -> None:

@@ -23,10 +23,11 @@ from temporalio import activity
 from temporalio.client import Client
 
 from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
-from activities.store import INTENT, TERMINATED, StoreLedger
-from models.backends import CloudError, CloudInstance, owner
+from activities.cloud_errors import CloudError
+from models.backends import CloudInstance, owner
 from models.reaper import ReapAction, ReapRequest, ReapResult
-from models.run import Event, ReplicaUpdate
+from models.run import Event, Placement
+from store import INTENT, TERMINATED, StoreLedger
 from workflows import names
 
 log = logging.getLogger("durastack.reaper")
@@ -109,10 +110,10 @@ class ReaperActivities:
             ids: Optional[set[str]] = None
             try:
                 async with limit:
-                    update = await self.client.get_workflow_handle(workflow_id, run_id=run_id).query(
-                        "state", result_type=ReplicaUpdate, rpc_timeout=timedelta(seconds=10))
-                if update.placement is not None:
-                    ids = {update.placement.instance_id}
+                    placement = await self.client.get_workflow_handle(workflow_id, run_id=run_id).query(
+                        "placement", result_type=Optional[Placement], rpc_timeout=timedelta(seconds=10))
+                if placement is not None:
+                    ids = {placement.instance_id}
             except Exception as e:  # noqa: BLE001 — unsure: it keeps every instance tagged for it
                 log.info("reaper: no placement from %s (%s); keeping its instances", workflow_id, e)
             for backend in backends:

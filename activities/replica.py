@@ -1,182 +1,356 @@
-"""The activities of a replica's life and of a service's gateway route.
+"""The activities of a replica's life, and of a service's gateway route.
 
-Dependencies (the local backend, the gateway client, the cloud backends) are
-injected, so tests can swap any of them. Errors that retrying cannot fix are raised non-retryable,
-with a message a person can act on; everything else is left to Temporal's retries.
+A replica's life is three activities, each on its backend's task queue ``<queue>-<backend>``
+(``workflows.names.backend_queue``), so the workflow picks the backend by picking the queue:
 
-A replica runs on this machine when its service allows ``local`` and the machine fits; otherwise on
-the configured clouds (``activities/replica_cloud.py``). The instance activities dispatch on
-``ref.backend``.
+* ``launch_replica``: place it (exactly once: a retried attempt reuses what an earlier one made), wait until its
+  probes pass, register it with the gateway — reporting each step to the service (activities/report.py);
+* ``monitor_replicas``: one per service and backend, heartbeating while every watched replica serves;
+* ``teardown_replica``: leave the gateway, drain, terminate, report the end. Idempotent.
+
+What differs per backend (placing, readiness, liveness, terminating) is behind ``LocalReplicas`` (below) and
+``CloudReplicas`` (activities/replica_cloud.py). Dependencies are injected, so tests can swap any of them.
+Errors that retrying cannot fix are raised non-retryable, with a message a person can act on; everything
+else is left to Temporal's retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import logging
 import time
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Protocol
 
 from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
+from activities import interface
 from activities.catalog import local_offer
-from activities.liveness import keeps_alive
+from activities.interface import implements, no_capacity
+from activities.liveness import heartbeating, keeps_alive
 from activities.local import LocalBackend, UnsupportedJobError
-from activities.metrics import NO_BACKEND, provisioning_failed
+from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.replica_cloud import CloudReplicas
-from activities.store import StoreLedger
-from activities.watch import watch_until_down
-from gateway.client import GatewayClient
-from models.backends import CLOUDS, BackendsConfig
+from activities.runtime import local_limits
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
+from activities.watch import SLACK, watch_until_down
+from gateway.client import GatewayClient, GatewayError
+from models.backends import CLOUDS
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
-from models.resources import ResourcesSpec
-from models.run import InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput
+from models.run import (Down, Instance, Launched, LaunchInput, MonitorInput, NoCapacity, Placement, ReplicaInput,
+                        RouteInput, TeardownInput, Watched)
 from models.service import ProbeSpec
-from workflows import names
 
-POLL_SECONDS = 1.0  # process liveness
+log = logging.getLogger("durastack.replica")
 READY_POLL_SECONDS = 0.2  # an app that just started answers within a few of these
+# The first polls come sooner, growing to READY_POLL_SECONDS: most apps answer within a second of their spawn, and
+# a fixed 0.2 s poll added 0.1 s on average (up to 0.2 s) to every replica's readiness.
+FIRST_READY_POLL_SECONDS = 0.05
+# A poll unanswered within this is given up and made again on a new connection, its timeout doubling up to
+# ANSWER_TIMEOUT_SECONDS (a slow app is still seen). While a local replica's link comes up on its service's bridge,
+# the stream proxy's first SYN to it can be lost, and TCP sends it again only after 1 s: 4-5 of the 16 replicas of
+# an apply waited that second (bench.control_plane, probes answered after 1.03-1.11 s); a new connection is a new SYN.
+FIRST_ANSWER_TIMEOUT_SECONDS = 0.3
+ANSWER_TIMEOUT_SECONDS = 2.0
+# Threads for the local backend's blocking start and stop. Not asyncio's default pool: that one has cpus + 4
+# threads (6 here), and 16 starts of an apply (or stops, which wait up to their grace period) filled it, so the
+# liveness checks of replicas already started, which also run there, queued behind them.
+LOCAL_THREADS = 64
+# Tolerated difference between the Temporal server's clock (a launch's scheduled time) and this machine's.
+CLOCK_SKEW_SECONDS = 5.0
+DRAIN_POLL_SECONDS = 0.2
 
 
-def _fatal(message: str, kind: str) -> ApplicationError:
-    return ApplicationError(message, type=kind, non_retryable=True)
+class Backend(Protocol):
+    """The instance work of one kind of backend (``LocalReplicas``, ``CloudReplicas``)."""
+
+    min_poll_seconds: float  # liveness checks no more often than this (cloud APIs are slow and rate-limited)
+
+    async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
+    async def wait_ready(self, instance, probes: list[ProbeSpec]) -> None: ...
+    async def down(self, instances: list) -> list[Optional[str]]: ...
+    async def stop(self, job: JobSpec, backend: str, instance) -> None: ...
 
 
-class ReplicaActivities:
-    def __init__(self, local: LocalBackend, gateway: GatewayClient, cloud: Optional[CloudReplicas] = None,
-                 local_replicas: bool = True):
-        """``cloud``: the clouds of ``$DURASTACK_HOME/config.yml`` (worker.py builds it); None: local only.
-        ``local_replicas``: False on cluster workers, whose own machine the gateway cannot reach."""
-        self.local, self.local_replicas = local, local_replicas
-        self.gateway = gateway
-        self.cloud = cloud or CloudReplicas(BackendsConfig(), {}, StoreLedger())
+class LocalReplicas:
+    """Replicas as process trees on this machine (activities/local.py)."""
 
-    def all(self) -> list:
-        return [self.provision, self.wait_ready, self.watch, self.terminate, self.register, self.unregister,
-                self.ensure_route, self.remove_route]
+    min_poll_seconds = 0.0  # reading /proc is cheap
 
-    # --- instances ------------------------------------------------------------------------------
+    def __init__(self, local: LocalBackend, enabled: bool = True):
+        """``enabled``: False on cluster workers, whose own machine the gateway cannot reach."""
+        self.local, self.enabled = local, enabled
+        self._pool = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="local-replicas")
 
-    @activity.defn(name=names.PROVISION)
-    @keeps_alive
-    async def provision(self, inp: ReplicaInput) -> Provisioned:
-        notes: tuple[str, ...] = ()
-        if not self.local_replicas and (inp.backends is None or "local" in inp.backends):
-            notes = ("this worker runs no replicas on its own machine (DURASTACK_LOCAL_REPLICAS=off)",)
-        elif inp.backends is None or "local" in inp.backends:
-            resources = ResourcesSpec.model_validate(inp.resources)
-            # The local machine has no spot market: the spot policy does not apply to it.
-            offers = [local_offer()]
-            if match_offers(offers, resources, spot_policy="auto", max_price=inp.max_price, backends=["local"],
-                            regions=inp.regions):
-                return await self._provision_local(inp)
-            why = describe_mismatch(offers, resources, spot_policy="auto", max_price=inp.max_price,
-                                    backends=["local"], regions=inp.regions)
-            notes = (f"this machine does not fit ({why or resources.summary()})",)
-        clouds, unconfigured = self.cloud.usable(inp)
-        if not clouds:
-            provisioning_failed(NO_BACKEND, "no_offers")
-            raise _fatal("no offers: " + "; ".join(notes + tuple(unconfigured)), "NoOffers")
-        return await self.cloud.provision_with(inp, notes)
+    async def _blocking(self, fn, *args):
+        """``fn(*args)`` on this backend's own threads (see ``LOCAL_THREADS``)."""
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(ctx.run, fn, *args))
 
-    async def _provision_local(self, inp: ReplicaInput) -> Provisioned:
+    async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, LocalInstance]:
+        if not self.enabled:
+            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[
+                "this worker runs no replicas on its own machine (DURASTACK_LOCAL_REPLICAS=off)"]))
+        # The local machine has no spot market: the spot policy does not apply to it.
+        offers = [local_offer()]
+        filters = dict(spot_policy="auto", max_price=inp.max_price, backends=["local"], regions=inp.regions)
+        if not match_offers(offers, inp.resources, **filters):
+            provisioning_failed("local", "no_offers")
+            why = describe_mismatch(offers, inp.resources, **filters)
+            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[
+                f"this machine does not fit ({why or inp.resources.summary()})"]))
+        job = inp.job
+        cannot, _ = local_limits({**{n: (getattr(job, n), n) for n in ("docker", "privileged", "nvcc", "image")},
+                                  "commands": (job.commands, "commands")})
+        if cannot:  # said at plan time too (`durastack apply`); here for a service submitted another way
+            provisioning_failed("local", "unsupported")
+            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=cannot))
+        since = activity.info().scheduled_time.timestamp() - CLOCK_SKEW_SECONDS  # the launch's first attempt
         try:
-            instance = await asyncio.to_thread(self.local.start, inp.job)
+            instance = await self._blocking(self._start_once, inp.job, since)
         except UnsupportedJobError as e:
             provisioning_failed("local", "unsupported")
-            raise _fatal(str(e), "Unsupported") from e
+            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[str(e)])) from e
         placement = Placement(backend="local", region="local", instance_type="local", price=0.0,
-                              address=instance.address, instance_id=str(instance.pid))
-        return Provisioned(placement=placement, instance=instance.model_dump(mode="json"))
+                              address=self.local.upstream(job, instance), instance_id=str(instance.pid),
+                              ip=instance.ip)
+        return placement, instance
 
-    @activity.defn(name=names.WAIT_READY)
-    async def wait_ready(self, inp: ReadyInput) -> None:
+    def _start_once(self, job: JobSpec, since: float) -> LocalInstance:
+        """The instance an earlier attempt of this launch started (recorded ``since`` its first attempt), even if
+        it has exited since: starting it again would run the submission twice, and the readiness wait reports
+        the exit instead. Otherwise ``start``, which also adopts a live tree an attempt left unrecorded."""
+        recorded = self.local.find(job)
+        if recorded is not None and (self.local.recorded_at(job) or 0) >= since:
+            return recorded
+        return self.local.start(job)
+
+    async def wait_ready(self, instance: LocalInstance, probes: list[ProbeSpec]) -> None:
         """Probe until ready; fail (not retried) if the app exits first."""
-        if inp.ref.backend in CLOUDS:
-            return await self.cloud.wait_ready(inp)
-        instance = self._instance(inp.ref)
-        streaks = ProbeStreaks([ProbeSpec.model_validate(p) for p in inp.probes])
+        streaks = ProbeStreaks(probes)
+        poll, timeout = FIRST_READY_POLL_SECONDS, FIRST_ANSWER_TIMEOUT_SECONDS
         while True:
-            await self._alive_or_fail(instance)
+            (exited,) = await self.down([instance])
+            if exited is not None:
+                raise ApplicationError(exited, type="ReplicaExited", non_retryable=True)
             if streaks.probes:
                 await streaks.run_due(instance.address, time.monotonic())
                 if streaks.ready():
                     return
-            elif await answers_http(instance.address) is not None:
-                return
+            else:
+                asked = time.monotonic()
+                if await answers_http(instance.address, timeout) is not None:
+                    return
+                if time.monotonic() - asked >= timeout:  # no answer at all (a refusal is quick): wait longer next
+                    timeout = min(timeout * 2, ANSWER_TIMEOUT_SECONDS)
             activity.heartbeat(streaks.summary())
-            await asyncio.sleep(READY_POLL_SECONDS)
+            await asyncio.sleep(poll)
+            poll = min(poll * 1.5, READY_POLL_SECONDS)
 
-    @activity.defn(name=names.WATCH)
-    async def watch(self, ref: InstanceRef) -> str:
-        """Heartbeat while the app runs; return why it stopped. No history events while healthy."""
-        if ref.backend in CLOUDS:
-            return await self.cloud.watch(ref)
-        instance = self._instance(ref)
+    async def down(self, instances: list[LocalInstance]) -> list[Optional[str]]:
+        def statuses() -> list[Optional[str]]:
+            found = [self.local.status(i) for i in instances]
+            return [None if s.state == "running" else _exit_reason(s.state, s.exit_code) for s in found]
 
-        async def exited() -> Optional[str]:
-            status = await asyncio.to_thread(self.local.status, instance)
-            return None if status.state == "running" else _exit_reason(status.state, status.exit_code)
+        return await asyncio.to_thread(statuses)
 
-        return await watch_until_down(exited, POLL_SECONDS)
-
-    @activity.defn(name=names.TERMINATE)
-    @keeps_alive
-    async def terminate(self, ref: InstanceRef) -> None:
-        """Stop the replica's processes (or its cloud instance); one that is already gone is success."""
-        if ref.backend in CLOUDS:
-            return await self.cloud.terminate(ref)
-        instance = self._instance(ref) if ref.instance else self._recorded(ref.job)
+    async def stop(self, job: JobSpec, backend: str, instance: Optional[LocalInstance]) -> None:
+        """Stop the replica's processes; none (never started, or already gone) is success."""
+        instance = instance or self.local.find(job)
         if instance is not None:
-            await asyncio.to_thread(self.local.stop, instance)
-        if not ref.instance:  # provision never returned: it may have been walking cloud offers
-            await self.cloud.terminate_unrecorded(ref.job)
+            await self._blocking(self.local.stop, instance)
 
-    # --- gateway --------------------------------------------------------------------------------
 
-    @activity.defn(name=names.REGISTER)
+class ReplicaActivities:
+    def __init__(self, local: Optional[LocalBackend], gateway: GatewayClient, cloud: Optional[CloudReplicas] = None,
+                 local_replicas: bool = True):
+        """``local``: this machine (None on a cloud-only worker). ``cloud``: the clouds this worker calls itself
+        (worker.py builds it). ``local_replicas``: False on cluster workers (DURASTACK_LOCAL_REPLICAS=off)."""
+        self.local = LocalReplicas(local, local_replicas) if local is not None else None
+        self.gateway = gateway
+        self.cloud = cloud
+        if cloud is not None:
+            cloud.gateway = gateway  # its SSH tunnels unroute a replica while down and route it back
+
+    def backend_activities(self) -> list:
+        """What a ``<queue>-<backend>`` worker runs: the replica's life on that backend."""
+        return [self.launch, self.teardown, self.monitor]
+
+    def route_activities(self) -> list:
+        """What the main queue runs: the service's gateway route."""
+        return [self.ensure_route, self.remove_route]
+
+    # --- launch -------------------------------------------------------------------------------------
+
+    @implements(interface.launch_replica)
     @keeps_alive
-    async def register(self, reg: Registration) -> None:
-        await self.gateway.register(reg.service, reg.replica_id, reg.group, reg.address)
+    async def launch(self, inp: LaunchInput) -> Launched:
+        r, job = inp.replica, inp.replica.job
+        # Each report is a round trip to Temporal (10–100 ms on a loaded machine), so it goes out while the next
+        # step runs rather than before it; each is awaited before the next is sent, so they still arrive in order.
+        sent = asyncio.ensure_future(report(r.service_workflow_id, job, PROVISIONING, "provisioning"))
+        try:
+            if r.backends is not None and inp.backend not in r.backends:
+                raise no_capacity(NoCapacity(backend=inp.backend, tried=False, reasons=[
+                    f"the service's backends ({', '.join(r.backends)}) do not include {inp.backend}"]))
+            backend = self._backend(inp.backend, launching=True)
+            placement, instance = await backend.place(r, inp.backend)
+        finally:
+            await sent
+        sent = asyncio.ensure_future(report(r.service_workflow_id, job, PROVISIONED, "running", placement=placement,
+                                            instance=instance))
+        try:
+            await backend.wait_ready(instance, r.probes)
+            if r.route:  # a worker behind the service's router group is reached by the router alone
+                await self.gateway.register(job.service, job.replica_id, job.group, placement.address)
+                if hasattr(backend, "routed"):
+                    backend.routed(instance, job.service, job.replica_id, job.group)
+        finally:
+            await sent
+        await report(r.service_workflow_id, job, SERVING, "running", ready=True, registered=r.route,
+                     placement=placement, instance=instance)
+        log.info("%s: serving on %s at %s%s", job.replica_id, placement.backend, placement.address,
+                 "" if r.route else " (behind the router group)")
+        return Launched(placement=placement, instance=instance)
 
-    @activity.defn(name=names.UNREGISTER)
+    # --- teardown -----------------------------------------------------------------------------------
+
+    @implements(interface.teardown_replica)
     @keeps_alive
-    async def unregister(self, reg: Registration) -> None:
-        # Returns once nginx serves a configuration without this replica; requests already in flight
-        # on it are finished by nginx's old workers (a graceful reload): wait for those, within
-        # the service's stop_duration, before the replica may be stopped.
-        await self.gateway.unregister(reg.service, reg.replica_id)
-        deadline = time.monotonic() + reg.drain_seconds
+    async def teardown(self, inp: TeardownInput) -> None:
+        job = inp.job
+        await report(inp.service_workflow_id, job, TERMINATING, "terminating", reason=inp.reason)
+        backend = self._backend(inp.backend)
+        if hasattr(backend, "unroute"):  # a tunnel coming back during the drain must not route it again
+            backend.unroute(inp.instance)
+        # Unregistering returns once nginx serves a configuration without this replica; requests already in
+        # flight on it are finished by nginx's old workers (a graceful reload): wait for those, within the
+        # drain time, before the replica may be stopped. Unknown replicas are no error: a retry repeats this.
+        await self.gateway.unregister(job.service, job.replica_id)
+        deadline = time.monotonic() + inp.drain_seconds
         while time.monotonic() < deadline and not await self.gateway.drained():
-            activity.heartbeat("draining")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        await backend.stop(job, inp.backend, inp.instance)
+        await report(inp.service_workflow_id, job, FINISHED, inp.final, reason=inp.reason)
 
-    @activity.defn(name=names.ENSURE_ROUTE)
+    # --- monitor ------------------------------------------------------------------------------------
+
+    @implements(interface.monitor_replicas)
+    async def monitor(self, inp: MonitorInput) -> list[Down]:
+        backend = self._backend(inp.backend)
+        if hasattr(backend, "adopt"):  # e.g. the SSH tunnels of cloud replicas, after this worker restarted
+            await backend.adopt(inp.service, inp.replicas)
+        poll = max(inp.poll_seconds, backend.min_poll_seconds)
+        tick = min(poll, inp.workflow_check_seconds)
+        polled = described = float("-inf")
+
+        async def check() -> Optional[list[Down]]:
+            nonlocal polled, described
+            now, down = time.monotonic(), []
+            if now - polled >= poll - SLACK:
+                polled = now
+                reasons = await backend.down([w.instance for w in inp.replicas])
+                down += [_down(w, why) for w, why in zip(inp.replicas, reasons) if why is not None]
+            if now - described >= inp.workflow_check_seconds - SLACK:
+                described = now
+                seen = {(d.replica_num, d.submission_num) for d in down}
+                down += [d for d in await _closed_workflows(inp.replicas)
+                         if (d.replica_num, d.submission_num) not in seen]
+            return down or None
+
+        try:
+            down = await watch_until_down(check, tick)
+            # Unrouted here, all at once, not after a round trip through the workflow: requests stop going to a
+            # dead replica within a poll of its death.
+            by_num = {(w.replica_num, w.submission_num): w for w in inp.replicas}
+            await heartbeating(asyncio.gather(*(
+                self.gateway.unregister(inp.service, by_num[d.replica_num, d.submission_num].replica_id)
+                for d in down)))
+        except asyncio.CancelledError:
+            # The workflow abandons a monitor whose watched set changed and starts another: nothing to undo.
+            log.debug("monitor of %s on %s cancelled", inp.service, inp.backend)
+            raise
+        log.info("%s on %s: %s", inp.service, inp.backend,
+                 "; ".join(f"r{d.replica_num}-s{d.submission_num} {d.reason}" for d in down))
+        return down
+
+    # --- gateway routes -----------------------------------------------------------------------------
+
+    @implements(interface.ensure_route)
     async def ensure_route(self, inp: RouteInput) -> None:
         # The gateway's own tokens (`durastack token`) guard every route with auth.
-        await self.gateway.put_service(inp.service, auth=inp.auth, cold_start_timeout=inp.cold_start_timeout)
+        try:
+            await self.gateway.put_service(inp.service, auth=inp.auth, cold_start_timeout=inp.cold_start_timeout,
+                                           pass_authorization=inp.pass_authorization, strip_prefix=inp.strip_prefix,
+                                           rate_limits=inp.rate_limits)
+        except GatewayError as e:
+            if 400 <= e.status < 500:  # e.g. an older gateway without a route setting: asking again changes nothing
+                raise ApplicationError(str(e), type="RouteRefused", non_retryable=True) from None
+            raise
 
-    @activity.defn(name=names.REMOVE_ROUTE)
+    @implements(interface.remove_route)
     async def remove_route(self, inp: RouteInput) -> None:
         await self.gateway.delete_service(inp.service)
 
-    # --- helpers --------------------------------------------------------------------------------
+    # --- helpers ------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _instance(ref: InstanceRef) -> LocalInstance:
-        if ref.backend != "local" or ref.instance is None:
-            raise _fatal(f"unknown instance on backend {ref.backend}", "UnknownInstance")
-        return LocalInstance.model_validate(ref.instance)
+    def _backend(self, name: str, launching: bool = False) -> Backend:
+        if name == "local" and self.local is not None:
+            return self.local
+        if name in CLOUDS and self.cloud is not None and name in self.cloud.backends:
+            return self.cloud
+        why = f"backend {name} is not served by this worker"
+        if launching:  # the workflow tries the next backend
+            raise no_capacity(NoCapacity(backend=name, tried=False, reasons=[why]))
+        # Teardown and monitor: a worker that serves it may poll this queue later (a misrouted task).
+        raise ApplicationError(why, type="NotServed")
 
-    def _recorded(self, job: JobSpec) -> Optional[LocalInstance]:
-        """The instance a provision attempt may have started before it could report back."""
-        return self.local.find(job)
 
-    async def _alive_or_fail(self, instance: LocalInstance) -> None:
-        status = await asyncio.to_thread(self.local.status, instance)
-        if status.state != "running":
-            raise _fatal(_exit_reason(status.state, status.exit_code), "ReplicaExited")
+class BackendsServed:
+    """The answer of ``served_backends``, fixed when the worker starts."""
+
+    def __init__(self, backends: list[str]):
+        self.backends = list(backends)
+
+    @implements(interface.served_backends)
+    async def served_backends(self) -> list[str]:
+        return list(self.backends)
+
+
+def _down(w: Watched, reason: str, workflow_closed: bool = False) -> Down:
+    return Down(replica_num=w.replica_num, submission_num=w.submission_num, reason=reason,
+                workflow_closed=workflow_closed)
+
+
+# A replica workflow that ended like this tore nothing down: its instance and route are left to the service. One
+# that completed or was cancelled tore itself down (a lingering monitor must not unroute it again).
+ORPHANED_BY = (WorkflowExecutionStatus.TERMINATED, WorkflowExecutionStatus.TIMED_OUT, WorkflowExecutionStatus.FAILED)
+
+
+async def _closed_workflows(watched: list[Watched]) -> list[Down]:
+    """The watched replicas whose workflow ended without tearing down (e.g. terminated from the Web UI)."""
+    client = activity.client()
+
+    async def closed(w: Watched) -> Optional[Down]:
+        try:
+            status = (await client.get_workflow_handle(w.workflow_id).describe()).status
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                return _down(w, "replica workflow not found", workflow_closed=True)
+            log.warning("could not describe %s: %s (keeps watching)", w.workflow_id, e)
+            return None
+        if status not in ORPHANED_BY:
+            return None
+        return _down(w, f"replica workflow {status.name.lower().replace('_', ' ')}", workflow_closed=True)
+
+    return [d for d in await asyncio.gather(*(closed(w) for w in watched)) if d is not None]
 
 
 def _exit_reason(state: str, code: Optional[int]) -> str:

@@ -1,17 +1,28 @@
-"""The cloud half of a replica's activities: provision on AWS/GCP offers, readiness, watch, terminate.
+"""The cloud half of a replica's activities: place on AWS/GCP offers, readiness, liveness, terminate.
 
-``ReplicaActivities`` (activities/replica.py) hands every non-local replica to ``CloudReplicas``; a worker
-started with ``--backends aws`` registers ``CloudReplicas.all()`` alone on ``<queue>-aws`` (worker.py), under
-the same activity names. Cloud calls block, so they run in threads. Only ``CloudInstance``/``Placement``
-values leave these activities: never the job's env, the user-data or a credential.
+``ReplicaActivities`` (activities/replica.py) runs launch, teardown and monitor for every backend and hands a
+cloud replica's instance work to ``CloudReplicas``: on the main worker for the clouds it serves itself, on a
+``worker.py --backends aws`` worker for that cloud alone (each on ``<queue>-<cloud>``). Cloud calls block, so
+they run in threads. Only ``CloudInstance``/``Placement`` values leave these activities: never the job's env,
+the user-data or a credential.
+
+With ``ssh`` (activities/ssh.py) a replica is reached over SSH only: once the instance runs, the launch waits for
+its SSH (pinned to the host key durastack made for it), sends the job (env in a mode-600 file) and starts its
+container, and opens the tunnel whose Unix socket is the replica's gateway address; the monitor checks the
+container over the same SSH every few seconds, and keeps the tunnels of the replicas it watches (after a worker
+restart it opens them again). A lost tunnel unroutes the replica until it is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Optional
+
+import asyncssh
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -19,18 +30,20 @@ from temporalio.exceptions import ApplicationError
 from activities.catalog import load_catalog
 from activities.cloud import (CloudBackend, NoCapacity, activity_error, heartbeat_from_thread, placement_of,
                               provision_cloud, terminate_cloud, terminate_replica)
-from activities.liveness import keeps_alive
-from activities.metrics import NO_BACKEND, provisioning_failed
+from activities.cloud_errors import CloudError, ErrorKind
+from activities.interface import no_capacity
+from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
-from activities.store import StoreLedger
-from activities.watch import watch_until_down
-from models.backends import CLOUDS, BackendsConfig, CloudError, CloudInstance, ErrorKind
+from activities.ssh import NotReady, SSHClient, SSHTarget, Tunnel, container_state, start_job, tunnel_socket, \
+    wait_booted
+from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
+from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
-from models.resources import ResourcesSpec
-from models.run import Delegation, InstanceRef, Provisioned, ReadyInput, ReplicaInput
+from models.run import NoCapacity as NoCapacityDetails
+from models.run import Placement, ReplicaInput
 from models.service import ProbeSpec
-from workflows import names
+from store import StoreLedger
 
 log = logging.getLogger("durastack.replica_cloud")
 PROBE_SECONDS = 1.0  # between readiness probes of a booted instance
@@ -39,79 +52,187 @@ DOWN = ("stopping", "stopped", "terminated")
 
 class CloudReplicas:
     def __init__(self, config: BackendsConfig, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
-                 queues: Optional[dict[str, str]] = None, catalog: Optional[list[InstanceOffer]] = None,
+                 catalog: Optional[list[InstanceOffer]] = None,
                  address: Optional[Callable[[CloudInstance], str]] = None, poll_seconds: float = 15.0,
-                 boot_timeout: float = 900.0):
-        """``backends``: the clouds this worker calls itself. ``queues``: configured clouds that workers of their
-        own serve (backend → task queue); replicas are delegated there. ``address``: where the gateway and the
-        probes reach an instance's app — default its own ``address``; tests map it to a server they run."""
+                 boot_timeout: float = 900.0, ssh: Optional[SSHClient] = None, ssh_keys=None,
+                 home: Optional[Path] = None, container_poll_seconds: float = 2.0):
+        """``backends``: the clouds this worker calls itself. ``ssh`` + ``ssh_keys`` (connect.ssh_keys) + ``home``:
+        the SSH data path (tunnels under ``home/tunnels``). Without them (older tests), ``address`` says where the
+        gateway and the probes reach an instance's app — default its own ``address``. ``poll_seconds``: how often
+        an instance's cloud state is read (cloud APIs are rate-limited and slow); ``container_poll_seconds``: how
+        often its container is checked over SSH."""
         self.config, self.backends, self.ledger = config, backends, ledger
-        self.queues = dict(queues or {})
         self._catalog = catalog
-        self.address = address or (lambda instance: instance.address)
+        self.ssh, self.ssh_keys, self.home = ssh, ssh_keys, home
+        self.tunnels: dict[str, Tunnel] = {}
+        self.routes: dict[str, tuple[str, str, str]] = {}  # instance id → (service, replica id, group) once routed
+        self.gateway = None  # set by ReplicaActivities: tunnels route and unroute their replica
+        self._cloud_checked: dict[str, tuple[float, CloudInstance]] = {}
+        self.address = address or (self._tunnel_address if ssh is not None else (lambda instance: instance.address))
         self.poll_seconds, self.boot_timeout = poll_seconds, boot_timeout
+        self.container_poll_seconds = container_poll_seconds
 
-    def all(self) -> list:
-        return [self.provision, self.wait_ready, self.watch, self.terminate]
+    @property
+    def min_poll_seconds(self) -> float:
+        return self.container_poll_seconds if self.ssh is not None else self.poll_seconds
 
-    def configured(self) -> list[str]:
-        return [c for c in CLOUDS if c in self.backends or c in self.queues]
+    # --- the SSH data path -----------------------------------------------------------------------------
 
-    def usable(self, inp: ReplicaInput) -> tuple[list[str], list[str]]:
-        """(clouds the replica may use that are configured, a note for each one it names that is not)."""
-        wanted = [c for c in CLOUDS if inp.backends is None or c in inp.backends]
-        usable = [c for c in wanted if c in self.configured()]
-        notes = [f"backend {c} is not configured ($DURASTACK_HOME/config.yml)"
-                 for c in wanted if c not in usable and inp.backends is not None]
-        return usable, notes
+    def _tunnel_address(self, instance: CloudInstance) -> str:
+        return f"unix:{tunnel_socket(self.home, instance.instance_id)}" if instance.state == "running" else ""
 
-    # --- provision --------------------------------------------------------------------------------
+    def _target(self, instance: CloudInstance) -> SSHTarget:
+        host = instance.address.rpartition(":")[0] or (instance.public_ip if self.config_public(instance)
+                                                        else instance.private_ip)
+        return SSHTarget(host, self.ssh_keys.host_key(instance.key).public_openssh)
 
-    @activity.defn(name=names.PROVISION)
-    @keeps_alive
-    async def provision(self, inp: ReplicaInput) -> Provisioned:
-        return await self.provision_with(inp)
+    def config_public(self, instance: CloudInstance) -> bool:
+        cfg = getattr(self.config, instance.backend, None)
+        return bool(cfg and cfg.public_ip)
 
-    async def provision_with(self, inp: ReplicaInput, notes: tuple[str, ...] = ()) -> Provisioned:
-        """Walk the offers this worker can serve, or delegate to the workers of the clouds it cannot.
-        ``notes``: why other backends (this machine) were not used, for a ``no offers`` message."""
-        resources = ResourcesSpec.model_validate(inp.resources)
-        clouds, unconfigured = self.usable(inp)
-        pool = [o for o in (self._catalog or load_catalog()) if o.backend in clouds and self.config.allows(o)]
+    def _boot_timeout(self, instance: CloudInstance, state: str, detail: str) -> CloudError:
+        """An instance that did not come up in time: retryable, the next attempt adopts it and waits again."""
+        provisioning_failed(instance.backend, "not_running")
+        return CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}{state} after {self.boot_timeout:g}s "
+                                               f"({detail})", code="BootTimeout")
+
+    async def _ssh_start(self, inp: ReplicaInput, instance: CloudInstance, gpu: bool) -> None:
+        """Wait (bounded) for the instance's SSH and its boot, send the job, start it, open the tunnel."""
+        target = self._target(instance)
+        deadline = time.monotonic() + self.boot_timeout
+        while True:
+            try:
+                conn = await self.ssh.connect(target)
+                try:
+                    booted = await wait_booted(conn)
+                except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:  # e.g. sshd restarted by the boot
+                    booted, e_text = False, str(e) or type(e).__name__
+                else:
+                    e_text = "booting (Docker, GPU runtime)"
+                if booted:
+                    break
+                conn.close()
+                why = e_text
+            except NotReady as e:
+                why = str(e)
+            if time.monotonic() > deadline:
+                raise self._boot_timeout(instance, ": no SSH", why)
+            activity.heartbeat(f"{instance.instance_id}: {why}")
+            await asyncio.sleep(min(self.poll_seconds, 2.0))
+        try:
+            # Pulling a large image takes minutes: heartbeat meanwhile.
+            started = asyncio.ensure_future(start_job(conn, inp.job, gpu=gpu))
+            while not started.done():
+                activity.heartbeat(f"{instance.instance_id}: starting the container (image pull)")
+                await asyncio.wait({started}, timeout=5.0)
+            started.result()
+        except RuntimeError as e:  # docker run failed: the message is docker's, never the env
+            raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="StartFailed") from e
+        finally:
+            conn.close()
+        self._open_tunnel(instance, inp.job.port)
+        tunnel = self.tunnels[instance.instance_id]
+        while not tunnel.up.is_set():
+            activity.heartbeat(f"{instance.instance_id}: opening the tunnel")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await tunnel.wait_up(5.0)
+
+    def _open_tunnel(self, instance: CloudInstance, port: int) -> Tunnel:
+        tunnel = self.tunnels.get(instance.instance_id)
+        if tunnel is None:
+            iid = instance.instance_id
+
+            async def up() -> None:  # back after a loss: route it again, if it was routed
+                route = self.routes.get(iid)
+                if route and self.gateway is not None:
+                    await self.gateway.register(route[0], route[1], route[2], self._tunnel_address(instance))
+
+            async def down() -> None:  # while the tunnel is down the replica is unrouted
+                route = self.routes.get(iid)
+                if route and self.gateway is not None:
+                    await self.gateway.unregister(route[0], route[1])
+
+            async def wanted() -> bool:  # its instance still runs (not torn down through another worker)
+                if (await self._current(instance)).state in DOWN:
+                    self.tunnels.pop(iid, None)
+                    self.routes.pop(iid, None)
+                    return False
+                return True
+
+            tunnel = Tunnel(self.ssh, self._target(instance), tunnel_socket(self.home, iid), port, on_up=up,
+                            on_down=down, still_wanted=wanted)
+            self.tunnels[iid] = tunnel
+        return tunnel.start()
+
+    def routed(self, instance: CloudInstance, service: str, replica_id: str, group: str) -> None:
+        """The launch registered the replica: a tunnel that comes back routes it again."""
+        self.routes[instance.instance_id] = (service, replica_id, group)
+
+    def unroute(self, instance: Optional[CloudInstance]) -> None:
+        """The teardown unregisters it: a tunnel coming back must not route it again."""
+        if instance is not None:
+            self.routes.pop(instance.instance_id, None)
+
+    async def adopt(self, service: str, watched: list) -> None:
+        """The monitor's replicas: their tunnels, opened again if this worker has none (it restarted)."""
+        if self.ssh is None:
+            return
+        for w in watched:
+            instance = w.instance
+            if isinstance(instance, CloudInstance) and instance.instance_id not in self.tunnels:
+                self.routes[instance.instance_id] = (service, w.replica_id, w.group)
+                port = int(instance.tags.get(TAG_NAMES[instance.backend]["port"], "0") or 0)
+                if port:
+                    self._open_tunnel(instance, port)
+
+    async def _close_tunnel(self, instance_id: str) -> None:
+        self.routes.pop(instance_id, None)
+        tunnel = self.tunnels.pop(instance_id, None)
+        if tunnel is not None:
+            await tunnel.close()
+
+    # --- place ------------------------------------------------------------------------------------
+
+    async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, CloudInstance]:
+        """Walk ``backend``'s offers for the replica, cheapest first; an instance an earlier attempt made is
+        adopted (the walker's provisioning keys), so a retried launch never makes a second one."""
+        if backend not in self.backends:
+            raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
+                f"backend {backend} is not configured on this worker ($DURASTACK_HOME/config.yml)"]))
+        pool = [o for o in (self._catalog or load_catalog()) if o.backend == backend and self.config.allows(o)]
         filters = dict(spot_policy=inp.spot_policy, max_price=inp.max_price, regions=inp.regions)
-        offers = match_offers(pool, resources, **filters) if clouds else []
+        offers = match_offers(pool, inp.resources, **filters)
         if not offers:
-            reasons = [f"{'/'.join(clouds)}: {describe_mismatch(pool, resources, **filters)}"] if clouds else []
-            reasons += [*notes, *unconfigured]
-            provisioning_failed(NO_BACKEND, "no_offers")
-            raise activity_error(NoCapacity("no offers: " + (
-                "; ".join(reasons) or "no cloud backend is configured ($DURASTACK_HOME/config.yml)")))
-        order = list(dict.fromkeys(o.backend for o in offers))  # cheapest offer first
-        if any(b not in self.backends for b in order):
-            here = activity.info().task_queue
-            return Provisioned(delegate=[Delegation(backend=b, task_queue=self.queues.get(b, here)) for b in order])
+            provisioning_failed(backend, "no_offers")
+            raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
+                describe_mismatch(pool, inp.resources, **filters) or inp.resources.summary()]))
         progress = heartbeat_from_thread()
         try:
             offer, instance = await asyncio.to_thread(
-                provision_cloud, inp.job, resources, offers, backends=self.backends, ledger=self.ledger,
-                max_offers=self.config.max_offers, progress=progress)
+                provision_cloud, inp.job, inp.resources, offers, backends={backend: self.backends[backend]},
+                ledger=self.ledger, max_offers=self.config.max_offers, progress=progress)
             instance = await self._until_running(instance)
-        except (NoCapacity, CloudError) as e:
+            if self.ssh is not None:
+                await self._ssh_start(inp, instance, gpu=offer.gpu_count > 0)
+        except NoCapacity as e:
+            raise no_capacity(NoCapacityDetails(backend=backend, tried=e.tried, reasons=e.reasons)) from e
+        except CloudError as e:
             raise activity_error(e) from e
         placement = placement_of(offer, instance).model_copy(update={"address": self.address(instance)})
         log.info("%s: provisioned %s %s in %s", inp.job.replica_id, instance.backend, instance.instance_id,
                  instance.zone or instance.region)
-        return Provisioned(placement=placement, instance=instance.model_dump(mode="json"))
+        return placement, instance
 
     async def _until_running(self, instance: CloudInstance) -> CloudInstance:
         """Wait (bounded) until the instance runs with an address: a pending AWS instance has no public IP yet,
-        and the placement's address is what the gateway will route to."""
+        and that address is what SSH (or, without it, the gateway) connects to."""
         deadline = time.monotonic() + self.boot_timeout
-        while not (instance.state == "running" and self.address(instance)):
-            if time.monotonic() > deadline:  # retryable: the next attempt adopts the instance and waits again
-                provisioning_failed(instance.backend, "not_running")
-                raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id} is not running after "
-                                 f"{self.boot_timeout:g}s ({instance.state})", code="BootTimeout")
+        def reachable(i: CloudInstance) -> bool:  # over SSH, at its own address; else at the mapped one
+            return i.state == "running" and bool(i.address if self.ssh is not None else self.address(i))
+
+        while not reachable(instance):
+            if time.monotonic() > deadline:
+                raise self._boot_timeout(instance, " is not running", instance.state)
             activity.heartbeat(f"{instance.instance_id} is {instance.state}")
             await asyncio.sleep(min(self.poll_seconds, 5.0))
             current = await asyncio.to_thread(self._backend(instance).get, instance)
@@ -124,13 +245,11 @@ class CloudReplicas:
             instance = current
         return instance
 
-    # --- readiness and watch ---------------------------------------------------------------------
+    # --- readiness and liveness ---------------------------------------------------------------------
 
-    @activity.defn(name=names.WAIT_READY)
-    async def wait_ready(self, inp: ReadyInput) -> None:
+    async def wait_ready(self, instance: CloudInstance, probes: list[ProbeSpec]) -> None:
         """Ready = the instance runs and its app answers the probes (or any HTTP without probes)."""
-        instance = self._cloud_instance(inp.ref)
-        streaks = ProbeStreaks([ProbeSpec.model_validate(p) for p in inp.probes])
+        streaks = ProbeStreaks(probes)
         checked = float("-inf")
         while True:
             now = time.monotonic()
@@ -150,17 +269,31 @@ class CloudReplicas:
             activity.heartbeat(streaks.summary() or instance.state)
             await asyncio.sleep(PROBE_SECONDS)
 
-    @activity.defn(name=names.WATCH)
-    async def watch(self, ref: InstanceRef) -> str:
-        """Heartbeat while the instance runs; return why it stopped (preempted, deleted outside durastack)."""
-        instance = self._cloud_instance(ref)
+    async def down(self, instances: list[CloudInstance]) -> list[Optional[str]]:
+        """For each instance, why it is down (its container exited, preempted, deleted outside durastack), or None
+        while it runs. The container is checked over SSH at every call; the cloud API every ``poll_seconds``."""
+        return list(await asyncio.gather(*(self._down(i) for i in instances)))
 
-        async def down() -> Optional[str]:
-            nonlocal instance
-            instance = await self._current(instance)
-            return f"instance {instance.state}" if instance.state in DOWN else None
-
-        return await watch_until_down(down, self.poll_seconds)
+    async def _down(self, instance: CloudInstance) -> Optional[str]:
+        now = time.monotonic()
+        checked = self._cloud_checked.get(instance.instance_id)
+        if self.ssh is None or checked is None or now - checked[0] >= self.poll_seconds:
+            current = await self._current(instance)
+            self._cloud_checked[instance.instance_id] = (now, current)
+        else:
+            current = checked[1]
+        if current.state in DOWN:
+            # A spot instance going away is the cloud taking its capacity back: said so in the event.
+            return f"{SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
+        tunnel = self.tunnels.get(instance.instance_id)
+        if self.ssh is None or tunnel is None or tunnel.connection is None:
+            return None  # no SSH now (a lost tunnel reconnects; the replica is unrouted meanwhile)
+        try:
+            state = await container_state(tunnel.connection)
+        except (OSError, asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 — the connection broke mid-check
+            log.info("%s: container check: %s", instance.instance_id, e)
+            return None
+        return f"container {state}" if state else None
 
     async def _current(self, instance: CloudInstance) -> CloudInstance:
         """The instance now (state ``terminated`` once gone); the last known state on a transient error."""
@@ -175,32 +308,37 @@ class CloudReplicas:
 
     # --- terminate ---------------------------------------------------------------------------------
 
-    @activity.defn(name=names.TERMINATE)
-    @keeps_alive
-    async def terminate(self, ref: InstanceRef) -> None:
-        """Terminate the replica's instance; without a record (provision never returned), every instance
-        tagged for this replica submission. Retried until it works: a leak costs money every hour."""
+    async def stop(self, job: JobSpec, backend: str, instance: Optional[CloudInstance]) -> None:
+        """Terminate the replica's instance; without a record (a launch died before it returned), every instance
+        tagged for this replica submission on ``backend``. Already gone is success."""
+        if instance is not None:
+            await self._close_tunnel(instance.instance_id)
+            self._cloud_checked.pop(instance.instance_id, None)
         try:
-            if ref.instance and ref.backend in CLOUDS:
-                await asyncio.to_thread(terminate_cloud, self._cloud_instance(ref), backends=self.backends,
+            if instance is not None:
+                await asyncio.to_thread(terminate_cloud, instance, backends=self.backends, ledger=self.ledger)
+            elif backend in self.backends:
+                await asyncio.to_thread(terminate_replica, job, backends={backend: self.backends[backend]},
                                         ledger=self.ledger)
             else:
-                await asyncio.to_thread(terminate_replica, ref.job, backends=self.backends, ledger=self.ledger)
-        except (NoCapacity, CloudError) as e:
-            raise activity_error(e, teardown=True) from e
-
-    async def terminate_unrecorded(self, job: JobSpec) -> int:
-        """For a local teardown without a record: an in-process cloud walk this worker's ledger saw for this
-        replica may have launched something. Checking the ledger first keeps pure-local replicas off the cloud."""
-        if not self.backends:
-            return 0
-        entries = await asyncio.to_thread(self.ledger.entries)
-        if not any((e.get("data") or {}).get("replica_id") == job.replica_id for e in entries):
-            return 0
-        try:
-            return await asyncio.to_thread(terminate_replica, job, backends=self.backends, ledger=self.ledger)
+                raise CloudError(ErrorKind.FATAL, f"backend {backend} is not configured; cannot look for "
+                                 f"{job.replica_id}'s instance", code="NotConfigured")
         except CloudError as e:
             raise activity_error(e, teardown=True) from e
+        await self._release(job.service, backend)
+
+    async def _release(self, service: str, backend: str) -> None:
+        """Once the service has no instance left there: its security groups (AWS), the SSH firewall rule if no
+        instance of this control plane is left (GCP). Best effort: a group still held by a terminating instance
+        is deleted by a later teardown or stop."""
+        cloud = self.backends.get(backend)
+        release = getattr(cloud, "release", None)
+        if release is None:
+            return
+        try:
+            await asyncio.to_thread(release, service)
+        except CloudError as e:
+            log.info("releasing %s's network rules on %s: %s (left for later)", service, backend, e.message)
 
     # --- helpers ---------------------------------------------------------------------------------
 
@@ -209,13 +347,6 @@ class CloudReplicas:
         if backend is None:
             raise ApplicationError(f"backend {instance.backend} is not configured on this worker", type="NotConfigured")
         return backend
-
-    @staticmethod
-    def _cloud_instance(ref: InstanceRef) -> CloudInstance:
-        if ref.backend not in CLOUDS or not ref.instance:
-            raise ApplicationError(f"unknown instance on backend {ref.backend}", type="UnknownInstance",
-                                   non_retryable=True)
-        return CloudInstance.model_validate(ref.instance)
 
 
 __all__ = ["CloudReplicas"]

@@ -3,20 +3,46 @@
 It reads the gateway's request rates every second in-process and *returns only when some group's
 wanted count changes*, so an idle service adds no history events (DESIGN.md, "History economy"),
 while a change reaches the workflow about a second after the window's rate crosses a threshold.
+
+The gateway's report holds every service's stats, so the watchers of one worker process share one read per
+``poll_seconds`` (``SharedRead``): one watcher per service each reading every service's stats would cost the
+gateway work that grows with the square of the number of services.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Generic, Optional, TypeVar
 
 from temporalio import activity
 
+from activities import interface
+from activities.interface import implements
 from models.gateway import StatsReport
 from models.run import StatsSnapshot, StatsWatch
-from workflows import names
 from workflows.autoscaler import wanted
+
+T = TypeVar("T")
+
+
+class SharedRead(Generic[T]):
+    """One ``read()`` at a time, shared: a caller within ``max_age`` seconds of the last read's start gets that
+    read's result (awaiting it if it is still under way) instead of starting another."""
+
+    def __init__(self, read: Callable[[], Awaitable[T]], max_age: float = 1.0):
+        self._read, self.max_age = read, max_age
+        self._last: Optional[asyncio.Future] = None
+        self._started = float("-inf")
+
+    async def __call__(self) -> T:
+        now = time.monotonic()
+        if self._last is None or now - self._started >= self.max_age:
+            self._started, self._last = now, asyncio.ensure_future(self._read())
+            # A failed read whose callers were all cancelled must not log "exception never retrieved".
+            self._last.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # Shielded: one watcher cancelled (its service stopped) must not cancel the others' read.
+        return await asyncio.shield(self._last)
 
 
 def snapshot_of(report: StatsReport, service: str) -> Optional[StatsSnapshot]:
@@ -32,10 +58,11 @@ def changed(watch: StatsWatch, snap: StatsSnapshot) -> bool:
 
 
 class StatsActivities:
-    def __init__(self, read_stats: Callable[[], Awaitable[StatsReport]]):
-        self.read_stats = read_stats
+    def __init__(self, read_stats: Callable[[], Awaitable[StatsReport]], max_age: float = 1.0):
+        """``max_age``: how old a shared report may be; every watcher of this process reads through it."""
+        self.read_stats = SharedRead(read_stats, max_age)
 
-    @activity.defn(name=names.WATCH_STATS)
+    @implements(interface.watch_stats)
     async def watch_stats(self, watch: StatsWatch) -> StatsSnapshot:
         deadline = time.monotonic() + watch.max_seconds
         last: Optional[StatsSnapshot] = None

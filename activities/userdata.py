@@ -1,8 +1,12 @@
-"""What a cloud instance runs at boot: the replica's job in Docker (``--gpus all`` on GPU instances).
+"""What a cloud instance gets, in two halves.
 
-One shell script (``templates/start.sh.tmpl``) does the work; AWS gets it wrapped in cloud-init
-(``cloud_init``), GCP as the ``startup-script`` metadata (``startup_script``). The job's env values can be
-secrets: they go into the script (root-only on the VM) and never into logs, history or the ledger.
+* At boot, in user data (AWS cloud-init, ``cloud_init``) or the ``startup-script`` metadata (GCP,
+  ``startup_script``): ``templates/boot.sh.tmpl``, which installs the host key durastack made for the instance,
+  authorizes the installation's key, and installs Docker (and the GPU runtime). It holds no env value and no
+  command of the service: user data and metadata are readable by anything on the instance that reaches the
+  metadata service, and are kept by the cloud.
+* After boot, over SSH (``job_upload`` then ``start_command``): the job's files — its commands, and its env in a
+  mode-600 ``--env-file`` — and the ``docker run`` of ``activities/runtime.py``.
 """
 
 from __future__ import annotations
@@ -10,16 +14,21 @@ from __future__ import annotations
 import base64
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
+from activities.runtime import CONTAINER_NAME, DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, docker_run_argv, env_files, job_script
 from models.replica import JobSpec
 
 TEMPLATES = Path(__file__).with_name("templates")
-DEFAULT_IMAGE = "nvidia/cuda:12.4.1-runtime-ubuntu22.04"
-DEFAULT_DEVEL_IMAGE = "nvidia/cuda:12.4.1-devel-ubuntu22.04"  # nvcc: true
-CONTAINER_JOB = "/durastack/job.sh"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+@dataclass(frozen=True)
+class BootKeys:
+    host_key: str         # the instance's private host key (OpenSSH format)
+    host_key_public: str  # ``ssh-ed25519 AAAA…``
+    authorized_key: str   # the installation's public key
 
 
 def _render(name: str, **values: str) -> str:
@@ -42,34 +51,17 @@ def default_image(nvcc: bool = False) -> str:
     return DEFAULT_DEVEL_IMAGE if nvcc else DEFAULT_IMAGE
 
 
-def _heredoc_delimiter(body: str) -> str:
-    delimiter = "DURASTACK_JOB"
-    while delimiter in body.splitlines():  # a command line equal to the delimiter would end the heredoc
-        delimiter += "_"
-    return delimiter
+_KEY_LINE = re.compile(r"^[A-Za-z0-9+/=@. -]+$")
 
 
-def start_script(job: JobSpec, *, gpu: bool, nvcc: bool = False) -> str:
-    """The boot script: write the job's commands to a file, then ``docker run`` the image with env and port."""
-    bad = [k for k in job.env if not _ENV_NAME.match(k)]
-    if bad:
-        raise ValueError(f"invalid environment variable names: {', '.join(sorted(bad))}")
-    flags = (["--gpus all"] if gpu else []) + [f"-p {job.port}:{job.port}"] + [f"-e {k}" for k in sorted(job.env)]
-    job_file = job_args = ""
-    if job.commands:
-        body = "set -e\n" + "\n".join(job.commands) + "\n"
-        delimiter = _heredoc_delimiter(body)
-        job_file = f"cat >\"$DIR/job.sh\" <<'{delimiter}'\n{body}{delimiter}"
-        flags += [f'-v "$DIR/job.sh:{CONTAINER_JOB}:ro"', "--entrypoint /bin/sh"]
-        # The commands are written for bash, but an image may have only sh.
-        job_args = " -c " + shlex.quote(f"if command -v bash >/dev/null 2>&1; then exec bash {CONTAINER_JOB}; fi; "
-                                        f"exec sh {CONTAINER_JOB}")
-    # Exported here and passed by name (-e NAME), so values never need docker's --env-file escaping.
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(job.env.items()))
+def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:
+    """The boot script: host key, authorized key, sshd settings, Docker (and the GPU runtime)."""
+    for line in (keys.host_key_public, keys.authorized_key):
+        if not _KEY_LINE.match(line):
+            raise ValueError(f"not a public key line: {line[:40]!r}")
     gpu_setup = (TEMPLATES / "gpu_setup.sh.tmpl").read_text(encoding="utf-8").rstrip("\n") if gpu else ""
-    return _render("start.sh.tmpl", replica_id=job.replica_id, job_file=job_file, gpu_setup=gpu_setup,
-                   env_exports=exports, docker_flags=" ".join(flags),
-                   image=shlex.quote(job.image or default_image(nvcc)), job_args=job_args)
+    return _render("boot.sh.tmpl", replica_id=job.replica_id, host_key=keys.host_key.strip("\n"),
+                   host_key_public=keys.host_key_public, authorized_key=keys.authorized_key, gpu_setup=gpu_setup)
 
 
 def _yaml_block_safe(text: str) -> bool:
@@ -77,9 +69,9 @@ def _yaml_block_safe(text: str) -> bool:
     return all(c in "\t\n" or (c.isprintable() and c != "\ufeff") for c in text) and "\r" not in text
 
 
-def cloud_init(job: JobSpec, *, gpu: bool, nvcc: bool = False) -> str:
-    """AWS user-data: a ``#cloud-config`` that writes the start script and runs it once."""
-    script = start_script(job, gpu=gpu, nvcc=nvcc)
+def cloud_init(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:
+    """AWS user-data: a ``#cloud-config`` that writes the boot script and runs it once."""
+    script = boot_script(job, gpu=gpu, keys=keys)
     if _yaml_block_safe(script):
         content = "    content: |\n" + "".join(line if line == "\n" else f"      {line}"
                                               for line in script.splitlines(keepends=True))
@@ -88,9 +80,28 @@ def cloud_init(job: JobSpec, *, gpu: bool, nvcc: bool = False) -> str:
     return _render("cloud-init.yml.tmpl", replica_id=job.replica_id, content=content.rstrip("\n"))
 
 
-def startup_script(job: JobSpec, *, gpu: bool, nvcc: bool = False) -> str:
-    """GCP ``startup-script`` metadata: the start script itself (the agent runs it at every boot)."""
-    return start_script(job, gpu=gpu, nvcc=nvcc)
+def startup_script(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:
+    """GCP ``startup-script`` metadata: the boot script itself (the agent runs it at every boot)."""
+    return boot_script(job, gpu=gpu, keys=keys)
 
 
-__all__ = ["DEFAULT_DEVEL_IMAGE", "DEFAULT_IMAGE", "cloud_init", "default_image", "start_script", "startup_script"]
+# --- after boot, over SSH ----------------------------------------------------------------------------
+
+def job_upload(job: JobSpec) -> dict[str, str]:
+    """The job's files, relative to the instance's job dir, each written mode 600 by root: ``job.sh``, ``env``
+    (docker's --env-file) and ``env.d/<NAME>`` for values with newlines."""
+    env_text, multi = env_files(job)
+    files = {"job.sh": job_script(job), "env": env_text}
+    files.update({f"env.d/{k}": v for k, v in sorted(multi.items())})
+    return files
+
+
+def start_command(job: JobSpec, *, gpu: bool) -> str:
+    """The shell command, run as root over SSH once the files are in place, that (re)starts the container."""
+    argv = docker_run_argv(job, gpu=gpu, job_dir="@JOB@")
+    run = " ".join('"$JOB"' + shlex.quote(a[5:]) if a.startswith("@JOB@") else shlex.quote(a) for a in argv)
+    return ("set -e; DIR=\"${DURASTACK_DIR:-/opt/durastack}\"; JOB=\"$DIR/job\"; "
+            f"docker rm -f {CONTAINER_NAME} >/dev/null 2>&1 || true; {run}")
+
+
+__all__ = ["BootKeys", "boot_script", "cloud_init", "default_image", "job_upload", "start_command", "startup_script"]

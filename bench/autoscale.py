@@ -27,7 +27,7 @@ import httpx
 from temporalio.client import Client
 
 from bench.stack import BenchStack, free_port, median, replica_python, until
-from models.connection import client_options
+from connect.connection import client_options
 
 REACTION = """
 type: service
@@ -74,8 +74,15 @@ def load(url: str, token: str, rps: float, stop: threading.Event, counts: dict) 
     asyncio.run(run())
 
 
+def _routes(stack: BenchStack) -> dict:
+    return httpx.get(f"{stack.control}/api/services", timeout=5, trust_env=False,
+                     headers={"Authorization": f"Bearer {stack.settings.control_token}"}).json()["services"]
+
+
 def window_requests(stack: BenchStack, service: str, window: int = 30) -> int:
-    stats = httpx.get(f"{stack.control}/api/stats", timeout=5).json()["services"].get(service)
+    # The control API answers only with the gateway's control token (the home's control.token).
+    stats = httpx.get(f"{stack.control}/api/stats", timeout=5, trust_env=False,
+                      headers={"Authorization": f"Bearer {stack.settings.control_token}"}).json()["services"].get(service)
     return stats["windows"][str(window)]["requests"] if stats else 0
 
 
@@ -141,6 +148,9 @@ def _answers(url: str) -> bool:
 def from_zero(stack: BenchStack, burst: int, tmp: Path) -> tuple[float, dict]:
     (tmp / "cold.yml").write_text(FROM_ZERO)
     stack.check("apply", "-f", str(tmp / "cold.yml"), "-y")
+    # `apply` returns once every group has its replicas, which at zero is at once, possibly before the service's
+    # first workflow task has put its gateway route: a request then is nginx's 404, not a cold start.
+    until(lambda: "cold" in _routes(stack), 60, 0.05, "the service's gateway route")
     token = stack.token()
     url = f"{stack.gateway}/services/cold/"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from temporalio.client import Client
 
 from bench.stack import BenchStack, until
-from models.connection import client_options
+from connect.connection import client_options
 
 SERVICE = """
 type: service

@@ -1,21 +1,21 @@
 """Scale out: one worker process holding N services (3 groups × 2 replicas) on a fake instant backend.
 
     .venv/bin/python -m bench.scale_out [--services 1000] [--settle 30] [--idle 60] [--poll 15]
-                                        [--heartbeat S] [--watch-heartbeat S] [--timeout 3600] [--keep]
+                                        [--heartbeat S] [--timeout 3600] [--keep]
 
 A Temporal dev server (the venv's `temporal`, headless, SQLite in a temp dir, free ports, the durastack search
 attributes: `cli.stack.temporal_argv`) and one worker **subprocess**: the real ServiceRunWorkflow and
-ReplicaWorkflow in the real `worker.main_worker` (its slots and sticky cache), with fake activities under the
-real names. Provision, probes and register are instant; the watch is the product's loop
-(`activities.watch.watch_until_down`) with a status check that costs nothing, polled at the cloud backends'
-cadence (`--poll`); `record_service` keeps rows in memory. Fixed counts, no autoscaling, so no stats watchers.
+ReplicaWorkflow in the real `worker.main_worker` and `worker.backend_worker` (their slots and sticky cache), with
+fake activities bound to the real stubs. Launch is instant but reports to the service as the real one does; each
+monitor is the product's loop (`activities.watch.watch_until_down`) with a status check that costs nothing, polled
+at the cloud backends' cadence (`--poll`); `record_service` keeps rows in memory. Fixed counts, no autoscaling, so no stats watchers.
 Measured from /proc/<pid>:
 
-* start: the N services submitted (as `durastack apply` does), until all 6N watches run in the worker and
+* start: the N services submitted (as `durastack apply` does), until monitors watch all 6N replicas and
   every service's `status` query answers with all replicas ready; CPU used by the worker and by Temporal;
 * idle: RSS and CPU of the worker process over --idle seconds, after --settle seconds (and per service);
 * restart: SIGKILL the worker, start a new one: time until every service's `status` answers all ready and
-  every watch runs again in the new process; then idle again.
+  every replica is watched again in the new process; then idle again.
 
 Everything it started is stopped by PID at the end (the services are not stopped: their Temporal server and
 its database go with the temp dir, which is removed unless --keep or on failure).
@@ -43,15 +43,19 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
+from activities import interface
+from activities.interface import implements
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
 from activities.watch import watch_until_down
 from bench.stack import code_note, free_port, load_avg, load_note
-from models.codec import ensure_key_file
-from models.connection import client_options
+from connect.codec import ensure_key_file
+from connect.connection import client_options
 from models.loader import load_config_text
-from models.run import (InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput, RouteInput,
-                        ServiceRecord, ServiceState)
+from models.replica import LocalInstance
+from models.run import (Down, Launched, LaunchInput, MonitorInput, Placement, RouteInput, ServiceRecord, ServiceState,
+                        TeardownInput)
 from models.settings import Settings
-from workflows import names
+from workflows.names import backend_queue
 
 GROUPS, PER_GROUP = ("router", "prefill", "decode"), 2
 SERVICE = "type: service\nname: {name}\nport: 8000\nreplicas:\n" + "".join(
@@ -61,7 +65,7 @@ START_CONCURRENCY = 16
 
 
 def cloud_poll_seconds() -> float:
-    """How often a cloud replica's watch reads its instance (CloudReplicas' default)."""
+    """How often a cloud replica's monitor reads its instance (CloudReplicas' default)."""
     from activities.replica_cloud import CloudReplicas
 
     return inspect.signature(CloudReplicas).parameters["poll_seconds"].default
@@ -71,65 +75,70 @@ def cloud_poll_seconds() -> float:
 
 
 class InstantBackend:
-    """Replica activities that take no time; the watch blocks and heartbeats like the real one."""
+    """Replica activities that take no time but report as the real ones do; the monitor blocks and heartbeats
+    like the real one."""
 
     def __init__(self, poll_seconds: float) -> None:
         self.poll_seconds = poll_seconds
-        self.watching: set[str] = set()
+        self.watching: dict[int, int] = {}  # monitor → replicas it watches
         self.watch_starts = 0
         self.rows: dict[str, int] = {}
 
     def activities(self) -> list:
-        return [self.provision, self.wait_ready, self.watch, self.terminate, self.register, self.unregister,
-                self.ensure_route, self.remove_route, self.record]
+        """The main queue's."""
+        return [self.ensure_route, self.remove_route, self.record, self.served_backends]
 
-    @activity.defn(name=names.PROVISION)
-    async def provision(self, inp: ReplicaInput) -> Provisioned:
-        return Provisioned(placement=Placement(backend="local", region="local", instance_type="instant",
-                                               address=f"unix:/nonexistent/{inp.job.replica_id}.sock"),
-                           instance={"replica_id": inp.job.replica_id})
+    def replica_activities(self) -> list:
+        """``<queue>-local``'s."""
+        return [self.launch, self.teardown, self.monitor]
 
-    @activity.defn(name=names.WAIT_READY)
-    async def wait_ready(self, inp: ReadyInput) -> None:
-        return None
+    @implements(interface.launch_replica)
+    async def launch(self, inp: LaunchInput) -> Launched:
+        r, rid = inp.replica, inp.replica.job.replica_id
+        await report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
+        placement = Placement(backend="local", region="local", instance_type="instant",
+                              address=f"unix:/nonexistent/{rid}.sock")
+        instance = LocalInstance(replica_id=rid, pid=0, start_time=0, work_dir="/nonexistent",
+                                 address=placement.address, isolated=False, log_path="/nonexistent/log")
+        await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement, instance=instance)
+        await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=True,
+                     placement=placement, instance=instance)
+        return Launched(placement=placement, instance=instance)
 
-    @activity.defn(name=names.WATCH)
-    async def watch(self, ref: InstanceRef) -> str:
-        rid = f"{ref.job.service}/{ref.job.replica_id}"
-        self.watching.add(rid)
+    @implements(interface.monitor_replicas)
+    async def monitor(self, inp: MonitorInput) -> list[Down]:
+        key = id(inp)
+        self.watching[key] = len(inp.replicas)
         self.watch_starts += 1
         try:  # the product's watch loop, with a status check that costs nothing
             return await watch_until_down(self.still_running, self.poll_seconds)
         finally:
-            self.watching.discard(rid)
+            self.watching.pop(key, None)
 
     @staticmethod
-    async def still_running() -> Optional[str]:
+    async def still_running() -> Optional[list[Down]]:
         return None
 
-    @activity.defn(name=names.TERMINATE)
-    async def terminate(self, ref: InstanceRef) -> None:
-        return None
+    @implements(interface.teardown_replica)
+    async def teardown(self, inp: TeardownInput) -> None:
+        await report(inp.service_workflow_id, inp.job, TERMINATING, "terminating", reason=inp.reason)
+        await report(inp.service_workflow_id, inp.job, FINISHED, inp.final, reason=inp.reason)
 
-    @activity.defn(name=names.REGISTER)
-    async def register(self, reg: Registration) -> None:
-        return None
-
-    @activity.defn(name=names.UNREGISTER)
-    async def unregister(self, reg: Registration) -> None:
-        return None
-
-    @activity.defn(name=names.ENSURE_ROUTE)
+    @implements(interface.ensure_route)
     async def ensure_route(self, inp: RouteInput) -> None:
         return None
 
-    @activity.defn(name=names.REMOVE_ROUTE)
+    @implements(interface.remove_route)
     async def remove_route(self, inp: RouteInput) -> None:
         return None
 
-    @activity.defn(name=names.RECORD_SERVICE)
+    @implements(interface.record_service)
     async def record(self, rec: ServiceRecord) -> None:
         self.rows[rec.service] = len(rec.events)
+
+    @implements(interface.served_backends)
+    async def served_backends(self) -> list[str]:
+        return ["local"]
 
 
 async def run_worker(address: str, task_queue: str, metrics_port: int, poll: float, state: Path) -> None:
@@ -147,9 +156,10 @@ async def run_worker(address: str, task_queue: str, metrics_port: int, poll: flo
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     last = None
-    async with worker.main_worker(client, settings.task_queue, backend.activities()):
+    async with worker.main_worker(client, settings.task_queue, backend.activities()), \
+            worker.backend_worker(client, backend_queue(settings.task_queue, "local"), backend.replica_activities()):
         while not stop.is_set():
-            now = {"pid": os.getpid(), "polling": True, "watching": len(backend.watching),
+            now = {"pid": os.getpid(), "polling": True, "watching": sum(backend.watching.values()),
                    "watch_starts": backend.watch_starts}
             if now != last:
                 tmp = state.with_suffix(".tmp")
@@ -243,7 +253,7 @@ async def sample(pid: int, seconds: float) -> tuple[float, float]:
 class Bench:
     def __init__(self, tmp: Path, services: int, poll: float, log, heartbeat: Optional[dict] = None):
         self.tmp, self.n, self.poll, self.log = tmp, services, poll, log
-        self.heartbeat = heartbeat or {}  # ServiceRunInput's heartbeat_seconds, watch_heartbeat_seconds (None: default)
+        self.heartbeat = heartbeat or {}  # ServiceRunInput's heartbeat_seconds (None: its default)
         self.home = tmp / "home"
         self.home.mkdir()
         self.settings = Settings(home=self.home, temporal_port=free_port(), ui_port=free_port(), codec_port=0,
@@ -371,8 +381,7 @@ class Bench:
 
 async def bench(args, log) -> list[str]:
     tmp = Path(tempfile.mkdtemp(prefix="dsbench-scale-"))
-    b = Bench(tmp, args.services, args.poll, log, {"heartbeat_seconds": args.heartbeat,
-                                                    "watch_heartbeat_seconds": args.watch_heartbeat})
+    b = Bench(tmp, args.services, args.poll, log, {"heartbeat_seconds": args.heartbeat})
     ok = False
     n, replicas = args.services, args.services * len(GROUPS) * PER_GROUP
     out = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {code_note()}; {load_note()} at the start"]
@@ -419,11 +428,11 @@ async def bench(args, log) -> list[str]:
     from workflows.service import ServiceRunInput
 
     fields = ServiceRunInput.model_fields
-    beat = {k: b.heartbeat.get(k) or fields[k].default for k in ("heartbeat_seconds", "watch_heartbeat_seconds")}
+    beat = {k: b.heartbeat.get(k) or fields[k].default for k in ("heartbeat_seconds",)}
     out += [
         f"scale out: {n} services × {len(GROUPS)} groups × {PER_GROUP} replicas = {replicas} replica workflows in "
-        f"one worker process, instant fake backend (watch polls every {args.poll:g} s; heartbeat timeouts "
-        f"{beat['heartbeat_seconds']} s, watch {beat['watch_heartbeat_seconds']} s; worker: "
+        f"one worker process, instant fake backend (monitors poll every {args.poll:g} s; heartbeat timeout, monitors "
+        f"included, {beat['heartbeat_seconds']} s; worker: "
         f"{worker.MAX_ACTIVITIES} activity slots, sticky cache {worker.MAX_CACHED_WORKFLOWS}); "
         f"load avg (1 min) {load_avg()} at the end",
         f"  empty worker            {rss0:6.0f} MiB RSS  {cpu0:5.1f} % of one core",
@@ -449,9 +458,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="Bound on each wait (start, restart).")
     p.add_argument("--poll", type=float, default=cloud_poll_seconds(),
                    help="Seconds between the fake watch's status checks (default: the cloud backends' cadence).")
-    p.add_argument("--heartbeat", type=int, help="ServiceRunInput.heartbeat_seconds (default: its default).")
-    p.add_argument("--watch-heartbeat", type=int,
-                   help="ServiceRunInput.watch_heartbeat_seconds (default: its default).")
+    p.add_argument("--heartbeat", type=int, help="ServiceRunInput.heartbeat_seconds, the monitors' too "
+                                                  "(default: its default).")
     p.add_argument("--keep", action="store_true", help="Keep the temp dir (logs, temporal.db).")
     p.add_argument("--as-worker", metavar="STATE", help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)

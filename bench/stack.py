@@ -55,6 +55,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def step(title: str) -> None:
+    """A titled step of a demo's output."""
+    print(f"\n=== {title}", flush=True)
+
+
 def until(check: Callable[[], T], timeout: float = 60.0, interval: float = 0.2, what: str = "condition") -> T:
     deadline = time.monotonic() + timeout
     last = None
@@ -92,6 +97,9 @@ class BenchStack:
         self.home = self.tmp / "home"
         self.home.mkdir()
         self.env = {**os.environ, "DURASTACK_HOME": str(self.home)}
+        # This tree's code, whatever the venv's editable install points at (another checkout): the server and the
+        # worker it starts import from PYTHONPATH first.
+        self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
         self.env.pop("DURASTACK_TEMPORAL_ADDRESS", None)  # always the embedded Temporal of this home
         self._pick_ports()
         self.proc: Optional[subprocess.Popen] = None

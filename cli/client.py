@@ -12,8 +12,8 @@ from typing import Awaitable, Optional, TypeVar
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from models.codec import CodecKeyError
-from models.connection import TemporalConfigError, client_options, connect_failure
+from connect.codec import CodecKeyError
+from connect.connection import TemporalConfigError, client_options, connect_failure
 from models.settings import Settings
 
 CONNECT_TIMEOUT = 5.0
@@ -39,7 +39,7 @@ def down_message(address: str) -> str:
 
 
 async def connect(settings: Settings, timeout: float = CONNECT_TIMEOUT) -> Client:
-    """A connected client (models.connection: codec, TLS), or ControlPlaneDown within ``timeout``."""
+    """A connected client (connect.connection: codec, TLS), or ControlPlaneDown within ``timeout``."""
     options = client_options(settings)  # TemporalConfigError: a user error, see run()
     try:
         return await asyncio.wait_for(Client.connect(**options), timeout)

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import typer
 
 from cli.client import EXIT_CONTROL_PLANE_DOWN
-from cli.main import err, out
+from cli.console import err, out
 from cli.render import age, ps_table, status_json
 from models.common import parse_duration
 from models.run import Event, ServiceStatus
@@ -26,7 +26,7 @@ db_app = typer.Typer(no_args_is_help=True, help="The store's database: DURASTACK
 
 
 def _store(settings: Optional[Settings] = None):
-    from activities.store import Store, database_url
+    from store import Store, database_url
 
     return Store(database_url((settings or Settings.from_env()).home), upgrade=False)
 
@@ -56,7 +56,7 @@ def current(check: bool = typer.Option(False, "--check", help="Exit 1 unless at 
     """The revision of the store's database, and the latest this durastack knows."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from activities.store import head_revision
+    from store import head_revision
 
     store = _store()
     try:
@@ -95,20 +95,20 @@ def select_events(items: list[Event], since: Optional[datetime], limit: Optional
 
 
 def stored_events(settings: Settings, name: str, since: Optional[datetime] = None,
-                  limit: Optional[int] = None) -> Optional[list[Event]]:
-    """The service's decision log from the store (every run, oldest first); None when the store has none of it."""
+                  limit: Optional[int] = None) -> tuple[Optional[list[Event]], str]:
+    """The service's decision log from the store (every run, oldest first), or None when the store has none of
+    it; and why the store could not be read ('' when it could)."""
     from sqlalchemy.exc import SQLAlchemyError
 
     store = _store(settings)
     try:
         if not _exists(store):
-            return None
+            return None, ""
         items = store.events(name, since=since, limit=limit)
-        return items if items or store.events(name, limit=1) else None
+        return (items if items or store.events(name, limit=1) else None), ""
     except SQLAlchemyError as e:
-        err.print(f"store {store.where()} unreadable ({type(e).__name__}); asking the control plane",
-                  style="yellow", markup=False)
-        return None
+        why = str(getattr(e, "orig", None) or e).splitlines()[0]
+        return None, f"store {store.where()} unreadable: {why}"
     finally:
         store.close()
 
@@ -116,7 +116,7 @@ def stored_events(settings: Settings, name: str, since: Optional[datetime] = Non
 def print_stale_ps(settings: Settings, name: Optional[str], verbose: bool, as_json: bool,
                    url: Callable[[str], str]) -> bool:
     """The read model as ``ps`` shows it, marked stale with when each service last wrote it; False if empty.
-    Without a name: the services not terminated."""
+    Without a name: the services not ended (terminated, or failed)."""
     from sqlalchemy.exc import SQLAlchemyError
 
     store = _store(settings)
@@ -126,7 +126,7 @@ def print_stale_ps(settings: Settings, name: Optional[str], verbose: bool, as_js
         return False
     finally:
         store.close()
-    rows = [(s, at) for s, at in rows if name or s.status != "terminated"]
+    rows = [(s, at) for s, at in rows if name or s.status not in ("terminated", "failed")]
     if not rows:
         return False
     if as_json:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -9,23 +11,54 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
-from models.loader import LoadResult, load_config_file
+from cli.console import FileOption, err, out, print_errors
+from models.loader import load_config_file
 from models.service import ServiceConfiguration
 
+# Each command group's commands, in the order of `durastack --help`; its module (one per group, with a
+# ``register(app)``) is imported only when one of them runs (or for --help). Importing every group cost each command
+# about 0.15 s of CPU more: aiohttp for the codec server, the store's code for db, … (tests/test_cli_commands.py
+# keeps this table and the modules in step).
+GROUPS = {
+    "cli.service": ("apply", "rollback", "stop", "scale", "config"),
+    "cli.inspect": ("ps", "events", "exec", "logs"),
+    "cli.offers": ("offers",),
+    "cli.server": ("server",),
+    "cli.codec_server": ("codec-server",),
+    "cli.tokens": ("token",),
+    "cli.db": ("db",),
+}
+
+
+class Commands(TyperGroup):
+    """The top-level commands: ``validate`` (below) and, imported on demand, the groups' (``GROUPS``)."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        return [*super().list_commands(ctx), *(name for names in GROUPS.values() for name in names)]
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Optional[TyperCommand | TyperGroup]:
+        found = super().get_command(ctx, cmd_name)
+        module = next((m for m, names in GROUPS.items() if cmd_name in names), None)
+        return found or (group_commands(module).get_command(ctx, cmd_name) if module else None)
+
+
+@functools.cache
+def group_commands(module: str) -> TyperGroup:
+    """The commands a group's module registers."""
+    commands = typer.Typer()
+    importlib.import_module(module).register(commands)
+    return typer.main.get_group(commands)
+
+
 app = typer.Typer(
+    cls=Commands,
     help="durastack: run ML inference services of several replica groups on GPU clouds.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Piped output (scripts, tests) gets wide lines rather than tables folded at 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-FileOption = typer.Option(..., "-f", "--file", help="Service configuration file (YAML).", show_default=False)
-
 
 def _version(value: bool) -> None:
     if value:
@@ -55,13 +88,6 @@ def group_summaries(config: ServiceConfiguration) -> list[dict]:
     return out_groups
 
 
-def print_errors(result: LoadResult, source: Path) -> None:
-    n = len(result.errors)
-    err.print(f"[red]{source}: {n} error{'s' if n != 1 else ''}[/red]")
-    for e in result.errors:
-        err.print(f"  {e}", markup=False)
-
-
 @app.command()
 def validate(
     file: Path = FileOption,
@@ -89,18 +115,6 @@ def validate(
         out.print(f"  group={g['name']} replicas={count} ({how}) {g['resources']}", markup=False)
     for w in result.warnings:
         err.print(f"  [yellow]warning:[/yellow] {w}")
-
-
-def _register_commands() -> None:
-    from cli import codec_server, commands, db, offers, server  # noqa: F401  (commands registers itself on `app`)
-
-    offers.register(app)
-    server.register(app)
-    codec_server.register(app)
-    db.register(app)
-
-
-_register_commands()
 
 
 def entry() -> None:

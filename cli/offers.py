@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -18,24 +17,13 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from activities.catalog import catalog_as_of, load_catalog, local_offer
-from models.backends import load_backends_config
-from models.offers import InstanceOffer, describe_mismatch, match_offers
+from activities.catalog import catalog_as_of
+from activities.catalog.plan import GroupQuery, candidate_offers, group_queries, match_query
+from models.backends import BackendsConfig, load_backends_config
+from models.offers import InstanceOffer
 from models.resources import ResourcesSpec
 
 BACKENDS = ("aws", "gcp", "local")
-
-
-@dataclass
-class _Query:
-    """One table: a replica group's resources and the filters that apply to it."""
-
-    name: str
-    resources: ResourcesSpec
-    spot_policy: str
-    max_price: Optional[float]
-    backends: Optional[list[str]]
-    regions: Optional[list[str]]
 
 
 def _fail(message: str) -> NoReturn:
@@ -56,7 +44,7 @@ def _resources(flags: dict[str, str]) -> ResourcesSpec:
 
 
 def _queries_from_file(path: Path, spot_policy: Optional[str], max_price: Optional[float],
-                       backends: Optional[list[str]], regions: Optional[list[str]]) -> list[_Query]:
+                       backends: Optional[list[str]], regions: Optional[list[str]]) -> list[GroupQuery]:
     if not path.is_file():
         _fail(f"{path}: no such file")
     try:
@@ -68,23 +56,18 @@ def _queries_from_file(path: Path, spot_policy: Optional[str], max_price: Option
         for err in result.errors:
             typer.echo(str(err), err=True)
         raise typer.Exit(1)
-    config = result.config
     # Command-line filters win over the file's; a group's spot_policy wins over the service's.
-    return [_Query(name=group.name, resources=group.resources,
-                   spot_policy=spot_policy or group.spot_policy or config.spot_policy or "on-demand",
-                   max_price=max_price if max_price is not None else config.max_price,
-                   backends=backends or config.backends, regions=regions or config.regions)
-            for group in config.replica_groups]
+    return group_queries(result.config, spot_policy, max_price, backends, regions)
 
 
-def _configured() -> tuple[str, list[str]]:
-    """(the summary line, the configured backends) of config.yml; a broken file is reported, not fatal here."""
+def _configured() -> tuple[str, BackendsConfig]:
+    """(the summary line, the backends config) of config.yml; a broken file is reported, not fatal here."""
     try:
         config = load_backends_config(os.environ)
     except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return f"backends: config.yml is invalid ({first}); only local can be used", ["local"]
-    return config.summary(), config.configured()
+        return f"backends: config.yml is invalid ({first}); only local can be used", BackendsConfig()
+    return config.summary(), config
 
 
 def _price(value: float) -> str:
@@ -133,19 +116,18 @@ def offers(
             _fail("give either -f FILE or --gpu/--cpu/--memory/--disk, not both")
         queries = _queries_from_file(file, policy, max_price, backend, region)
     else:
-        queries = [_Query("-", _resources(flags), policy or "on-demand", max_price, backend, region)]
+        queries = [GroupQuery("-", _resources(flags), policy or "on-demand", max_price, backend, region)]
 
-    candidates = load_catalog() + [local_offer()]
+    summary, config = _configured()
+    # The same candidates `apply` plans from: a configured cloud only in its configured regions.
+    candidates = candidate_offers(config)
     groups = []
     for q in queries:
-        filters = dict(spot_policy=q.spot_policy, max_price=q.max_price, backends=q.backends, regions=q.regions)
-        found = match_offers(candidates, q.resources, **filters)
-        reason = None if found else describe_mismatch(candidates, q.resources, **filters)
+        found, reason = match_query(candidates, q)
         groups.append((q, found[:limit] if limit else found, len(found), reason))
 
-    summary, configured = _configured()
     if as_json:
-        typer.echo(json.dumps({"backends": configured, "groups": [
+        typer.echo(json.dumps({"backends": config.configured(), "groups": [
             {"name": q.name, "offers": [o.model_dump(mode="json") for o in shown], "total": total, "reason": reason}
             for q, shown, total, reason in groups]}, indent=2))
         return

@@ -59,8 +59,10 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
         name = status.name + (f" deployment={status.deployment}" if show_deployment else "")
         row = [name, "", *([""] * 2 if verbose else ["-"]), "-", Text(status.status), age(status.submitted_at)]
         table.add_row(*row, *([""] if verbose else []))
+        if status.unrecorded or status.store_failing_since:
+            table.add_row(Text("   " + store_note(status), style="yellow"), *[""] * (len(table.columns) - 1))
         for group in status.groups:
-            label = f"group={group.name}"
+            label = f"group={group.name}" + (f" ({group.role})" if group.role else "")
             for i, r in enumerate(sorted(group.replicas, key=lambda r: r.replica)):
                 prefix = "   " + (label if i == 0 else " " * len(label))
                 cell = f"{prefix} replica={r.replica}" + (f" deployment={r.deployment}" if show_deployment else "")
@@ -72,13 +74,32 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
                 table.add_row(*cols)
             if not group.replicas:
                 table.add_row(f"   {label} (no replicas)", *[""] * (len(table.columns) - 1))
+            if group.waiting:
+                table.add_row(Text(f"   {label} waits: {group.waiting}", style="yellow"),
+                              *[""] * (len(table.columns) - 1))
+            if group.retry_after is not None:
+                wait = f"   {label} waits on a back-off until {group.retry_after:%H:%M:%S} UTC (after failures in a row)"
+                table.add_row(Text(wait, style="yellow"), *[""] * (len(table.columns) - 1))
     return table
+
+
+def store_note(status: ServiceStatus) -> str:
+    """What `ps` and `events` say of a service whose decisions wait for the store."""
+    waiting = f"{status.unrecorded} decision{'s' if status.unrecorded != 1 else ''} not in the store yet"
+    if status.store_failing_since is None:
+        return f"the store is behind: {waiting}"
+    since = f"{status.store_failing_since:%Y-%m-%d %H:%M:%S} UTC ({age(status.store_failing_since)})"
+    return f"the store is unavailable since {since}: {status.store_error or 'write failed'}; {waiting}"
 
 
 def status_json(status: ServiceStatus, url: str) -> dict:
     return {
         "name": status.name, "status": status.status, "deployment": status.deployment, "url": url,
-        "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max,
+        "unrecorded": status.unrecorded, "store_error": status.store_error or None,
+        "store_failing_since": status.store_failing_since.isoformat() if status.store_failing_since else None,
+        "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max, "role": g.role,
+                    "waiting": g.waiting,
+                    "retry_after": g.retry_after.isoformat() if g.retry_after else None,
                     "replicas": [{"replica": r.replica, "submission": r.submission, "deployment": r.deployment,
                                   "status": r.status, "ready": r.ready, "backend": r.backend, "region": r.region,
                                   "instance_type": r.instance_type, "price": r.price, "address": r.address}

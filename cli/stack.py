@@ -79,7 +79,9 @@ def temporal_binary() -> str:
     return found
 
 
-def temporal_argv(settings: Settings, binary: Optional[str] = None) -> list[str]:
+def temporal_argv(settings: Settings, binary: Optional[str] = None, codec_endpoint: Optional[str] = None) -> list[str]:
+    """``codec_endpoint``: the Web UI's codec URL, credential included (cli/codec_server.py); None: the UI gets
+    none (the codec server answers no URL without the credential)."""
     argv = [binary or temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1",
             "--port", str(settings.temporal_port), "--ui-port", str(settings.ui_port),
             "--db-filename", str(settings.home / "temporal.db"), "--namespace", settings.namespace,
@@ -88,8 +90,8 @@ def temporal_argv(settings: Settings, binary: Optional[str] = None) -> list[str]
             # journal, which halved the server's CPU and start time at scale (bench/scale_out.py). A crashed
             # process loses nothing; a power cut may lose the last commits, never the database.
             "--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal"]
-    if settings.codec_port:  # served by the Stack itself (cli/codec_server.py): the UI shows secrets decrypted
-        argv += ["--ui-codec-endpoint", settings.codec_url]
+    if settings.codec_port and codec_endpoint:  # served by the Stack (cli/codec_server.py): the UI shows secrets
+        argv += ["--ui-codec-endpoint", codec_endpoint]
     for name in SEARCH_ATTRIBUTES:
         argv += ["--search-attribute", f"{name}=Keyword"]
     return argv
@@ -103,8 +105,13 @@ def worker_argv() -> list[str]:
 def gateway_argv(settings: Settings) -> list[str]:
     if os.environ.get(ENV_GATEWAY_CMD):
         return shlex.split(os.environ[ENV_GATEWAY_CMD])
-    return [sys.executable, "-m", "gateway", "--runtime-dir", str(settings.home / "gateway"),
+    argv = [sys.executable, "-m", "gateway", "--runtime-dir", str(settings.home / "gateway"),
             "--port", str(settings.gateway_port), "--control-port", str(settings.gateway_control_port)]
+    if settings.local_replicas:
+        import activities.local as local
+        if local.networks_available():  # nginx joins the service networks: no proxy between it and a replica
+            argv.append("--netns")
+    return argv
 
 
 # ---- lock, ports, state ----------------------------------------------------------------------
@@ -200,6 +207,18 @@ def stop_local_replicas(home: Path) -> None:
         local.stop_all(home)
     elif callable(getattr(getattr(local, "LocalBackend", None), "stop_all", None)):
         local.LocalBackend(home).stop_all()
+    # The gateway, stopped before them, kept its namespace for the networks that still ran: none runs now.
+    from activities import local_net
+    local_net.release_gateway_namespace(home)
+
+
+def _replicas_line(settings: Settings) -> str:
+    """Whether local replicas are confined here, from the backend's own check (unconfined ones can
+    read this home: the codec key, the gateway's token hashes)."""
+    if not settings.local_replicas:
+        return "local replicas off (DURASTACK_LOCAL_REPLICAS=off)"
+    import activities.local as local
+    return f"{local.isolation_reason()}; {local.confinement_reason()}; {local.network_reason()}"
 
 
 # ---- Temporal --------------------------------------------------------------------------------
@@ -221,7 +240,7 @@ async def ensure_search_attributes(client, namespace: str) -> None:
 async def _temporal_answers(settings: Settings) -> bool:
     from temporalio.client import Client
 
-    from models.connection import client_options
+    from connect.connection import client_options
 
     client = await asyncio.wait_for(Client.connect(**client_options(settings)), 3.0)
     await asyncio.wait_for(ensure_search_attributes(client, settings.namespace), 5.0)
@@ -347,6 +366,7 @@ class Stack:
                          verbose=verbose, echo=echo)
 
         self.children: list[Child] = []  # in start order
+        self._temporal_cmd_given = temporal_cmd is not None
         if self.embedded:
             self.children.append(child("temporal", temporal_cmd or temporal_argv(settings),
                                        lambda: _temporal_answers(settings)))
@@ -366,14 +386,16 @@ class Stack:
         self._stopping.set()
 
     async def run(self) -> int:
+        os.umask(0o077)  # logs, databases and state made by the stack and its children: the owner's only
         self.home.mkdir(parents=True, exist_ok=True)
         self._check_secrets_and_tls()
         lock = acquire_lock(self.home)
         loop = asyncio.get_running_loop()
         codec = None
         try:
-            await self._end_leftovers()
-            ports = ["gateway_port", "gateway_control_port"]
+            adopting = await self._end_leftovers()
+            # An nginx kept serving through the restart holds the gateway port: the new gateway adopts it there.
+            ports = ["gateway_control_port"] if adopting else ["gateway_port", "gateway_control_port"]
             embedded = ["temporal_port", "ui_port"] + (["codec_port"] if self.settings.codec_port else [])
             check_ports(self.settings, (embedded if self.embedded else []) + ports)
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -383,6 +405,7 @@ class Stack:
                 if not self.embedded:
                     await self._check_external()
                 token = None
+                _replicas_line(self.settings)  # probes namespaces (cached): the banner then prints at once
                 for c in self.children:
                     await self._start(c)
                     if c.name == "gateway":
@@ -407,15 +430,21 @@ class Stack:
 
     def _check_secrets_and_tls(self) -> None:
         """The codec key every child shares (created once, mode 600); TLS settings only for an external server."""
-        from models.codec import CodecKeyError, ensure_key_file, load_keys
-        from models.connection import TemporalConfigError, uses_tls
+        from connect.codec import CodecKeyError, ensure_key_file, load_keys
+        from connect.connection import TemporalConfigError, uses_tls
 
         try:
             ensure_key_file(self.home)
-            load_keys(self.home)
+            keys = load_keys(self.home)
             tls = uses_tls(self.settings)
         except (CodecKeyError, TemporalConfigError) as e:
             raise StackError(str(e)) from None
+        if self.embedded and self.settings.codec_port and not self._temporal_cmd_given:
+            # The key exists only now: the embedded UI's codec endpoint carries the credential derived from it.
+            from cli.codec_server import codec_endpoint
+
+            self.children[0].argv = temporal_argv(self.settings, codec_endpoint=codec_endpoint(self.settings.codec_url,
+                                                                                               keys))
         if tls and self.embedded:
             raise StackError("DURASTACK_TEMPORAL_TLS* and DURASTACK_TEMPORAL_API_KEY are for an external Temporal "
                              "server (DURASTACK_TEMPORAL_ADDRESS); the embedded dev server speaks plain gRPC")
@@ -425,7 +454,7 @@ class Stack:
         if not (self.embedded and self.settings.codec_port):
             return None
         from cli.codec_server import start_codec_server, ui_origins
-        from models.codec import SecretCodec, load_keys
+        from connect.codec import SecretCodec, load_keys
 
         s = self.settings
         return await start_codec_server(SecretCodec(load_keys(s.home), strict=False), s.codec_port,
@@ -464,6 +493,7 @@ class Stack:
                   f"  Metrics   gateway {s.gateway_metrics_url} · worker "
                   + (s.worker_metrics_url if s.worker_metrics_port else "off (DURASTACK_WORKER_METRICS_PORT=0)"),
                   f"  Home      {s.home}",
+                  f"  Replicas  {_replicas_line(s)}",
                   f"  Logs      {s.home / 'logs'}/{{{','.join(c.name for c in self.children)}}}.log"]
         if token:
             lines += [f"  Token     {DEFAULT_TOKEN}: {token}",
@@ -550,6 +580,8 @@ class Stack:
             if child.alive():
                 self.echo(f"durastack: stopping {child.name} (pid {child.pid})")
             await child.stop(lambda: self._hurry)
+            if child.name == "gateway":
+                await self._end_left_nginx()
         if self._worker_started and self.on_shutdown is not None:
             try:
                 result = await asyncio.to_thread(self.on_shutdown, self.home)
@@ -561,6 +593,28 @@ class Stack:
         if any(c.proc is not None for c in self.children):
             self.echo("durastack: stopped")
 
+    async def _end_left_nginx(self) -> None:
+        """nginx outlives a crashed gateway on purpose (the next one adopts it); a gateway that had to be
+        SIGKILLed while stopping leaves it behind, so the stack ends it: SIGQUIT, then SIGKILL, bounded."""
+        from gateway.nginx import master_of
+
+        runtime = self.home / "gateway"
+        pid = master_of(runtime)
+        if pid is None:
+            return
+        self.echo(f"durastack: stopping nginx (pid {pid}) left by the gateway")
+        for sig, wait in ((signal.SIGQUIT, 0.0 if self._hurry else 12.0), (signal.SIGKILL, 3.0)):
+            if master_of(runtime) != pid:
+                break
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while master_of(runtime) == pid and time.monotonic() < deadline:
+                await asyncio.sleep(POLL / 2)
+        await _end_group(pid)  # workers orphaned by a SIGKILLed master: they keep its process group
+
     def _write_state(self) -> None:
         s = self.settings
         state = {"pid": os.getpid(), "home": str(s.home), "temporal_address": s.address,
@@ -571,19 +625,41 @@ class Stack:
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.home / "server.json")
 
-    async def _end_leftovers(self) -> None:
-        """A server killed with SIGKILL leaves its children running; we hold the lock, so end them."""
+    async def _end_leftovers(self) -> bool:
+        """A server killed with SIGKILL leaves its children running; we hold the lock, so end them. All but the
+        gateway's nginx, when it serves the port we are about to give the gateway: its control app is killed as
+        if it had crashed, and the new one adopts that nginx, so requests are served through the restart.
+        Returns True when such an nginx was kept."""
         state = read_state(self.home) or {}
+        nginx = self._adoptable_nginx()
         for name, rec in reversed(list((state.get("children") or {}).items())):  # worker first
             pid = rec.get("pid")
             if pid and rec.get("start") is not None and _start_ticks(pid) == rec["start"]:
-                self.echo(f"durastack: ending {name} (pid {pid}) left by a previous server")
+                keep = name == "gateway" and nginx is not None
+                self.echo(f"durastack: ending {name} (pid {pid}) left by a previous server"
+                          + (f"; its nginx (pid {nginx}) goes on serving, for the new gateway" if keep else ""))
                 try:
-                    os.kill(pid, signal.SIGTERM)
+                    # SIGTERM would have the gateway stop its nginx; SIGKILL leaves nginx (its own group) serving.
+                    os.kill(pid, signal.SIGKILL if keep else signal.SIGTERM)
                 except ProcessLookupError:
                     continue
                 deadline = time.monotonic() + GRACE.get(name, 10.0)
                 while _start_ticks(pid) == rec["start"] and time.monotonic() < deadline:
                     await asyncio.sleep(POLL / 2)
                 await _end_group(pid)
+        if nginx is None:
+            await self._end_left_nginx()  # one left on another port would serve an old configuration forever
         (self.home / "server.json").unlink(missing_ok=True)
+        return nginx is not None
+
+    def _adoptable_nginx(self) -> Optional[int]:
+        """The nginx master a previous gateway of this home left serving on our gateway port, or None."""
+        from gateway.nginx import master_of
+
+        runtime = self.home / "gateway"
+        pid = master_of(runtime)
+        try:
+            port = json.loads((runtime / "endpoints.json").read_text()).get("listen_port")
+        except (OSError, ValueError, AttributeError):
+            port = None
+        return pid if pid is not None and port == self.settings.gateway_port else None

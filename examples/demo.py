@@ -16,14 +16,10 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.stack import BenchStack  # noqa: E402
+from bench.stack import BenchStack, step  # noqa: E402
 
 FIXED = ROOT / "examples" / "replica-groups-fixed.yml"
 NAME = "replica-groups-fixed"
-
-
-def step(title: str) -> None:
-    print(f"\n=== {title}", flush=True)
 
 
 def main() -> None:

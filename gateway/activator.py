@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Iterable
 
 import aiohttp
@@ -30,6 +31,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from activities import local_net
+from gateway.render import INTERNAL_HEADER
 from gateway.stats import StatsCollector
 from models.gateway import GatewayState, ServiceRoute, Upstream
 
@@ -47,8 +50,9 @@ _SKIP_AUTO = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
 def end_to_end(headers) -> CIMultiDict:
-    """``headers`` without hop-by-hop ones; repeated headers (Set-Cookie) are kept."""
-    drop = set(HOP_BY_HOP)
+    """``headers`` without hop-by-hop ones, nor nginx's secret to the activator (a replica that learnt it could
+    reach every service through the activator); repeated headers (Set-Cookie) are kept."""
+    drop = set(HOP_BY_HOP) | {INTERNAL_HEADER.lower()}
     for value in headers.getall("Connection", ()):
         drop.update(t.strip().lower() for t in value.split(","))
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
@@ -68,7 +72,9 @@ def _error(status: int, service: str, message: str, retry: bool = False) -> web.
 class Activator:
     """Holds and forwards requests of services without a ready replica; its ``handle`` is the route."""
 
-    def __init__(self, state: Callable[[], GatewayState], collector: StatsCollector, *, max_held: int = MAX_HELD):
+    def __init__(self, state: Callable[[], GatewayState], collector: StatsCollector, *, max_held: int = MAX_HELD,
+                 netns: Path | None = None):
+        """``netns``: the gateway namespace nginx runs in, whose local replicas are reached from there."""
         self._state = state
         self.collector = collector
         self.max_held = max_held
@@ -77,6 +83,7 @@ class Activator:
         self._ready: dict[str, asyncio.Condition] = {}  # only while someone waits
         self._rr: Counter[str] = Counter()
         self._stopping = False
+        self.netns = netns
 
     async def notify(self) -> None:
         """Wake the held requests: the state nginx serves has changed (or the gateway stops)."""
@@ -164,6 +171,9 @@ class Activator:
     async def _proxy(self, request: web.Request, upstream: Upstream, target: str) -> web.StreamResponse:
         if upstream.address.startswith("unix:"):
             connector, host = aiohttp.UnixConnector(path=upstream.address[len("unix:"):]), "localhost"
+        elif self.netns is not None:  # local replicas are reached from the gateway namespace, as nginx reaches them
+            connector = aiohttp.TCPConnector(socket_factory=lambda info: local_net.socket_in(self.netns, info[0]))
+            host = upstream.address
         else:
             connector, host = aiohttp.TCPConnector(), upstream.address
         url = URL(f"http://{host}{target}", encoded=True)

@@ -12,9 +12,14 @@ from pydantic import ValidationError
 
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.nginx import NginxError
-from models.gateway import (TOKEN_PREFIX_CHARS, CreateTokenRequest, DuplicateToken, GatewayState, GatewayToken,
+from gateway.localhttp import LOOPBACK_NAMES, check_host, check_origin, own_hosts
+from gateway.render import INTERNAL_HEADER
+from gateway.upstreams import UpstreamRefused
+from models.gateway import (CONTROL_TOKEN_FILE, TOKEN_PREFIX_CHARS, CreateTokenRequest, DuplicateToken, GatewayState, GatewayToken,
                             NewToken, PutServiceRequest, RegisterReplicaRequest, TokenList, UnknownToken,
                             Upstream, hash_token)
+
+OPEN_PATHS = frozenset({"/healthz"})
 
 if TYPE_CHECKING:
     from gateway.app import GatewayServer, Op
@@ -43,7 +48,8 @@ def make_app(gw: GatewayServer) -> web.Application:
 
     async def put_service(request: web.Request) -> web.Response:
         name, spec = request.match_info["name"], await body(request, PutServiceRequest)
-        state = await change(lambda s: s.put_service(name, spec.auth, spec.cold_start_timeout))
+        state = await change(lambda s: s.put_service(name, spec.auth, spec.cold_start_timeout, spec.pass_authorization,
+                                                     spec.strip_prefix, spec.rate_limits))
         return _json(state.services[name])
 
     async def delete_service(request: web.Request) -> web.Response:
@@ -58,6 +64,10 @@ def make_app(gw: GatewayServer) -> web.Application:
             upstream = Upstream(replica_id=rid, group=spec.group, address=spec.address)
         except ValidationError as e:
             raise web.HTTPBadRequest(text=e.json(), content_type="application/json")
+        try:
+            gw.admit(upstream.address)
+        except UpstreamRefused as e:
+            raise web.HTTPBadRequest(text=str(e))
         state = await change(lambda s: s.register(name, upstream))
         return _json(state.services[name])
 
@@ -102,13 +112,26 @@ def make_app(gw: GatewayServer) -> web.Application:
 
     @web.middleware
     async def control_auth(request: web.Request, handler):
-        # With a control token (a gateway reachable from other hosts), routes and tokens change only with it.
-        # The stats stay open: nginx serves them on its public port too.
-        if gw.control_token and request.path.startswith("/api/") and request.path != "/api/stats":
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").encode()
-            if not hmac.compare_digest(given, gw.control_token.encode()):
-                raise web.HTTPUnauthorized(text="the gateway's control API needs its token "
-                                                "(DURASTACK_GATEWAY_CONTROL_TOKEN)")
+        # Every local user reaches a loopback port, so the control API always needs its token: without it one
+        # could mint gateway tokens, turn a service's auth off or send its traffic anywhere. Open: /healthz (a
+        # generation number; nginx and the supervisor probe it). The activator serves a service's traffic, so
+        # only nginx, after the route's own auth, may call it: nginx adds the internal secret.
+        from_nginx = hmac.compare_digest(request.headers.get(INTERNAL_HEADER, "").encode(), gw.internal_secret.encode())
+        if not from_nginx:  # nginx passes the client's Host on; it checked what it serves itself
+            if gw.loopback:  # off loopback (a cluster) names vary, and the token is what guards
+                check_host(request, (*LOOPBACK_NAMES, gw.host))
+            # No web page is ours: a browser may call this API only from its own origin.
+            check_origin(request, {f"http://{h}" for h in own_hosts(request, (*LOOPBACK_NAMES, gw.host))})
+        if request.path.startswith("/activator/"):
+            if not from_nginx:
+                raise web.HTTPForbidden(text="the activator serves only requests that nginx passed on")
+        elif request.path not in OPEN_PATHS:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), gw.control_token.encode()):
+                raise web.HTTPUnauthorized(
+                    text="the gateway's control API needs its token: DURASTACK_GATEWAY_CONTROL_TOKEN, or the "
+                         f"{CONTROL_TOKEN_FILE} file in the gateway's directory ($DURASTACK_HOME/gateway)",
+                    headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     app = web.Application(middlewares=[control_auth])

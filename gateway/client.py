@@ -5,12 +5,12 @@ Each change call returns once the gateway serves it (the app answers only after 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 from urllib.parse import quote
 
 import httpx
 
-from models.gateway import GatewayState, NewToken, ServiceRoute, StatsReport, TokenInfo, TokenList
+from models.gateway import GatewayState, NewToken, RouteRateLimit, ServiceRoute, StatsReport, TokenInfo, TokenList
 
 
 class GatewayError(RuntimeError):
@@ -26,7 +26,8 @@ class GatewayClient:
 
     def __init__(self, base_url: str, *, token: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.AsyncBaseTransport] = None):
-        """``token``: the control API's bearer token (DURASTACK_GATEWAY_CONTROL_TOKEN), when it requires one."""
+        """``token``: the control API's bearer token, which every call but /healthz needs: ``Settings.control_token``
+        (DURASTACK_GATEWAY_CONTROL_TOKEN, else the gateway's ``control.token`` in the home)."""
         # A reload waits for nginx (bounded on the gateway side); the timeout only needs to exceed that.
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport,
@@ -47,11 +48,22 @@ class GatewayClient:
             raise GatewayError(resp.status_code, resp.text)
         return resp
 
-    async def put_service(self, name: str, auth: bool = True, cold_start_timeout: int | None = None) -> ServiceRoute:
+    async def put_service(self, name: str, auth: bool = True, cold_start_timeout: int | None = None,
+                          pass_authorization: bool = False, strip_prefix: bool = True,
+                          rate_limits: Sequence[RouteRateLimit] = ()) -> ServiceRoute:
         """Create or update a route; with ``auth`` it accepts the gateway's tokens. ``cold_start_timeout``
         (seconds a request may wait for a first replica, 0: 503 at once): None keeps the route's current
-        value (300 for a new route)."""
+        value (300 for a new route). ``pass_authorization``: with auth, the replica receives the client's
+        Authorization header (the gateway token); by default it is dropped. ``strip_prefix``: false passes
+        /services/<name> on to the replica. ``rate_limits``: nginx answers 429 past a limit's burst."""
         body: dict = {"auth": auth}
+        # Only what differs from the defaults, so an older gateway still takes the common route.
+        if pass_authorization:
+            body["pass_authorization"] = True
+        if not strip_prefix:
+            body["strip_prefix"] = False
+        if rate_limits:
+            body["rate_limits"] = [limit.model_dump(mode="json") for limit in rate_limits]
         if cold_start_timeout is not None:
             body["cold_start_timeout"] = cold_start_timeout
         resp = await self._call("PUT", f"/api/services/{_seg(name)}", body)

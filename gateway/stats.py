@@ -4,13 +4,20 @@ Everything except :class:`LogTailer` is pure and takes ``now`` as an argument. L
 ``gateway.render.LOG_FORMAT``: ``msec hit status request_time service upstream_addr``. Only lines
 with hit ``1`` count: requests handed to the activator (hit ``2``) are counted by the activator
 itself when they arrive (:meth:`StatsCollector.count`), since their log line comes after the hold.
+
+The control app reads every request's line on the same CPUs as nginx, so the lines are aggregated before
+anything is made of them (:func:`aggregate`): lines that differ only in their milliseconds are counted
+together (in C), then each distinct (second, rest of the line) is parsed once.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Mapping, Optional, Sequence
 
 from models.gateway import WINDOWS, ServiceStats, StatsWindow
 
@@ -30,16 +37,116 @@ class LogEntry:
 
 def parse_line(line: str) -> Optional[LogEntry]:
     parts = line.strip().split(" ", 5)
+    fields = _fields(parts)
+    if fields is None:
+        return None
+    try:
+        t = float(parts[0])
+    except ValueError:
+        return None
+    (hit, status, service, addr), rt = fields
+    return LogEntry(t, hit == HIT, status, rt, service, addr, hit == ACTIVATOR)
+
+
+HIT, ACTIVATOR, OTHER = 1, 2, 0  # the hit field as parse_line reads it: "1", "2", anything else
+
+
+def _fields(parts: list[str]) -> Optional[tuple[tuple[int, int, str, Optional[str]], float]]:
+    """((hit, status, service, upstream address), request time) of a split line, or None: parse_line's rules."""
     if len(parts) < 5:
         return None
     try:
-        t, hit, status, rt = float(parts[0]), parts[1] == "1", int(parts[2]), float(parts[3])
+        status, rt = int(parts[2]), float(parts[3])
     except ValueError:
         return None
     addr = parts[5].strip() if len(parts) > 5 else "-"
     # After retries $upstream_addr is "a, b" (and "a : b" across internal redirects): the last served.
     last = addr.replace(" : ", ", ").split(", ")[-1].strip()
-    return LogEntry(t, hit, status, rt, parts[4], None if last in ("", "-") else last, parts[1] == "2")
+    hit = HIT if parts[1] == "1" else ACTIVATOR if parts[1] == "2" else OTHER
+    return (hit, status, parts[4], None if last in ("", "-") else last), rt
+
+
+# A line as nginx writes $msec: whole seconds (at most 12 digits, so that the float of "S.mmm" stays
+# below S + 1), a dot and 3 digits, a space. The rest of such a line parses alone: line.strip().split(" ", 5)
+# is [the time] + the same fields as rest.rstrip().split(" ", 5) gives after its leading "".
+_CANONICAL = re.compile(r"([0-9]{1,12})\.[0-9]{3}( .*)", re.DOTALL)
+_MILLIS = re.compile(r"\.[0-9]{3} ")
+
+GroupKey = tuple[int, int, int, str, Optional[str]]  # (second, hit, status, service, upstream address)
+
+
+@dataclass
+class LogBatch:
+    """The lines of one read of the log, aggregated.
+
+    ``groups``: (second, hit, status, service, upstream address) → [requests, total request time,
+    {request time: requests}]. ``entries``: the valid lines not in nginx's own form (none in practice),
+    parsed one by one. ``lines``: the lines themselves, for :meth:`exact`.
+    """
+
+    groups: dict[GroupKey, list] = field(default_factory=dict)
+    entries: list[LogEntry] = field(default_factory=list)
+    lines: Sequence[str] = ()
+
+    def exact(self, second: int) -> list[LogEntry]:
+        """The lines of ``second`` counted in ``groups``, parsed one by one (their milliseconds matter)."""
+        out = []
+        for line in self.lines:
+            m = _CANONICAL.fullmatch(line)
+            if m and int(m[1]) == second and (e := parse_line(line)) is not None:
+                out.append(e)
+        return out
+
+
+def aggregate(lines: Sequence[str]) -> LogBatch:
+    """Group the lines by (second, hit, status, service, upstream address), skipping what parse_line skips."""
+    if not isinstance(lines, (list, tuple)):
+        lines = list(lines)
+    batch = LogBatch(lines=lines)
+    if not lines:
+        return batch
+    counts = _count_canonical(lines)
+    if counts is None:  # some line is not as nginx writes it: sort them one by one
+        counts = {}
+        for line in lines:
+            m = _CANONICAL.fullmatch(line)
+            if m:
+                key = (m[1], m[2])
+                counts[key] = counts.get(key, 0) + 1
+            elif (e := parse_line(line)) is not None:
+                batch.entries.append(e)
+    groups = batch.groups
+    for (head, rest), n in counts.items():
+        fields = _fields(rest.rstrip().split(" ", 5))
+        if fields is None:
+            continue
+        (hit, status, service, addr), rt = fields
+        key = (int(head), hit, status, service, addr)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [n, rt * n, {rt: n}]
+        else:
+            group[0] += n
+            group[1] += rt * n
+            times = group[2]
+            times[rt] = times.get(rt, 0) + n
+    return batch
+
+
+def _count_canonical(lines: Sequence[str]) -> Optional[Counter]:
+    """(seconds, rest) → lines, if every line is in nginx's form with seconds as long as the first's; else None.
+
+    Slicing at a fixed offset lets the counting run in C: a few hundred nanoseconds a line.
+    """
+    n = lines[0].find(" ") - 4
+    if not 1 <= n <= 12:
+        return None
+    if not all(_MILLIS.fullmatch(m) for m in set(map(itemgetter(slice(n, n + 5)), lines))):
+        return None
+    counts = Counter(zip(map(itemgetter(slice(0, n)), lines), map(itemgetter(slice(n + 4, None)), lines)))
+    if not all(head.isascii() and head.isdigit() for head, _ in counts):
+        return None
+    return counts
 
 
 Frames = dict[int, list]  # second -> [requests, total request time]
@@ -69,16 +176,16 @@ class StatsCollector:
         """Map an upstream address to its group. Kept after unregistering: its log lines come later."""
         self._addr_group[(service, address)] = group
 
-    def group_of(self, entry: LogEntry) -> Optional[str]:
+    def group_of(self, service: str, upstream_addr: Optional[str]) -> Optional[str]:
         """The replica group that served a logged request: its upstream address, as registered."""
-        return self._addr_group.get((entry.service, entry.upstream_addr or ""))
+        return self._addr_group.get((service, upstream_addr or ""))
 
     def add(self, entry: LogEntry, now: float) -> None:
         if not entry.hit or entry.service == "-" or now - entry.time > TTL:
             return
         second = int(entry.time)
         _bump(self._frames.setdefault(entry.service, {}), second, entry.request_time)
-        group = self.group_of(entry)
+        group = self.group_of(entry.service, entry.upstream_addr)
         if group is not None:
             _bump(self._group_frames.setdefault(entry.service, {}).setdefault(group, {}), second, entry.request_time)
 
@@ -92,13 +199,23 @@ class StatsCollector:
         if frame is not None:
             frame[1] += request_time
 
-    def feed(self, lines: Iterable[str], now: float) -> list[LogEntry]:
-        """Count the lines; return them parsed, for the other readers of the same log (metrics)."""
-        entries = [e for e in map(parse_line, lines) if e is not None]
-        for entry in entries:
+    def feed(self, lines: Sequence[str], now: float) -> LogBatch:
+        """Count the lines; return them aggregated, for the other readers of the same log (metrics)."""
+        batch = aggregate(lines)
+        frames, group_frames = self._frames, self._group_frames
+        for (second, hit, _, service, addr), (n, total, _) in batch.groups.items():
+            # A frame's second is at most its lines' times: if it is within TTL, so are they all (and
+            # if it is not, prune drops it below: only hit lines within TTL ever reach a frame).
+            if hit != HIT or service == "-" or now - second > TTL:
+                continue
+            _bump_n(frames.setdefault(service, {}), second, n, total)
+            group = self._addr_group.get((service, addr or ""))
+            if group is not None:
+                _bump_n(group_frames.setdefault(service, {}).setdefault(group, {}), second, n, total)
+        for entry in batch.entries:
             self.add(entry, now)
         self.prune(now)
-        return entries
+        return batch
 
     def prune(self, now: float) -> None:
         """Drop frames older than TTL, and services/groups left without frames."""
@@ -121,8 +238,12 @@ class StatsCollector:
 
 
 def _bump(frames: Frames, second: int, request_time: float) -> None:
+    _bump_n(frames, second, 1, request_time)
+
+
+def _bump_n(frames: Frames, second: int, requests: int, request_time: float) -> None:
     frame = frames.setdefault(second, [0, 0.0])
-    frame[0] += 1
+    frame[0] += requests
     frame[1] += request_time
 
 

@@ -1,13 +1,13 @@
-"""Alembic's entry point for the store: the target is the sqlmodel metadata of models/store.py.
+"""Alembic's entry point for the store: the target is the sqlmodel metadata of store/tables.py.
 
-``activities.store`` hands over an open connection (``config.attributes["connection"]``), already holding the
+``store.Store`` hands over an open connection (``config.attributes["connection"]``), already holding the
 migration lock; without one (the ``alembic`` command line), the URL of the config is used.
 """
 
 from alembic import context
 from sqlmodel import SQLModel
 
-import models.store  # noqa: F401 — registers the tables on SQLModel.metadata
+import store.tables  # noqa: F401 — registers the tables on SQLModel.metadata
 
 target_metadata = SQLModel.metadata
 
@@ -31,7 +31,7 @@ def run_migrations() -> None:
     if connection is not None:
         _run(connection)
         return
-    from activities.store import make_engine  # postgresql:// → psycopg, SQLite pragmas
+    from store.db import make_engine  # postgresql:// → psycopg, SQLite pragmas
 
     engine = make_engine(context.config.get_main_option("sqlalchemy.url"))
     try:

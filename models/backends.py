@@ -1,7 +1,8 @@
-"""Cloud backends (AWS, GCP): their configuration, provisioning keys, instances and error classes.
+"""Cloud backends (AWS, GCP): their configuration, provisioning keys and instances.
 
 Pure: no I/O except ``load_backends_config`` reading ``$DURASTACK_HOME/config.yml``. The activities in
-``activities/aws.py``, ``activities/gcp.py`` and ``activities/cloud.py`` do the cloud calls.
+``activities/aws.py``, ``activities/gcp.py`` and ``activities/cloud.py`` do the cloud calls, and
+``activities/cloud_errors.py`` classifies what they fail with.
 
 Exactly-once provisioning rests on ``provisioning_key``: derived from (service, group, replica,
 submission, offer) and never from the attempt, it is the AWS ClientToken and the GCE instance name,
@@ -12,16 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from datetime import datetime
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from models.files import write_once
 from models.offers import InstanceOffer
 
 CloudName = Literal["aws", "gcp"]
@@ -49,8 +47,10 @@ class AWSConfig(BaseModel):
     ami_owners: list[str] = Field(["amazon", "099720109477"],
                                   description="Owners searched for AMIs (Amazon's DLAMI account, Canonical).")
     gateway_cidrs: list[str] = Field(default_factory=list, description=(
-        "Where the gateway connects from; the service port is open to these only. Empty: the VPC's own CIDR."))
-    ssh_cidrs: list[str] = Field(default_factory=list, description="Open SSH (22) to these; empty: no SSH rule.")
+        "Where the gateway connects from (its SSH tunnels): SSH (22) is open to these only, and the service port "
+        "to nobody. Empty: the VPC's own CIDR (a gateway inside the VPC); a gateway elsewhere, e.g. a laptop, "
+        "sets its public address, `[203.0.113.7/32]`."))
+    ssh_cidrs: list[str] = Field(default_factory=list, description="Also admit SSH (22) from these (operators).")
     public_ip: bool = Field(True, description="Address replicas by public IP (else private IP).")
 
 
@@ -66,6 +66,9 @@ class GCPConfig(BaseModel):
     cpu_image: str = Field("projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts",
                            description="Boot image of CPU instances.")
     network: str = Field("global/networks/default", description="VPC network of the instances.")
+    gateway_cidrs: list[str] = Field(default_factory=list, description=(
+        "Where the gateway connects from: the firewall rule for durastack's network tag opens SSH (22) to these "
+        "only, and the service port to nobody. Empty: the private ranges of the VPC (10.0.0.0/8)."))
     public_ip: bool = Field(True, description="Give instances an external IP and address replicas by it.")
     operation_timeout: float = Field(300.0, gt=0, description="Seconds to wait for an insert/delete operation.")
 
@@ -82,7 +85,7 @@ class BackendsConfig(BaseModel):
         None, pattern=INSTALLATION_PATTERN,
         description="This control plane's id (DURASTACK_INSTALLATION), tagged on every instance it makes: it "
                     "adopts, stops and reaps only its own instances (and untagged ones from older versions), so "
-                    "several control planes can share a cloud account. Unset: see `installation_id`.")
+                    "several control planes can share a cloud account. Unset: see `connect.installation`.")
 
     def configured(self) -> list[str]:
         """Backends in use: the configured clouds, then ``local`` (always available)."""
@@ -144,21 +147,6 @@ def backends_config_from(data: Mapping[str, Any], environ: Mapping[str, str]) ->
     installation = environ.get("DURASTACK_INSTALLATION") or data.get("installation")
     return BackendsConfig.model_validate({"aws": aws, "gcp": gcp, "max_offers": max_offers,
                                           "installation": installation})
-
-
-def installation_id(temporal_address: Optional[str], namespace: str, home: Path) -> str:
-    """The control plane's id when DURASTACK_INSTALLATION is not set.
-
-    With an external Temporal, from its address and namespace: every worker of one deployment derives the same
-    id (a provisioning retry on another worker must find the same key). With the embedded one of `durastack
-    server`, a random id kept in the home, which its workers share: two laptops never look alike."""
-    if temporal_address:
-        return "t-" + hashlib.sha256(f"{temporal_address}/{namespace}".encode()).hexdigest()[:12]
-    path = Path(home) / "installation"
-    value = write_once(path, "h-" + os.urandom(6).hex() + "\n").strip()  # workers starting together agree
-    if not re.match(INSTALLATION_PATTERN, value):
-        raise ValueError(f"{path}: not an installation id ({value!r}); remove it to make a new one")
-    return value
 
 
 def belongs(tags: Mapping[str, str], backend: str, installation: Optional[str]) -> bool:
@@ -245,6 +233,7 @@ class CloudInstance(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    kind: Literal["cloud"] = "cloud"
     backend: CloudName = Field(description="aws or gcp.")
     instance_id: str = Field(description="AWS instance id (i-…), or GCE instance name.")
     region: str = Field(description="Region, e.g. us-east-1 or us-central1.")
@@ -268,91 +257,5 @@ class CloudInstance(BaseModel):
         return service, group, replica
 
 
-# --- errors -------------------------------------------------------------------------------------
-
-
-class ErrorKind(str, Enum):
-    CAPACITY = "capacity"    # no capacity for this offer (or zone): try the next offer
-    QUOTA = "quota"          # account quota: skip the offer's region and quota class
-    TRANSIENT = "transient"  # throttling, 5xx, network, lost response: retry the same call (same key)
-    FATAL = "fatal"          # credentials, permissions, bad configuration: fail the replica with the message
-
-
-AWS_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity",
-                "InsufficientHostCapacity", "SpotMaxPriceTooLow", "Unsupported", "InvalidInstanceType",
-                "InvalidInstanceType.NotFound",
-                # The launch under this key ran before and its instance is gone: that offer is spent.
-                "IdempotentInstanceTerminated"}
-AWS_QUOTA = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
-AWS_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
-                 "ServiceUnavailable", "Unavailable", "RequestTimeout", "RequestExpired"}
-
-
-def classify_aws(code: str, http_status: int = 400) -> ErrorKind:
-    """EC2 error code → kind (cloud-testing.md 4.2). Unknown 5xx are transient; unknown 4xx fatal (fail fast)."""
-    if code in AWS_CAPACITY:
-        return ErrorKind.CAPACITY
-    if code in AWS_QUOTA:
-        return ErrorKind.QUOTA
-    if code in AWS_TRANSIENT or http_status >= 500:
-        return ErrorKind.TRANSIENT
-    return ErrorKind.FATAL
-
-
-GCP_CAPACITY = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-                "REGION_RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT", "insufficientCapacity", "UNSUPPORTED_OPERATION",
-                "RESOURCE_NOT_READY", "resourceNotReady"}
-GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
-GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
-                 "internalError"}
-
-
-def classify_gcp(codes: list[str], http_status: int) -> ErrorKind:
-    """GCE error codes/reasons (by string, not exception class) → kind; then the HTTP status decides."""
-    if any(c in GCP_CAPACITY for c in codes):
-        return ErrorKind.CAPACITY
-    if any(c in GCP_QUOTA for c in codes):
-        return ErrorKind.QUOTA
-    if any(c in GCP_TRANSIENT for c in codes) or http_status >= 500 or http_status in (408, 429):
-        return ErrorKind.TRANSIENT
-    return ErrorKind.FATAL
-
-
-def aws_quota_class(offer: InstanceOffer) -> str:
-    """EC2 vCPU quota class of an offer: P, G (G and VT) or standard — spot and on-demand quotas are separate."""
-    family = offer.instance_type.split(".")[0].lower()
-    cls = "P" if family.startswith("p") else "G" if family.startswith(("g", "vt")) else "standard"
-    return f"{'spot' if offer.spot else 'on-demand'}:{cls}"
-
-
-class QuotaScope(BaseModel):
-    """Offers a quota error rules out for the rest of one walk."""
-
-    model_config = ConfigDict(frozen=True)
-
-    backend: str = Field(description="aws or gcp.")
-    region: Optional[str] = Field(None, description="The region; None means every region (a global quota).")
-    quota_class: Optional[str] = Field(None, description="aws_quota_class value; None means every class.")
-    spot_only: bool = Field(False, description="Only spot offers (MaxSpotInstanceCountExceeded).")
-
-    def covers(self, offer: InstanceOffer) -> bool:
-        return (offer.backend == self.backend and (self.region is None or offer.region == self.region)
-                and (self.quota_class is None or aws_quota_class(offer) == self.quota_class)
-                and (not self.spot_only or offer.spot))
-
-    def __str__(self) -> str:
-        what = "spot" if self.spot_only else (self.quota_class or "all")
-        return f"{self.backend} {self.region or 'all regions'} ({what})"
-
-
-class CloudError(Exception):
-    """A classified cloud failure. ``message`` is safe to show and to keep in history (no secrets)."""
-
-    def __init__(self, kind: ErrorKind, message: str, *, code: str = "", scope: Optional[QuotaScope] = None):
-        super().__init__(message)
-        self.kind, self.message, self.code, self.scope = kind, message, code, scope
-
-
-__all__ = ["AWSConfig", "BackendsConfig", "CLOUDS", "CloudError", "CloudInstance", "ErrorKind", "GCPConfig",
-           "QuotaScope", "TAG_NAMES", "aws_quota_class", "backends_config_from", "classify_aws", "classify_gcp",
+__all__ = ["AWSConfig", "BackendsConfig", "CLOUDS", "CloudInstance", "GCPConfig", "TAG_NAMES", "backends_config_from",
            "config_path", "load_backends_config", "owner", "provisioning_key", "replica_label", "slug"]

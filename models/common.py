@@ -139,6 +139,25 @@ def parse_duration(value: Any) -> int:
     raise ValueError(f"expected a duration like 30s, 5m, 1h or a number of seconds, got {value!r}")
 
 
+def duration_or_off(value: Any) -> Optional[int]:
+    """A duration, or ``off`` / ``false`` for a limit that is switched off: None, as if it were not set."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() == "off"):
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise ValueError(f"{e} (or off)") from None
+
+
+def format_duration(seconds: int) -> str:
+    """Seconds in the largest unit that divides them: 7200 → ``2h``, 5400 → ``90m``, 45 → ``45s``."""
+    for unit in ("w", "d", "h", "m"):
+        size = _DURATION_UNITS[unit]
+        if seconds and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def count_range(value: Any) -> Any:
     return parse_range_with(value, parse_count, "count")
 

@@ -10,7 +10,7 @@ import hashlib
 import ipaddress
 import re
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -26,6 +26,16 @@ WINDOWS = (30, 60, 300)  # stats windows in seconds (spec 4.2)
 DEFAULT_COLD_START_TIMEOUT = 300  # seconds a request may wait in the activator for a first replica
 MAX_COLD_START_TIMEOUT = 86400
 
+# The control API's bearer token, made on the gateway's first start in its runtime dir (mode 600) unless
+# DURASTACK_GATEWAY_CONTROL_TOKEN gives one; the CLI and the worker of the same home read it from there.
+CONTROL_TOKEN_FILE = "control.token"
+
+# A rate limit's path prefix becomes part of an nginx `location` line: characters that cannot break it only.
+RATE_LIMIT_PREFIX_PATTERN = r"^/[A-Za-z0-9._~%!&()*+,=:@/-]*$"
+RATE_LIMIT_HEADER_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_RATE_LIMIT_RPS = 1_000_000  # what nginx's `rate=` and `burst=` take comfortably
+MAX_RATE_LIMIT_BURST = 1_000_000
+
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL; nginx -t refuses longer paths
 _UNSAFE = re.compile(r"[\s;{}'\"\\#$]")  # would break out of an nginx `server` line
 
@@ -33,6 +43,16 @@ _UNSAFE = re.compile(r"[\s;{}'\"\\#$]")  # would break out of an nginx `server` 
 def hash_token(token: str) -> str:
     """The form in which a gateway token is stored: lowercase hex SHA-256 of its UTF-8 bytes."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_control_token(runtime_dir) -> Optional[str]:
+    """The control token the gateway of ``runtime_dir`` made, or None when there is none (yet) or it is unreadable."""
+    from pathlib import Path
+
+    try:
+        return (Path(runtime_dir) / CONTROL_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 class DuplicateToken(ValueError):
@@ -104,6 +124,27 @@ class Upstream(Model):
         return v
 
 
+class RouteRateLimit(Model):
+    """A request-rate limit of a route (nginx ``limit_req``): per client address or per header value; past
+    the burst nginx answers 429. A request matches the limit with the longest prefix, as nginx locations do."""
+
+    prefix: str = Field("/", max_length=1024, pattern=RATE_LIMIT_PREFIX_PATTERN,
+                        description="Path prefix, relative to the service (\"/\": every path).")
+    key: Literal["ip_address", "header"] = Field("ip_address", description="Count per client address or per header value.")
+    header: Optional[str] = Field(None, pattern=RATE_LIMIT_HEADER_PATTERN,
+                                  description="With key `header`: the header whose value is counted per. Requests "
+                                              "without it are not limited.")
+    rps: float = Field(ge=1 / 60, le=MAX_RATE_LIMIT_RPS, description="Allowed requests per second per key.")
+    burst: int = Field(0, ge=0, le=MAX_RATE_LIMIT_BURST,
+                       description="Requests allowed at once above the rate before 429.")
+
+    @model_validator(mode="after")
+    def _header_with_key(self) -> "RouteRateLimit":
+        if (self.key == "header") != (self.header is not None):
+            raise ValueError("`header` is required with key `header`, and only then")
+        return self
+
+
 class ServiceRoute(Model):
     """A service the gateway routes: auth settings and its ready replicas."""
 
@@ -115,6 +156,19 @@ class ServiceRoute(Model):
         DEFAULT_COLD_START_TIMEOUT, ge=0, le=MAX_COLD_START_TIMEOUT,
         description="Seconds the activator holds a request while the service has no ready replica, then 503 "
                     "with Retry-After; 0 answers 503 at once.")
+    pass_authorization: bool = Field(
+        False, description="With auth, hand the client's Authorization header (a gateway token, which opens every "
+                           "service) on to the replica; off: nginx drops it. Without auth it always passes.")
+    strip_prefix: bool = Field(True, description="Drop /services/<name> from the path before proxying to a replica; "
+                                                 "false: the replica gets the path as the client sent it.")
+    rate_limits: tuple[RouteRateLimit, ...] = Field((), max_length=64, description="Request-rate limits, unique by prefix.")
+
+    @field_validator("rate_limits")
+    @classmethod
+    def _unique_prefixes(cls, v: tuple[RouteRateLimit, ...]) -> tuple[RouteRateLimit, ...]:
+        if len({limit.prefix for limit in v}) != len(v):
+            raise ValueError("each rate limit prefix may appear once")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -150,13 +204,16 @@ class GatewayState(Model):
             return self  # idempotent: no change, no new generation, no reload
         return GatewayState(services=services, tokens=tokens, generation=self.generation + 1)
 
-    def put_service(self, name: str, auth: bool, cold_start_timeout: int | None = None) -> "GatewayState":
+    def put_service(self, name: str, auth: bool, cold_start_timeout: int | None = None,
+                    pass_authorization: bool = False, strip_prefix: bool = True,
+                    rate_limits: tuple[RouteRateLimit, ...] = ()) -> "GatewayState":
         """Create or update a route; its replicas stay. ``cold_start_timeout=None`` keeps the current one."""
         old = self.services.get(name)
         if cold_start_timeout is None:
             cold_start_timeout = old.cold_start_timeout if old else DEFAULT_COLD_START_TIMEOUT
         route = ServiceRoute(name=name, auth=auth, upstreams=old.upstreams if old else (),
-                             cold_start_timeout=cold_start_timeout)
+                             cold_start_timeout=cold_start_timeout, pass_authorization=pass_authorization,
+                             strip_prefix=strip_prefix, rate_limits=rate_limits)
         return self._with({**self.services, name: route})
 
     def add_token(self, token: GatewayToken) -> "GatewayState":
@@ -222,6 +279,11 @@ class PutServiceRequest(Model):
         None, ge=0, le=MAX_COLD_START_TIMEOUT,
         description=f"Seconds a request may be held for a first replica (0: 503 at once); "
                     f"omitted: keep the route's current value, {DEFAULT_COLD_START_TIMEOUT} for a new route.")
+    pass_authorization: bool = Field(
+        False, description="With auth, pass the client's Authorization header (a gateway token) on to the replica; "
+                           "by default nginx drops it, since that token opens every service.")
+    strip_prefix: bool = Field(True, description="Drop /services/<name> before proxying; false: pass the path unchanged.")
+    rate_limits: tuple[RouteRateLimit, ...] = Field((), max_length=64, description="Request-rate limits, unique by prefix.")
 
 
 

@@ -122,7 +122,7 @@ def _rules_despite(error: ValidationError, data: dict, spelling: "_Spelling", li
     """
     removed: list[tuple] = []
     for _ in range(3):
-        locs = [tuple(err["loc"]) for err in error.errors()]
+        locs = [_loc(err) for err in error.errors()]
         if any(err["type"] == "missing" for err in error.errors()) or not all(_remove(data, loc) for loc in locs):
             return []
         removed += locs
@@ -214,6 +214,10 @@ class _Spelling:
         items = data.get(self.groups_key)
         self.count_keys = {i: ("replicas" if isinstance(g, dict) and "replicas" in g else "count")
                            for i, g in enumerate(items)} if isinstance(items, list) else {}
+        env = data.get("env")
+        # `env` as a list of NAME=value items: an entry's line is its item's.
+        self.env_items = {str(item).partition("=")[0]: i for i, item in enumerate(env)} \
+            if isinstance(env, list) else {}
 
     def raw(self, path: tuple) -> tuple:
         out = list(path)
@@ -240,11 +244,19 @@ def _line(path: tuple, lines: dict[tuple, int]) -> Optional[int]:
 
 def _from_issue(issue: Issue, spelling: _Spelling, lines: dict[tuple, int]) -> ConfigError:
     raw = spelling.raw(issue.path)
-    return ConfigError(render_path(raw), _line(raw, lines), issue.message)
+    at = raw
+    if len(raw) == 2 and raw[0] == "env" and raw[1] in spelling.env_items:
+        at = ("env", spelling.env_items[raw[1]])
+    return ConfigError(render_path(raw), _line(at, lines), issue.message)
+
+
+def _loc(err: dict) -> tuple:
+    """The error's path; a mapping key's own error (an env name) is about the key's entry."""
+    return tuple(part for part in err["loc"] if part != "[key]")
 
 
 def _from_pydantic(err: dict, spelling: _Spelling, lines: dict[tuple, int]) -> ConfigError:
-    loc = tuple(err["loc"])
+    loc = _loc(err)
     raw = spelling.raw(loc)
     return ConfigError(render_path(raw), _line(raw, lines), _message(err, loc))
 

@@ -30,6 +30,14 @@ class JobSpec(Model):
     port: int = Field(ge=1, le=65535, description="The port the app listens on inside the replica.")
     python: Optional[str] = Field(None, pattern=r"^3\.\d+$", description="Python version wanted on PATH, e.g. '3.12'.")
     image: Optional[str] = Field(None, description="Container image; backends without containers refuse jobs that need one.")
+    working_dir: Optional[str] = Field(None, description=(
+        "Directory the commands run in: relative to the replica's work dir, or absolute (backends may refuse "
+        "one outside it)."))
+    user: Optional[str] = Field(None, description=(
+        "User (name or uid) the commands run as; a backend that cannot run them as that user refuses the job."))
+    nvcc: bool = Field(False, description="Run in the CUDA devel image (nvcc available).")
+    docker: bool = Field(False, description="Docker-in-Docker: privileged, dockerd started, commands in bash.")
+    privileged: bool = Field(False, description="Run the container privileged (always with docker).")
 
     @field_serializer("env", when_used="json")
     def _env_json(self, env: dict[str, str], info: FieldSerializationInfo) -> dict[str, str]:
@@ -37,10 +45,16 @@ class JobSpec(Model):
 
     @property
     def replica_id(self) -> str:
-        return f"{self.service}/{self.group}/r{self.replica_num}-s{self.submission_num}"
+        return replica_id(self.service, self.group, self.replica_num, self.submission_num)
+
+
+def replica_id(service: str, group: str, replica_num: int, submission_num: int) -> str:
+    """A replica submission's id: its gateway registration, its work dir, its cloud tags."""
+    return f"{service}/{group}/r{replica_num}-s{submission_num}"
 
 
 class LocalInstance(Model):
+    kind: Literal["local"] = "local"
     replica_id: str = Field(description="JobSpec.replica_id of the job this instance runs.")
     pid: int = Field(description="PID of the process-tree leader on the host.")
     start_time: int = Field(description="Leader's start time (clock ticks after boot, /proc/<pid>/stat field 22), "
@@ -50,6 +64,9 @@ class LocalInstance(Model):
                                      "isolated, '127.0.0.1:<port>' otherwise.")
     isolated: bool = Field(description="Whether the replica runs in its own network, mount and PID namespaces.")
     log_path: str = Field(description="File holding the replica's stdout and stderr.")
+    ip: str = Field("", description="The address other replicas of the same service reach it at (its private "
+                                    "network's, or 127.0.0.1 when replicas share the host's network); empty when "
+                                    "other replicas cannot reach it.")
 
 
 class InstanceStatus(Model):

@@ -7,12 +7,15 @@ it stays small: ids, specs and states — no logs, no stats history.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, Optional
+from enum import IntEnum
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from models.gateway import RouteRateLimit
 from models.replica import JobSpec
-from models.service import ServiceConfiguration
+from models.resources import ResourcesSpec
+from models.service import ProbeSpec, ServiceConfiguration
 
 ReplicaStatus = Literal["submitted", "provisioning", "running", "terminating", "terminated", "failed"]
 ACTIVE = ("submitted", "provisioning", "running")
@@ -28,6 +31,8 @@ class Placement(BaseModel):
     price: float = Field(0.0, description="Hourly price, USD.")
     spot: bool = Field(False, description="Whether the instance is spot.")
     address: str = Field("", description="Gateway upstream address of the app.")
+    ip: str = Field("", description="The address other replicas of the same service reach it at; empty: the host "
+                                    "part of `address`, if it has one.")
     instance_id: str = Field("", description="Backend-specific instance identity.")
 
 
@@ -47,6 +52,19 @@ class Replica(BaseModel):
     reason: str = Field("", description="Why it stopped or failed: scaled_down, stopped, exited (N), no offers, …")
     stop_requested: bool = Field(False, description="The service asked it to stop.")
     spec_hash: str = Field("", description="What it runs (workflows.changes.spec_hash); equal = no restart needed.")
+    seq: int = Field(0, description="The newest lifecycle report applied (ReplicaUpdate.seq); older ones are dropped.")
+    instance: Optional["Instance"] = Field(None, description="Its instance, once provisioned.")
+    routed: bool = Field(True, description="The gateway routes to it; False: a worker behind the service's router "
+                                           "group, never registered, which serves once it is ready.")
+    refs: dict[str, str] = Field(default_factory=dict, description=(
+        "The replica addresses its commands were started with, by reference (models.interpolation)."))
+
+    @property
+    def serves(self) -> bool:
+        """Ready, routed by the gateway (or a worker behind the router), and not asked to stop: the one spelling
+        of "this replica serves"."""
+        return self.status == "running" and self.ready and (self.registered or not self.routed) \
+            and not self.stop_requested
 
     @property
     def active(self) -> bool:
@@ -65,9 +83,18 @@ class GroupState(BaseModel):
     name: str = Field(description="Group name.")
     desired: int = Field(description="Replicas the group should have now.")
     last_scaled_at: Optional[datetime] = Field(None, description="This group's last scaling event (not retries).")
-    failures: int = Field(0, description="Consecutive replica failures; sets the resubmission back-off.")
+    failures: int = Field(0, description="Replica failures in a row (each within FAILURE_MEMORY of the end of the last back-off); "
+                                         "sets the resubmission back-off.")
+    last_failed_at: Optional[datetime] = Field(None, description="When a replica of this group last failed.")
+    failing_since: Optional[datetime] = Field(None, description=(
+        "When the group's current row of failures began (planner.count_failure); `retry.duration` is measured "
+        "from it. None: no failure since the last deployment or manual scale of the group."))
     retry_after: Optional[datetime] = Field(None, description="No resubmission in this group before this time.")
     rollout_failed: str = Field("", description="Why this group's rollout stopped; old replicas keep serving.")
+    waiting: str = Field("", description="Why a replica of this group cannot start yet (a replica its commands "
+                                         "reference has no address); noted once.")
+    readdressed: str = Field("", description="Why replicas of this group roll though their deployment is current "
+                                             "(a replica they reference has a new address); noted once.")
 
 
 class Event(BaseModel):
@@ -97,6 +124,14 @@ class ServiceState(BaseModel):
         default_factory=list, description="Events not yet written to the store's decision log (kept on failure).")
     submitted_at: Optional[datetime] = None
     stopping: bool = False
+    failure: str = Field("", description=(
+        "Why the service gave up (a replica failure its `retry` does not cover); set with `stopping`, the run "
+        "then ends as failed. Empty: not failed."))
+    store_failing_since: Optional[datetime] = Field(
+        None, description="First failed write of the current store outage; None while the store takes writes.")
+    store_error: str = Field("", description="Why the last write to the store failed (during an outage).")
+    backends: list[str] = Field(default_factory=list, description="Backends this deployment serves (served_backends).")
+    routed: Optional[bool] = Field(None, description="The gateway route: None not put yet, True put, False refused.")
     stats: Optional["StatsSnapshot"] = Field(None, description="Latest gateway snapshot; None = no stats yet.")
 
     def latest(self) -> list[Replica]:
@@ -110,6 +145,10 @@ class ServiceState(BaseModel):
     def find(self, replica_num: int, submission_num: int) -> Optional[Replica]:
         return next((r for r in self.replicas if r.key == (replica_num, submission_num)), None)
 
+    def rolling(self, group: str) -> bool:
+        """The one spelling of "the group is rolling": it still has active replicas of an older deployment."""
+        return any(r.group == group and r.active and r.deployment_num < self.deployment_num for r in self.replicas)
+
 
 class ServiceRecord(BaseModel):
     """What a service writes to the store after a pass: new decision-log entries and its `ps` row."""
@@ -119,8 +158,25 @@ class ServiceRecord(BaseModel):
     status: "ServiceStatus"
 
 
+class RecordResult(BaseModel):
+    """What the store holds of the service's run just below the entries written (to find a lost stretch)."""
+
+    last_before: int = Field(0, description="The highest seq of this run the store has below the first entry "
+                                            "written; 0: none. Less than first - 1 means entries are missing.")
+
+
+# The lifecycle steps a replica reports, in order (ReplicaUpdate.seq): a retried activity sends its step's
+# number again, and the service drops any report not newer than the last it applied.
+class Step(IntEnum):
+    PROVISIONING = 1  # launch started
+    PROVISIONED = 2  # running, not ready yet
+    SERVING = 3  # ready and registered with the gateway
+    TERMINATING = 10  # teardown started
+    FINISHED = 11  # teardown done: terminated or failed
+
+
 class ReplicaUpdate(BaseModel):
-    """A child ReplicaWorkflow's report to its service (signal `replica_changed`)."""
+    """A replica's report to its service (signal `replica_changed`), sent by its launch and teardown activities."""
 
     replica_num: int
     submission_num: int
@@ -129,6 +185,9 @@ class ReplicaUpdate(BaseModel):
     registered: bool = False
     placement: Optional[Placement] = None
     reason: str = ""
+    seq: int = Field(0, description="Lifecycle position of this report: the service drops one not newer than the last.")
+    instance: Optional["Instance"] = Field(None, description="The instance, once provisioned (for a teardown the "
+                                                             "service must do itself).")
 
 
 class ReplicaInput(BaseModel):
@@ -137,31 +196,37 @@ class ReplicaInput(BaseModel):
     service_workflow_id: str
     job: JobSpec
     deployment_num: int = 0
-    resources: dict = Field(default_factory=dict, description="ResourcesSpec as JSON (offers are matched on it).")
-    probes: list[dict] = Field(default_factory=list, description="ProbeSpec list as JSON.")
+    # Typed: their JSON is what the earlier ``dict`` fields held, so inputs already in history still decode.
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="What offers are matched on.")
+    probes: list[ProbeSpec] = Field(default_factory=list, description="Readiness probes; none: any HTTP answer.")
     backends: Optional[list[str]] = None
+    launch_on: list[str] = Field(default_factory=lambda: ["local"], description=(
+        "Backends to launch on, in order: those this deployment serves that the service allows."))
     regions: Optional[list[str]] = None
     spot_policy: str = "on-demand"
     max_price: Optional[float] = None
     stop_duration: int = 300
-    heartbeat_seconds: int = Field(30, description="Heartbeat timeout of the long activities (probes, watch).")
-    watch_heartbeat_seconds: int = Field(300, description=(
-        "The watch's heartbeat timeout, if longer than heartbeat_seconds: a watch lost with its worker only delays "
-        "noticing the app's exit, while every watch heartbeats for the replica's whole life (bench/scale_out.py)."))
+    route: bool = Field(True, description="Register it with the gateway once ready; False for a worker behind the "
+                                          "service's router group.")
+    heartbeat_seconds: int = Field(20, description="Heartbeat timeout of its launch and teardown (the service's).")
 
 
 class ApplyRequest(BaseModel):
-    """A new configuration for a running service, as JSON: validated again by the workflow."""
+    """A new configuration for a service: the CLI runs every rule of the loader before sending it."""
 
-    config: dict
+    config: ServiceConfiguration
 
 
 class ApplyResult(BaseModel):
     deployment: int
+    changed: bool = Field(True, description=(
+        "False when the service already ran this configuration (nothing changed, `deployment` is the running "
+        "one), which is also what the apply that just started the service sees."))
     in_place: list[str] = Field(default_factory=list, description="Changed fields applied without restarts.")
     rolling: list[str] = Field(default_factory=list, description="Changed fields that roll replicas.")
     kept: int = Field(0, description="Replicas that joined the new deployment without a restart.")
     replacing: int = Field(0, description="Replicas that will be replaced one at a time.")
+    changed: bool = Field(True, description="False: the service already runs this configuration (nothing done).")
 
 
 class ScaleRequest(BaseModel):
@@ -183,6 +248,8 @@ class ReplicaView(BaseModel):
     address: str = ""
     submitted_at: datetime
     reason: str = ""
+    ssh_host: str = Field("", description="A cloud replica's instance address, where `exec` and `logs` reach it.")
+    instance_key: str = Field("", description="Its provisioning key, from which its host key is derived.")
 
 
 class GroupView(BaseModel):
@@ -192,6 +259,11 @@ class GroupView(BaseModel):
     max: int
     resources: str = ""
     rollout: str = Field("", description="Rollout state of the group: '', 'rolling', or why it failed.")
+    role: str = Field("", description="'router': the gateway routes the service's traffic to this group alone; "
+                                      "'worker': behind the router group, never routed to by the gateway; '' without "
+                                      "a router group.")
+    waiting: str = Field("", description="Why a replica of this group cannot start yet.")
+    retry_after: Optional[datetime] = Field(None, description="Replicas of this group wait on a back-off until then.")
     replicas: list[ReplicaView]
 
 
@@ -205,9 +277,16 @@ class ServiceStatus(BaseModel):
     submitted_at: Optional[datetime]
     groups: list[GroupView]
     extra_replicas: list[ReplicaView] = Field(default_factory=list, description="Replicas of removed groups.")
+    routed: Optional[bool] = Field(None, description="The gateway route: None not put yet, True put, False refused.")
+    unrecorded: int = Field(0, description="Decision-log entries waiting for the store (it failed or is behind).")
+    store_failing_since: Optional[datetime] = Field(None, description="Since when writes to the store fail.")
+    store_error: str = Field("", description="Why the last write to the store failed.")
 
 
-# --- activity inputs and results (names in workflows.names) ---------------------------------------
+# --- activity inputs --------------------------------------------------------------------------------
+# Delegation, Provisioned, InstanceRef, ReadyInput and Registration are the old ReplicaWorkflow's messages
+# (provision → wait_ready → register → watch → unregister → terminate). No activity takes them any more; they
+# stay only so that workflows/replica.py imports until its rewrite on the lean lifecycle lands, then go with it.
 
 class Delegation(BaseModel):
     """Provision on ``backend`` alone, by the worker polling ``task_queue`` (a worker with its credentials)."""
@@ -249,6 +328,9 @@ class RouteInput(BaseModel):
     service: str
     auth: bool = True
     cold_start_timeout: Optional[int] = Field(None, description="How long the gateway holds a request at zero.")
+    pass_authorization: bool = Field(False, description="With auth, the replicas get the client's Authorization header.")
+    strip_prefix: bool = Field(True, description="Drop /services/<name> from the path the replicas get.")
+    rate_limits: list[RouteRateLimit] = Field(default_factory=list, description="The gateway's request-rate limits.")
 
 
 class GroupWatch(BaseModel):
@@ -280,5 +362,106 @@ class StatsSnapshot(BaseModel):
         return self.rps.get(window, 0.0) + self.held / window
 
 
+from models.backends import CloudInstance  # noqa: E402 — after Placement: backends imports offers only
+from models.replica import LocalInstance  # noqa: E402
+
+Instance = Annotated[Union[LocalInstance, CloudInstance], Field(discriminator="kind")]
+
 ServiceState.model_rebuild()
 ServiceRecord.model_rebuild()
+
+
+# --- the lean replica lifecycle (activities/interface.py) -------------------------------------------
+
+class Launched(BaseModel):
+    """A replica that serves: provisioned, ready (its probes pass) and registered with the gateway."""
+
+    placement: Placement
+    instance: "Instance"
+
+
+class LaunchInput(BaseModel):
+    """Launch one replica on one backend (the task queue ``<queue>-<backend>`` serves it)."""
+
+    replica: ReplicaInput
+    backend: str = Field(description="local, aws or gcp: the backend this attempt uses.")
+
+
+class NoCapacity(BaseModel):
+    """Details of the typed ``NoCapacity`` ApplicationError a launch raises when a backend cannot place it."""
+
+    backend: str
+    tried: bool = Field(description="True: offers were tried and each failed; False: no offer matched at all.")
+    reasons: list[str] = Field(default_factory=list, description="Why, per offer or per backend.")
+
+
+class TeardownInput(BaseModel):
+    """Leave the gateway, drain, terminate; report the final state to the service. Idempotent."""
+
+    service_workflow_id: str
+    job: JobSpec
+    backend: str
+    instance: Optional["Instance"] = Field(None, description="None: a launch may have made one; find it by the job.")
+    drain_seconds: int = 0
+    reason: str = ""
+    final: Literal["terminated", "failed"] = "terminated"
+
+
+class Watched(BaseModel):
+    """One replica a service's monitor watches."""
+
+    replica_num: int
+    submission_num: int
+    group: str
+    workflow_id: str = Field(description="The replica's workflow: watched too, e.g. terminated from the Web UI.")
+    replica_id: str = Field(description="JobSpec.replica_id: its gateway registration.")
+    instance: "Instance"
+
+
+class MonitorInput(BaseModel):
+    """All serving replicas of one service on one backend; the monitor returns when one is down."""
+
+    service: str
+    backend: str
+    replicas: list[Watched]
+    poll_seconds: float = Field(0.5, description="How often each instance is checked.")
+    workflow_check_seconds: float = Field(5.0, description="How often each replica's workflow is described.")
+
+
+class Down(BaseModel):
+    """A watched replica that stopped serving: already unrouted by the monitor."""
+
+    replica_num: int
+    submission_num: int
+    reason: str = Field(description="exited (1), instance terminated, workflow terminated, …")
+    workflow_closed: bool = Field(False, description="Its workflow is gone: the service must tear it down itself.")
+
+for _model in (Replica, ReplicaUpdate, Launched, TeardownInput, Watched):
+    _model.model_rebuild()
+
+
+# --- messages of the service workflow ------------------------------------------------------------
+
+class StopRequest(BaseModel):
+    """Ask a replica to leave: ``failed`` when the service saw it die (it counts toward the back-off)."""
+
+    reason: str = "stopped"
+    failed: bool = False
+
+
+class SignalInput(BaseModel):
+    """A `scale` or `apply` signal's raw payload and what the service is now, for the judge (a local activity)."""
+
+    kind: Literal["scale", "apply"]
+    payload: Any = None
+    service: str
+    config: ServiceConfiguration
+    stopping: bool = False
+
+
+class Verdict(BaseModel):
+    """The judge's answer, recorded in history: replay never judges a signal again with newer rules."""
+
+    reason: str = Field("", description="Why it was refused; empty when accepted.")
+    scale: Optional[ScaleRequest] = None
+    apply: Optional[ApplyRequest] = None

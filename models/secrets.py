@@ -11,7 +11,7 @@ The rule, in one place (``is_secret``): an `env` entry is secret when
 Everything else (``MODEL_ID=llama``) stays readable in history and in the Web UI. Erring on the
 secret side only costs readability, so the name test matches substrings.
 
-Marking: in JSON mode a secret value serializes as ``SECRET_MARK + value``; ``models.codec`` (the
+Marking: in JSON mode a secret value serializes as ``SECRET_MARK + value``; ``connect.codec`` (the
 Temporal payload codec) replaces each marked string with AES-GCM ciphertext (``ENCRYPTED_MARK…``)
 before a payload leaves the process, and restores the marked string on the way in. Validation strips
 the mark again, so models always hold the real value. The mark starts with NUL, which no environment
@@ -48,9 +48,9 @@ def unmark(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     if value.startswith(ENCRYPTED_MARK):
-        # Only a client without durastack's data converter (models.codec) can get here.
+        # Only a client without durastack's data converter (connect.codec) can get here.
         raise ValueError("an encrypted secret reached this process undecrypted: connect with durastack's data "
-                         "converter (models.connection.client_options) and the DURASTACK_CODEC_KEY in use")
+                         "converter (connect.connection.client_options) and the DURASTACK_CODEC_KEY in use")
     if value.startswith(SECRET_MARK):
         return value[len(SECRET_MARK):]
     if "\x00" in value:

@@ -6,18 +6,40 @@ Field-level rules live on the fields; rules that span fields or levels live in
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BeforeValidator, Field, FieldSerializationInfo, field_serializer,
                       field_validator, model_validator)
 
-from models.common import Duration, IntRange, Model, Range
+from models.common import Duration, IntRange, Model, Range, duration_or_off
+from models.failures import RETRY_EVENTS, RetryEvent
 from models.secrets import SECRETS_DESCRIPTION, dump_env, is_secret, unmark
 
 SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,40}$")
 GROUP_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+USER_RE = re.compile(r"^([a-z_][a-z0-9_.-]{0,31}|[0-9]{1,10})$")  # a POSIX-portable user name, or a uid
+# Bounds on what one service file may ask for. A service's whole configuration lives in its workflow's
+# state (twice during a rollout: the running one and the previous one, kept for rollback), one record
+# per replica sits beside it, and every replica's job carries its group's commands and env. Temporal
+# refuses a payload over 2 MB, and a workflow that cannot write its state is stuck for good (no `ps`,
+# no `stop`). With these bounds the worst case stays far below that: 2 × 256 KiB of commands + env
+# (a little more once secrets are encrypted), plus 256 replica records of well under 1 KiB.
+MAX_GROUPS = 32
+MAX_REPLICAS_PER_GROUP = 64          # the maximum of one group's count or range
+MAX_REPLICAS_PER_SERVICE = 256       # the sum of the groups' maxima
+MAX_COMMANDS = 64                    # commands per group
+MAX_COMMAND_BYTES = 16 * 1024        # one command
+MAX_ENV = 128                        # env entries
+MAX_ENV_VALUE_BYTES = 16 * 1024      # one env value
+MAX_GROUP_TEXT_BYTES = 64 * 1024     # one group's commands (what one replica's job carries besides env)
+MAX_ENV_BYTES = 64 * 1024            # all env names + values
+MAX_SERVICE_TEXT_BYTES = 256 * 1024  # every group's commands + env, the service's share of its workflow state
+MAX_LINE = 1024                      # one-line settings: image, user, working_dir, regions, …
+MAX_LIST = 64                        # lists of one-line settings
+
 PYTHON_VERSIONS = ("3.9", "3.10", "3.11", "3.12", "3.13", "3.14")
 SCALING_WINDOWS = (30, 60, 300)
 MAX_PROBES = 10
@@ -27,6 +49,60 @@ SpotPolicy = Literal["spot", "on-demand", "auto"]
 Backend = Literal["aws", "gcp", "local"]
 
 from models.resources import ResourcesSpec  # noqa: E402  (after the constants it does not need)
+
+# C0 controls, DEL and C1 controls. A NUL cannot even reach a process (argv and environ are NUL
+# terminated, so it fails only at start, or cuts the value short), and the others hide or rewrite
+# what a terminal shows of a command. Tab is ordinary text. Newline is allowed only where several
+# lines are legitimate: commands (a YAML block scalar `|` is the usual way to write a multi-line
+# shell fragment), env values (certificates, keys) and probe bodies. A carriage return never is:
+# YAML already turns line breaks into \n, so a \r can only come from an escape, and it makes a
+# terminal show something other than what runs.
+_CONTROL_MULTILINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_LINE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def _utf8_len(value: str) -> int:
+    return len(value.encode("utf-8", errors="surrogatepass"))
+
+
+def check_text(value: str, multiline: bool = False, max_bytes: int = MAX_LINE) -> str:
+    """Refuse control characters (see above) and values longer than ``max_bytes`` (UTF-8)."""
+    m = (_CONTROL_MULTILINE if multiline else _CONTROL_LINE).search(value)
+    if m:
+        allowed = "tab and newline" if multiline else "tab"
+        raise ValueError(f"contains the control character U+{ord(m.group()):04X} at character {m.start() + 1}; "
+                         f"only {allowed} may appear here")
+    size = _utf8_len(value)
+    if size > max_bytes:
+        raise ValueError(f"is {size} bytes long; at most {max_bytes} bytes are allowed")
+    return value
+
+
+def _text(multiline: bool = False, max_bytes: int = MAX_LINE):
+    return AfterValidator(lambda v: check_text(v, multiline, max_bytes))
+
+
+Line = Annotated[str, _text()]  # a one-line setting
+Command = Annotated[str, _text(multiline=True, max_bytes=MAX_COMMAND_BYTES)]
+
+
+def _env_name(value: str) -> str:
+    if not ENV_NAME_RE.fullmatch(value) or len(value) > 256:
+        raise ValueError(f"invalid variable name {value!r}: letters, digits and '_', not starting with a digit "
+                         "(at most 256 characters)")
+    return value
+
+
+EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvValue = Annotated[str, _text(multiline=True, max_bytes=MAX_ENV_VALUE_BYTES)]
+
+
+def _bounded(limit: int, what: str):
+    def check(value: list) -> list:
+        if len(value) > limit:
+            raise ValueError(f"at most {limit} {what} are allowed, got {len(value)}")
+        return value
+    return AfterValidator(check)
 
 
 def _python_version(value: Any) -> Any:
@@ -52,25 +128,32 @@ def _env(value: Any) -> Any:
             out[key] = val if sep else None
         value = out
     if isinstance(value, dict):
-        for key, val in value.items():
-            if not isinstance(key, str) or not ENV_NAME_RE.match(key):
-                raise ValueError(f"invalid variable name {key!r}")
+        if len(value) > MAX_ENV:
+            raise ValueError(f"at most {MAX_ENV} variables are allowed, got {len(value)}")
+        for key, val in value.items():  # names are checked by the key type, each one on its own
             if isinstance(val, bool):
-                raise ValueError(f"{key}: write booleans as strings, e.g. \"true\"")
+                raise ValueError(f"{key!r}: write booleans as strings, e.g. \"true\"")
             if isinstance(val, (int, float)):
                 value = {**value, key: str(val)}
             elif val is not None and not isinstance(val, str):
-                raise ValueError(f"{key}: expected a string value, got {type(val).__name__}")
+                raise ValueError(f"{key!r}: expected a string value, got {type(val).__name__}")
             elif val is not None:
                 try:
                     value = {**value, key: unmark(val)}  # a secret read back from a payload (models.secrets)
                 except ValueError as e:
-                    raise ValueError(f"{key}: {e}") from None
+                    raise ValueError(f"{key!r}: {e}") from None
         return value
     raise ValueError("expected a list of 'NAME=value' / 'NAME' items or a mapping")
 
 
-Env = Annotated[dict[str, Optional[str]], BeforeValidator(_env)]
+def _env_size(value: dict[str, Optional[str]]) -> dict[str, Optional[str]]:
+    size = sum(_utf8_len(k) + _utf8_len(v or "") for k, v in value.items())
+    if size > MAX_ENV_BYTES:
+        raise ValueError(f"names and values add up to {size} bytes; at most {MAX_ENV_BYTES} bytes are allowed")
+    return value
+
+
+Env = Annotated[dict[EnvName, Optional[EnvValue]], BeforeValidator(_env), AfterValidator(_env_size)]
 
 
 def _port(value: Any) -> Any:
@@ -113,9 +196,12 @@ class ProbeSpec(Model):
     url: str = Field("/", max_length=2048, pattern=r"^/[\x21-\x7e]*$", description="Path to request, starting with /.")
     method: Literal["get", "post", "put", "delete", "patch", "head"] = Field("get", description="HTTP method.")
     headers: list["ProbeHeader"] = Field(default_factory=list, max_length=16, description="Request headers.")
-    body: Optional[str] = Field(None, min_length=1, max_length=2048, description="Request body (not with get/head).")
+    body: Optional[Annotated[str, _text(multiline=True, max_bytes=2048)]] = Field(
+        None, min_length=1, max_length=2048, description="Request body (not with get/head).")
     timeout: Duration = Field(10, description="Timeout of one probe request (1s..300s).")
-    interval: Duration = Field(15, description="Time between the end of one probe and the next (≥ 1s).")
+    interval: Duration = Field(15, description="Time between the end of one probe and the next (≥ 1s). Until "
+                                                   "it first passes, a probe is retried sooner: after 0.1 s, "
+                                                   "doubling up to this.")
     ready_after: int = Field(1, ge=1, description="Consecutive successes before the replica is ready.")
     until_ready: bool = Field(False, description="Stop probing once the replica is ready.")
 
@@ -131,19 +217,24 @@ class ProbeSpec(Model):
 
 
 class ProbeHeader(Model):
-    name: str = Field(min_length=1, max_length=256, description="Header name.")
-    value: str = Field(min_length=1, max_length=2048, description="Header value.")
+    name: Line = Field(min_length=1, max_length=256, description="Header name.")
+    value: Annotated[str, _text(max_bytes=2048)] = Field(min_length=1, max_length=2048, description="Header value.")
 
 
 class RateLimitKey(Model):
-    type: Literal["ip_address", "header"] = Field("ip_address", description="What a limit is counted per.")
-    header: Optional[str] = Field(None, max_length=500, pattern=r"^[a-zA-Z0-9_-]+$", description="Header name.")
+    type: Literal["ip_address", "header"] = Field("ip_address", description="What a limit is counted per: the "
+                                                  "client's address, or the value of a header (`header`).")
+    header: Optional[str] = Field(None, max_length=500, pattern=r"^[a-zA-Z0-9_-]+$",
+                                  description="With type `header`: the header name; requests without it are not limited.")
 
 
 class RateLimit(Model):
-    prefix: str = Field("/", max_length=4094, pattern=r"^/[^\s{}\\]*$", description="Path prefix the limit covers.")
+    prefix: str = Field("/", max_length=4094, pattern=r"^/[^\s{}\\]*$", description=(
+        "Path prefix the limit covers, relative to the service; a request counts against the limit with the "
+        "longest matching prefix."))
     key: RateLimitKey = Field(default_factory=RateLimitKey, description="What requests are counted per.")
-    rps: float = Field(ge=1 / 60, description="Allowed requests per second.")
+    rps: float = Field(ge=1 / 60, description="Allowed requests per second per key; past it (and the burst) "
+                                              "the gateway answers 429.")
     burst: int = Field(0, ge=0, description="Requests allowed above the rate at once.")
 
 
@@ -153,7 +244,7 @@ def _model(value: Any) -> Any:
 
 class ModelSpec(Model):
     type: Literal["chat"] = Field("chat", description="Model type.")
-    name: str = Field(min_length=1, description="Model name as served, e.g. meta-llama/Llama-3.2-3B-Instruct.")
+    name: Line = Field(min_length=1, description="Model name as served, e.g. meta-llama/Llama-3.2-3B-Instruct.")
     format: Literal["openai"] = Field("openai", description="API format.")
     prefix: str = Field("/v1", pattern=r"^/", description="Path prefix of the OpenAI-compatible API.")
 
@@ -163,16 +254,27 @@ class RouterSpec(Model):
 
 
 class RetrySpec(Model):
-    on_events: list[Literal["no-capacity", "interruption", "error"]] = Field(
-        default_factory=lambda: ["no-capacity", "interruption", "error"], description="Events that trigger a retry.")
-    duration: Optional[Duration] = Field(None, description="How long to keep retrying.")
+    on_events: list[RetryEvent] = Field(
+        default_factory=lambda: list(RETRY_EVENTS), description=(
+            "Which replica failures are retried, i.e. the replica is replaced: `no-capacity` (no offer fits, or "
+            "every offer failed), `interruption` (the cloud took a spot instance back), `error` (anything else: "
+            "the app exited, the instance died, …). Any other failure fails the service: every replica is "
+            "stopped and the run ends as failed. An empty list retries nothing (as `retry: false`). A new "
+            "replica of a rollout that fails never fails the service: the rollout stops and the old replicas "
+            "keep serving."))
+    duration: Optional[Duration] = Field(None, description=(
+        "How long a group may keep failing: a failure that comes when its group has been failing for longer "
+        "fails the service. A group is failing from a failure until it goes 10 minutes without one (the back-off "
+        "it waits between attempts not counted); a new deployment or a manual scale of the group starts the "
+        "count again. Unset: retry for as long as it takes."))
 
 
 def _retry(value: Any) -> Any:
+    """``true``: retry every event for as long as it takes; ``false``: retry nothing."""
     if value is True:
         return {}
     if value is False:
-        return None
+        return {"on_events": []}
     return value
 
 
@@ -180,6 +282,8 @@ def _replica_count(value: Range[int]) -> Range[int]:
     # V1: a count needs a maximum; a missing minimum is 0.
     if value.max is None:
         raise ValueError("the maximum number of replicas is required (e.g. 0..4)")
+    # The bound (MAX_REPLICAS_PER_GROUP) is a rule in models.validation, not a field check: a running
+    # service's state is read back through this model, and must still load if it predates the bound.
     return value if value.min is not None else Range[int](min=0, max=value.max)
 
 
@@ -206,15 +310,16 @@ class ReplicaGroup(Model):
     name: Optional[str] = Field(None, description="Group name; defaults to the group's position (\"0\", \"1\", …).")
     count: ReplicaCount = Field(description="Replica count or range, e.g. 2 or 0..4 (also spelled `replicas`).")
     scaling: Optional[ScalingSpec] = Field(None, description="Autoscaling of this group; needed for a range.")
-    commands: list[str] = Field(default_factory=list, description="Shell commands, run in order.")
+    commands: Annotated[list[Command], _bounded(MAX_COMMANDS, "commands")] = Field(
+        default_factory=list, description="Shell commands, run in order.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Resources of each replica.")
-    image: Optional[str] = Field(None, min_length=1, description="Docker image of this group.")
+    image: Optional[Line] = Field(None, min_length=1, description="Docker image of this group.")
     python: Optional[PythonVersion] = Field(None, description="Python version of this group.")
     nvcc: Optional[bool] = Field(None, description="Use the CUDA devel image (nvcc available).")
     docker: Optional[bool] = Field(None, description="Docker-in-Docker (implies privileged).")
     privileged: Optional[bool] = Field(None, description="Run the container privileged.")
     spot_policy: Optional[SpotPolicy] = Field(None, description="spot, on-demand or auto for this group.")
-    reservation: Optional[str] = Field(None, description="Capacity reservation for this group.")
+    reservation: Optional[Line] = Field(None, description="Capacity reservation for this group.")
     router: Optional[RouterSpec] = Field(None, description="This group runs the in-service router.")
 
     @model_validator(mode="before")
@@ -230,42 +335,57 @@ class ServiceConfiguration(Model):
     type: Literal["service"] = Field(description="Always `service`.")
     name: Optional[str] = Field(None, description="Service name: ^[a-z][a-z0-9-]{1,40}$.")
     port: Annotated[PortMapping, BeforeValidator(_port)] = Field(description="Port the replicas' app listens on.")
-    image: Optional[str] = Field(None, min_length=1, description="Docker image; default is durastack's CUDA image.")
+    image: Optional[Line] = Field(None, min_length=1, description="Docker image; default is durastack's CUDA image.")
     python: Optional[PythonVersion] = Field(None, description="Python version (3.9 … 3.14).")
     nvcc: Optional[bool] = Field(None, description="Use the CUDA devel image (nvcc available).")
     docker: Optional[bool] = Field(None, description="Docker-in-Docker (implies privileged).")
     privileged: Optional[bool] = Field(None, description="Run the container privileged.")
     env: Env = Field(default_factory=dict, description="Environment: [K=V, K] or {K: V}; a bare K is read from yours "
                                                        "and is secret (see `secrets`).")
-    secrets: list[Annotated[str, Field(pattern=ENV_NAME_RE.pattern)]] = Field(
+    secrets: Annotated[list[Annotated[str, Field(pattern=ENV_NAME_RE.pattern)]], _bounded(MAX_ENV, "names")] = Field(
         default_factory=list, description=SECRETS_DESCRIPTION)
-    commands: list[str] = Field(default_factory=list, description="Shell commands of the implicit group.")
-    entrypoint: Optional[str] = Field(None, description="Container entrypoint.")
-    working_dir: Optional[str] = Field(None, description="Working directory of the commands.")
-    user: Optional[str] = Field(None, description="User the commands run as.")
-    shell: Optional[str] = Field(None, description="Shell that runs the commands.")
+    commands: Annotated[list[Command], _bounded(MAX_COMMANDS, "commands")] = Field(
+        default_factory=list, description="Shell commands of the implicit group.")
+    entrypoint: Optional[Line] = Field(None, description="Container entrypoint.")
+    working_dir: Optional[Line] = Field(None, min_length=1, description=(
+        "Working directory of the commands: relative to the replica's work dir, or absolute."))
+    user: Optional[Annotated[str, Field(pattern=USER_RE.pattern)]] = Field(
+        None, description="User the commands run as (a name or a numeric uid).")
+    shell: Optional[Line] = Field(None, description="Shell that runs the commands.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Resources of the implicit group.")
     replicas: Optional[ReplicaCount] = Field(None, description="Replica count or range (no groups), or a list of groups.")
-    groups: Optional[list[ReplicaGroup]] = Field(None, description="Replica groups, each with its own count.")
+    groups: Optional[Annotated[list[ReplicaGroup], _bounded(MAX_GROUPS, "replica groups")]] = Field(None, description="Replica groups, each with its own count.")
     scaling: Optional[ScalingSpec] = Field(None, description="Autoscaling of the implicit group.")
     probes: Optional[list[ProbeSpec]] = Field(None, description="Readiness probes; [] disables the model default.")
-    rate_limits: list[RateLimit] = Field(default_factory=list, description="Rate limits at the gateway.")
+    rate_limits: Annotated[list[RateLimit], _bounded(MAX_LIST, "rate limits")] = Field(default_factory=list, description="Rate limits at the gateway.")
     model: Optional[Annotated[ModelSpec, BeforeValidator(_model)]] = Field(None, description="Model served.")
     https: Optional[Annotated[Union[bool, str], BeforeValidator(_https)]] = Field(
         None, description="Serve over HTTPS: true, false or auto (gateway setting).")
     auth: bool = Field(True, description="Require a bearer token at the gateway.")
     gateway: Optional[Annotated[Union[bool, str], BeforeValidator(_gateway)]] = Field(
         None, description="Gateway to publish on: true, false or a gateway name.")
-    strip_prefix: bool = Field(True, description="Strip /services/<name> before forwarding.")
+    strip_prefix: bool = Field(True, description="Strip /services/<name> before forwarding; false: the replicas get "
+                                                 "the path as the client sent it.")
+    pass_authorization: bool = Field(
+        False, description="With `auth`, hand the client's Authorization header (a gateway token, which opens every "
+                           "service of the gateway) on to the replicas; by default the gateway drops it. Without "
+                           "`auth` the client's header always passes.")
     backends: Optional[list[Backend]] = Field(None, description="Backends to use: aws, gcp, local.")
-    regions: Optional[list[str]] = Field(None, description="Regions to use.")
-    availability_zones: Optional[list[str]] = Field(None, description="Zones to use.")
-    instance_types: Optional[list[str]] = Field(None, description="Instance types to use.")
+    regions: Optional[Annotated[list[Line], _bounded(MAX_LIST, "regions")]] = Field(None, description="Regions to use.")
+    availability_zones: Optional[Annotated[list[Line], _bounded(MAX_LIST, "zones")]] = Field(
+        None, description="Zones to use.")
+    instance_types: Optional[Annotated[list[Line], _bounded(MAX_LIST, "instance types")]] = Field(
+        None, description="Instance types to use.")
     spot_policy: Optional[SpotPolicy] = Field(None, description="spot, on-demand (default) or auto.")
-    reservation: Optional[str] = Field(None, description="Capacity reservation.")
+    reservation: Optional[Line] = Field(None, description="Capacity reservation.")
     max_price: Optional[float] = Field(None, gt=0, description="Highest hourly price of an offer, USD.")
-    retry: Optional[Annotated[RetrySpec, BeforeValidator(_retry)]] = Field(None, description="Retry policy.")
-    max_duration: Optional[Duration] = Field(None, description="Stop the service after this long.")
+    retry: Optional[Annotated[RetrySpec, BeforeValidator(_retry)]] = Field(None, description=(
+        "Which replica failures are retried (`on_events`) and for how long (`duration`); any other failure "
+        "fails the whole service. `true`: every event, for as long as it takes; `false`: none, the first failure "
+        "fails the service. Unset: every failure is retried, with a back-off after failures in a row."))
+    max_duration: Annotated[Optional[Duration], BeforeValidator(duration_or_off)] = Field(None, gt=0, description=(
+        "Stop the service this long after it was submitted (e.g. 8h; an apply that changes it counts from the "
+        "same submission); the run ends as stopped. `off` (the default): runs until stopped."))
     stop_duration: Duration = Field(300, description="How long a stopping replica may drain in-flight requests.")
     cold_start_timeout: Duration = Field(
         300, description="How long the gateway holds a request while a scaled-to-zero service starts.")
@@ -273,7 +393,7 @@ class ServiceConfiguration(Model):
     @field_validator("name")
     @classmethod
     def _name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not SERVICE_NAME_RE.match(v):
+        if v is not None and not SERVICE_NAME_RE.fullmatch(v):  # fullmatch: `$` would let a final \n through
             raise ValueError("must match ^[a-z][a-z0-9-]{1,40}$ (lowercase letters, digits, '-'; 2–41 characters)")
         return v
 
@@ -316,12 +436,22 @@ class ServiceConfiguration(Model):
     def group(self, name: str) -> Optional[ReplicaGroup]:
         return next((g for g in self.replica_groups if g.name == name), None)
 
+    @property
+    def router_group(self) -> Optional[str]:
+        """The group that runs the in-service router: the only one the gateway routes to (None: every group)."""
+        return next((g.name for g in self.replica_groups if g.router is not None), None)
+
+    def routed(self, group: str) -> bool:
+        """Whether the gateway routes to replicas of ``group``: not to workers behind a router group."""
+        return self.router_group in (None, group)
+
     def effective_probes(self) -> list[ProbeSpec]:
         """Explicit probes, or the default chat probe when a model is set (spec 1.7)."""
         if self.probes is not None or self.model is None:
             return list(self.probes or [])
-        body = ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
-                % self.model.name)
+        # json.dumps, not %-formatting: a name with a quote must not break (or rewrite) the body.
+        body = json.dumps({"model": self.model.name, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 1})
         return [ProbeSpec(type="http", url=f"{self.model.prefix}/chat/completions", method="post",
                           headers=[ProbeHeader(name="Content-Type", value="application/json")], body=body,
                           timeout=30)]

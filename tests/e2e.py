@@ -32,9 +32,10 @@ def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "cond
 
 
 class Stack:
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, env: dict[str, str] | None = None):
+        """``env``: more environment for the server and the CLI (e.g. DURASTACK_LOCAL_ISOLATION=off)."""
         self.home = home
-        self.env = {**os.environ, "DURASTACK_HOME": str(home),
+        self.env = {**os.environ, **(env or {}), "DURASTACK_HOME": str(home),
                     "DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
                     "DURASTACK_GATEWAY_PORT": str(free_port()), "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port()),
                     "DURASTACK_WORKER_METRICS_PORT": str(free_port()), "DURASTACK_CODEC_PORT": str(free_port())}
@@ -70,8 +71,13 @@ class Stack:
         except (OSError, KeyError, ValueError, TypeError):
             return None
 
+    def control_token(self) -> str:
+        """The gateway control API's token, which the first start made in the home (as the CLI reads it)."""
+        return (self.home / "gateway" / "control.token").read_text().strip()
+
     def routes(self) -> dict:
-        return httpx.get(f"{self.control}/api/services", timeout=5).json()["services"]
+        return httpx.get(f"{self.control}/api/services", timeout=5,
+                         headers={"Authorization": f"Bearer {self.control_token()}"}).json()["services"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -107,9 +113,9 @@ def replica_processes(home: Path) -> dict[str, int]:
     return found
 
 
-def running_stack(tmp_path_factory):
+def running_stack(tmp_path_factory, env: dict[str, str] | None = None):
     """A started stack for a test module; stopping it must leave no replica process behind."""
-    s = Stack(tmp_path_factory.mktemp("home"))
+    s = Stack(tmp_path_factory.mktemp("home"), env)
     try:
         until(lambda: s.cli("ps").returncode == 0, 90, 0.5, "control plane up")
         yield s

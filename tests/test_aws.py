@@ -6,6 +6,7 @@ responses and killed workers, the offer walk on capacity and quota errors, error
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import signal
@@ -15,15 +16,22 @@ from pathlib import Path
 
 import boto3
 import pytest
+from temporalio.exceptions import ApplicationError
 
 from activities.aws import AWSBackend
 from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_replica, terminate_service
-from activities.store import Store, StoreLedger
-from activities.userdata import cloud_init
-from models.backends import AWSConfig, BackendsConfig, CloudError, ErrorKind, provisioning_key
+from activities.cloud_errors import CloudError, ErrorKind
+from activities.replica import ReplicaActivities
+from activities.replica_cloud import CloudReplicas
+from activities.userdata import BootKeys, cloud_init
+from connect.ssh_keys import SSHKeys
+from models.backends import AWSConfig, BackendsConfig, provisioning_key
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
+from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
+from store import Store, StoreLedger
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
 from tests.fakes.ec2_faults import CPU_AMI, GPU_AMI, ec2_server, fake_ec2  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +99,14 @@ def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_e
     assert image["Name"] == GPU_AMI
     user_data = ec2().describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")
     text = base64.b64decode(user_data["UserData"]["Value"]).decode()
-    assert text == cloud_init(job(), gpu=True) and "--gpus all" in text
+    keys = SSHKeys.of_home(Path("/nonexistent"))  # DURASTACK_SSH_DIR (tests/conftest.py)
+    host = keys.host_key(key)
+    assert text == cloud_init(job(), gpu=True, keys=BootKeys(host.private_openssh, host.public_openssh,
+                                                             keys.client_public()))
+    # The instance gets its host key and the installation's key; env and commands come over SSH later.
+    assert host.public_openssh in text and keys.client_public() in text
+    assert "hf_x" not in text and "vllm serve" not in text
+    assert raw["MetadataOptions"]["HttpTokens"] == "required"  # IMDSv2 only
     volumes = ec2().describe_volumes(Filters=[{"Name": "attachment.instance-id", "Values": [inst.instance_id]}])
     assert [v["Size"] for v in volumes["Volumes"]] == [150]
     run = fake_ec2.run_requests[-1]
@@ -102,19 +117,24 @@ def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_e
     assert "hf_x" not in json.dumps(ledger.entries())  # env values (secrets) never reach the ledger
 
 
-def test_security_group_opens_the_port_to_the_gateway_only(aws, fake_ec2):
+def test_security_group_opens_ssh_to_the_gateway_only(aws, fake_ec2):
     inst = aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
     (raw,) = all_instances()
-    (sg_ref,) = raw["SecurityGroups"]
+    # The groups are the primary interface's (moto does not copy them to the instance's own list).
+    (sg_ref,) = raw["SecurityGroups"] or raw["NetworkInterfaces"][0]["Groups"]
     assert sg_ref["GroupName"] == "durastack-svc"
     sg = ec2().describe_security_groups(GroupIds=[sg_ref["GroupId"]])["SecurityGroups"][0]
     rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"])) for p in sg["IpPermissions"]}
-    assert rules == {(8000, ("203.0.113.7/32",))}  # no SSH unless ssh_cidrs is set
+    assert rules == {(22, ("203.0.113.7/32",))}  # SSH from the gateway; never the service port
+    # In the zone's default subnet, with a public IP as configured (the default: yes).
+    run = fake_ec2.run_requests[-1]
+    assert run["Placement.AvailabilityZone"] == "us-east-1a" and run["NetworkInterface.1.SubnetId"]
+    assert run["NetworkInterface.1.AssociatePublicIpAddress"] == "true"
     aws.create(job(replica=1), G5, provisioning_key("svc", "llm", 1, 0, G5))  # reused, not duplicated
     assert fake_ec2.count("CreateSecurityGroup") == 1 and inst
 
 
-def test_ssh_rule_only_when_configured_and_default_gateway_source_is_the_vpc(fake_ec2):
+def test_ssh_cidrs_join_the_gateway_and_the_default_gateway_source_is_the_vpc(fake_ec2):
     fake_ec2.seed_amis("us-east-1")
     backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], ssh_cidrs=["198.51.100.0/24"]))
     backend.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
@@ -122,7 +142,26 @@ def test_ssh_rule_only_when_configured_and_default_gateway_source_is_the_vpc(fak
     vpc = ec2().describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"][0]
     perms = sg["SecurityGroups"][0]["IpPermissions"]
     rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"])) for p in perms}
-    assert rules == {(8000, (vpc["CidrBlock"],)), (22, ("198.51.100.0/24",))}
+    assert rules == {(22, tuple(sorted([vpc["CidrBlock"], "198.51.100.0/24"])))}
+
+
+def test_capacity_in_one_zone_moves_to_the_next_zone_before_the_next_offer(aws, ledger, fake_ec2):
+    two_zones = G5.model_copy(update={"zones": ["us-east-1a", "us-east-1b"]})
+    fake_ec2.fail("InsufficientInstanceCapacity", zone="us-east-1a")
+    chosen, inst = walk(aws, ledger, [two_zones, P4])
+    assert chosen.instance_type == "g5.xlarge" and inst.zone == "us-east-1b"
+    zones = [r.get("Placement.AvailabilityZone") for r in fake_ec2.run_requests]
+    assert zones == ["us-east-1a", "us-east-1b"]
+
+
+def test_root_volume_is_at_least_the_ami_snapshot(aws, fake_ec2):
+    image = aws._ami("us-east-1", G5)
+    small = G5.model_copy(update={"disk_gb": 1.0})
+    snapshot = next(m["Ebs"]["VolumeSize"] for m in image.get("BlockDeviceMappings", [])
+                    if m["DeviceName"] == image.get("RootDeviceName")) if image.get("BlockDeviceMappings") else 8
+    aws.create(job(), small, provisioning_key("svc", "llm", 0, 0, small))
+    run = fake_ec2.run_requests[-1]
+    assert int(run["BlockDeviceMapping.1.Ebs.VolumeSize"]) == max(8, snapshot)
 
 
 def test_spot_offer_uses_instance_market_options(aws, fake_ec2):
@@ -344,7 +383,8 @@ def test_two_control_planes_share_an_account_without_touching_each_other(aws, le
         "svc", "llm", 0, 0, chosen)
     raw = next(i for i in all_instances() if i["InstanceId"] == mine.instance_id)
     assert {"Key": "durastack:installation", "Value": "h-laptop"} in raw["Tags"]
-    assert [g["GroupName"] for g in raw["SecurityGroups"]] == ["durastack-h-laptop-svc"]  # not the cluster's
+    groups = raw["SecurityGroups"] or raw["NetworkInterfaces"][0]["Groups"]  # moto lists the interface's only
+    assert [g["GroupName"] for g in groups] == ["durastack-h-laptop-svc"]  # not the cluster's
     assert {i.instance_id for i in laptop.list_tagged()} == {mine.instance_id, old.instance_id}
     assert [i.instance_id for i in laptop.find_replica(job())] == [mine.instance_id]
     assert terminate_replica(job(), backends={"aws": cluster}) == 1
@@ -359,3 +399,70 @@ def test_make_backends_from_config_uses_catalog_regions_when_none_configured():
 
     backends = make_backends(BackendsConfig(aws=AWSConfig()), catalog=[G5, G5_WEST])
     assert list(backends) == ["aws"] and backends["aws"].regions == ["us-east-1", "us-west-2"]
+
+
+# --- the replica activities on AWS: launch, monitor, teardown ---------------------------------------
+
+def _replica_activities(aws_backend, ledger, gateway, address: str, catalog=(G4, G5)) -> ReplicaActivities:
+    config = BackendsConfig(aws=AWSConfig(regions=aws_backend.regions, ami_owners=["self"]))
+    cloud = CloudReplicas(config, {"aws": aws_backend}, ledger, catalog=list(catalog),
+                          address=lambda _: address, poll_seconds=0.1)
+    return ReplicaActivities(None, gateway, cloud=cloud)
+
+
+def _launch_input(j=None) -> LaunchInput:
+    return LaunchInput(backend="aws", replica=ReplicaInput(service_workflow_id="service/svc", job=j or job(),
+                                                           resources=GPU, backends=["aws"]))
+
+
+async def test_launch_on_aws_places_once_registers_and_a_retry_adopts_the_instance(aws, ledger, fake_ec2):
+    server, address = await app_server()
+    gateway, client = FakeGateway(), FakeClient()
+    acts = _replica_activities(aws, ledger, gateway, address)
+    async with server:
+        first = await activity_env(client).run(acts.launch, _launch_input())
+        again = await activity_env(client).run(acts.launch, _launch_input())  # its first result was lost
+    assert first.instance.kind == "cloud" and first.placement.instance_type == "g4dn.xlarge"
+    assert again.instance.instance_id == first.instance.instance_id and len(all_instances()) == 1
+    assert gateway.routed == {job().replica_id: address}
+    assert client.reports() == [(1, "provisioning", False, False), (2, "running", False, False),
+                                (3, "running", True, True)] * 2
+
+
+async def test_no_capacity_on_aws_says_whether_offers_were_tried(aws, ledger, fake_ec2):
+    acts = _replica_activities(aws, ledger, FakeGateway(), "127.0.0.1:1")
+    fake_ec2.fail("InsufficientInstanceCapacity")
+    with pytest.raises(ApplicationError) as failed:
+        await activity_env(FakeClient()).run(acts.launch, _launch_input())
+    details = no_capacity_of(failed.value)
+    assert details.backend == "aws" and details.tried and len(details.reasons) == 2
+    assert all("InsufficientInstanceCapacity" in r for r in details.reasons)
+
+    cpu_only = _replica_activities(aws, ledger, FakeGateway(), "127.0.0.1:1", catalog=[M5])
+    with pytest.raises(ApplicationError) as unmatched:
+        await activity_env(FakeClient()).run(cpu_only.launch, _launch_input())
+    details = no_capacity_of(unmatched.value)
+    assert details.backend == "aws" and not details.tried and details.reasons
+
+
+async def test_an_instance_terminated_outside_is_down_and_teardown_without_a_record_finds_the_rest(aws, ledger,
+                                                                                                    fake_ec2):
+    server, address = await app_server()
+    gateway, client = FakeGateway(), FakeClient()
+    acts = _replica_activities(aws, ledger, gateway, address)
+    async with server:
+        launched = [await activity_env(client).run(acts.launch, _launch_input(job(replica=n))) for n in range(2)]
+    watched = [Watched(replica_num=n, submission_num=0, group="llm", workflow_id=f"service/svc/llm/r{n}-s0",
+                       replica_id=job(replica=n).replica_id, instance=li.instance) for n, li in enumerate(launched)]
+    monitor = asyncio.ensure_future(activity_env(client).run(acts.monitor, MonitorInput(
+        service="svc", backend="aws", replicas=watched, poll_seconds=0.1)))
+    ec2().terminate_instances(InstanceIds=[launched[0].instance.instance_id])  # preempted, or deleted by hand
+    down = await asyncio.wait_for(monitor, 20)
+    assert [(d.replica_num, d.reason) for d in down] == [(0, "instance terminated")]
+    assert list(gateway.routed) == [job(replica=1).replica_id]
+
+    # Replica 1's launch died before it returned: its teardown finds the instance by the replica's tags.
+    await activity_env(client).run(acts.teardown, TeardownInput(
+        service_workflow_id="service/svc", job=job(replica=1), backend="aws", instance=None, reason="stopped"))
+    assert all_instances() == [] and gateway.routed == {}
+    assert [(u.seq, u.status) for _, _, u in client.signals[-2:]] == [(10, "terminating"), (11, "terminated")]

@@ -19,14 +19,14 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.cloud import (NoCapacity, activity_error, cloud_offers, heartbeat_from_thread, placement_of,
                              provision_cloud, terminate_cloud, terminate_replica)
-from activities.store import Store, StoreLedger
-from models.backends import (AWSConfig, BackendsConfig, CloudError, CloudInstance, ErrorKind, GCPConfig, QuotaScope,
-                             INSTALLATION_PATTERN, TAG_NAMES, aws_quota_class, backends_config_from, classify_aws,
-                             classify_gcp, installation_id, load_backends_config, owner, provisioning_key,
-                             replica_label)
+from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws, classify_gcp
+from connect.installation import installation_id
+from models.backends import (INSTALLATION_PATTERN, TAG_NAMES, AWSConfig, BackendsConfig, CloudInstance, GCPConfig,
+                             backends_config_from, load_backends_config, owner, provisioning_key, replica_label)
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
+from store import Store, StoreLedger
 
 ANY = ResourcesSpec.model_validate({"cpu": "1..", "memory": "1GB.."})
 JOB = JobSpec(service="svc", group="g", replica_num=1, submission_num=0, port=8000)

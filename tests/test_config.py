@@ -410,3 +410,246 @@ def test_alias_bomb_is_refused_quickly():
 def test_missing_file(tmp_path):
     result = load_config_file(tmp_path / "nope.yml")
     assert "no such file" in str(result.errors[0])
+
+
+# --- bounded input, control characters, fields nothing honours ---------------------------------------
+
+def test_replica_counts_are_bounded_per_group_and_per_service():
+    assert one_error(BASE + "commands: [x]\n\nreplicas: 10000\n") == \
+        "replicas: at most 64 replicas per group are allowed, got 10000 (line 5)"
+    assert "at most 64 replicas per group" in one_error(BASE + "commands: [x]\nreplicas: 0..65\n"
+                                                        "scaling: {metric: rps, target: 1}\n")
+    ok(BASE + "commands: [x]\nreplicas: 64\n")
+    groups = "".join(f"  - {{name: g{i}, replicas: 64, commands: [x]}}\n" for i in range(5))
+    assert one_error(BASE + "groups:\n" + groups) == ("groups: the groups' maximum replica counts add up to 320; "
+                                                      "at most 256 replicas per service are allowed (line 3)")
+    groups = "".join(f"  - {{name: g{i}, replicas: 1, commands: [x]}}\n" for i in range(33))
+    assert one_error(BASE + "groups:\n" + groups).startswith("groups: at most 32 replica groups are allowed, got 33")
+
+
+def test_command_and_env_sizes_are_bounded():
+    assert one_error(BASE + "commands: [x]\n" + "env:\n" + "".join(f"  V{i}: x\n" for i in range(129))) \
+        .startswith("env: at most 128 variables are allowed, got 129")
+    assert one_error(BASE + f"commands: ['{'x' * 16385}']\n").startswith(
+        "commands[0]: is 16385 bytes long; at most 16384 bytes are allowed")
+    assert one_error(BASE + "commands: [" + ", ".join(["x"] * 65) + "]\n").startswith(
+        "commands: at most 64 commands are allowed, got 65")
+    five = ", ".join([f"'{'x' * 16000}'"] * 5)
+    assert one_error(BASE + f"groups:\n  - {{name: a, replicas: 1, commands: [{five}]}}\n").startswith(
+        "groups[0].commands: the commands add up to 80000 bytes; at most 65536 bytes per group")
+    env = "".join(f"  V{i}: '{'x' * 16000}'\n" for i in range(5))
+    assert one_error(BASE + "commands: [x]\nenv:\n" + env).startswith(
+        "env: names and values add up to")
+    three = ", ".join([f"'{'x' * 16000}'"] * 3)
+    groups = "".join(f"  - {{name: g{i}, replicas: 1, commands: [{three}]}}\n" for i in range(6))
+    assert "at most 262144 bytes per service" in one_error(BASE + "groups:\n" + groups)
+
+
+def test_validate_command_refuses_ten_thousand_replicas(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    bad = tmp_path / "big.yml"
+    bad.write_text(BASE + "commands: [x]\nreplicas: 10000\n")
+    result = CliRunner().invoke(app, ["validate", "-f", str(bad)])
+    assert result.exit_code == 1
+    assert "replicas: at most 64 replicas per group are allowed, got 10000 (line 4)" in result.output
+
+
+def test_control_characters_are_refused_with_the_field_path():
+    errs = errors(BASE + 'commands: ["echo a\\0b", "echo \\e[2J"]\nenv:\n  A: "x\\x01"\n  B: "a\\rb"\n'
+                         'image: "img\\nx"\nname: "ab\\n"\n')
+    assert "commands[0]: contains the control character U+0000 at character 7; only tab and newline may appear " \
+           "here (line 3)" in errs
+    assert any(e.startswith("commands[1]: contains the control character U+001B") for e in errs)
+    assert any(e.startswith("env.A: contains the control character U+0001") and e.endswith("(line 5)") for e in errs)
+    assert any(e.startswith("env.B: contains the control character U+000D") for e in errs)
+    assert any(e.startswith("image: contains the control character U+000A") for e in errs)
+    assert any(e.startswith("name: must match") for e in errs)  # `$` no longer lets a final newline through
+    assert "groups[0].name: must match" in one_error(BASE + 'groups:\n  - {name: "a\\n", replicas: 1, commands: [x]}\n')
+    assert one_error(BASE + 'commands: [x]\nprobes: [{type: http, headers: [{name: X, value: "a\\r\\nB: c"}]}]\n') \
+        .startswith("probes[0].headers[0].value: contains the control character U+000D")
+
+
+def test_multi_line_commands_tabs_and_multi_line_env_values_are_fine():
+    cfg = ok(BASE + "commands:\n  - |\n    echo a\n    echo\tb\nenv:\n  CERT: \"-----BEGIN-----\\nabc\\n\"\n")
+    assert cfg.commands == ["echo a\necho\tb\n"] and cfg.env["CERT"].count("\n") == 2
+
+
+def test_every_invalid_env_name_is_reported_at_its_line():
+    errs = errors(BASE + "commands: [x]\nenv:\n  A-B: 1\n  OK: 2\n  9X: 3\n  C D: 4\n")
+    assert [e.split(":")[0] for e in errs] == ["env.A-B", "env.9X", "env.C D"]
+    assert errs[0].endswith("(line 5)") and errs[1].endswith("(line 7)") and errs[2].endswith("(line 8)")
+    assert len(errors(BASE + "commands: [x]\nenv: [A-B=1, OK=2, 9X=3]\n")) == 2
+
+
+def test_https_without_a_certificate_is_refused():
+    assert one_error(BASE + "commands: [x]\nhttps: true\n").startswith("https: `https: true` needs a TLS certificate")
+
+
+def test_gateway_settings_it_does_honour_are_accepted():
+    ok(BASE + "commands: [x]\nstrip_prefix: true\nhttps: false\n")
+    ok(BASE + "commands: [x]\nhttps: auto\n")  # no domain: plain HTTP, which is what auto means then
+    cfg = ok(BASE + "commands: [x]\nstrip_prefix: false\npass_authorization: true\nrate_limits:\n"
+                    "  - {prefix: /, rps: 0.5, burst: 3}\n  - {prefix: /v1/chat, key: {type: header, header: X-Key}, rps: 10}\n")
+    assert not cfg.strip_prefix and cfg.pass_authorization
+    assert [(r.prefix, r.key.type, r.burst) for r in cfg.rate_limits] == [("/", "ip_address", 3), ("/v1/chat", "header", 0)]
+
+
+@pytest.mark.parametrize("limit, message, line", [
+    ("{prefix: '/a;b', rps: 1}", "rate_limits[0].prefix: a prefix may hold", 5),
+    ("{prefix: v1, rps: 1}", "rate_limits[0].prefix:", 5),
+    ("{rps: 0}", "rate_limits[0].rps:", 5),
+    ("{rps: 2000000}", "rate_limits[0].rps: at most 1000000", 5),
+    ("{rps: 1, burst: -1}", "rate_limits[0].burst:", 5),
+    ("{rps: 1, key: {type: header}}", "rate_limits[0].key.header: key type `header` needs", 5),
+    ("{rps: 1, key: {header: X-Key}}", "rate_limits[0].key.header: `header` is only for", 5),
+    ("{rps: 1, key: {type: cookie}}", "rate_limits[0].key.type:", 5),
+])
+def test_bad_rate_limits_name_the_field_and_line(limit, message, line):
+    error = one_error(BASE + f"commands: [x]\nrate_limits:\n  - {limit}\n")
+    assert error.startswith(message) and error.endswith(f"(line {line})"), error
+
+
+def test_pass_authorization_without_auth_is_a_warning():
+    result = load(BASE + "commands: [x]\nauth: false\npass_authorization: true\n")
+    assert result.errors == [] and [str(w).split(":")[0] for w in result.warnings] == ["pass_authorization"]
+
+
+def test_strip_prefix_and_pass_authorization_are_booleans():
+    assert one_error(BASE + "commands: [x]\nstrip_prefix: maybe\n").startswith("strip_prefix:")
+    assert one_error(BASE + "commands: [x]\npass_authorization: 3\n").startswith("pass_authorization:")
+
+
+def test_user_and_working_dir_syntax():
+    cfg = ok(BASE + "commands: [x]\nuser: app\nworking_dir: src/app\n")
+    assert (cfg.user, cfg.working_dir) == ("app", "src/app")
+    assert ok(BASE + "commands: [x]\nuser: '1000'\n").user == "1000"
+    assert one_error(BASE + "commands: [x]\nuser: 'a b'\n").startswith("user:")
+    assert one_error(BASE + 'commands: [x]\nworking_dir: "a\\0b"\n').startswith("working_dir: contains the control")
+
+
+def test_working_dir_and_user_reach_the_job():
+    from workflows.jobs import job_spec
+    cfg = ok(BASE + "commands: [x]\nuser: app\nworking_dir: src\n")
+    job = job_spec(cfg, "svc", "0", 0, 0)
+    assert (job.working_dir, job.user) == ("src", "app")
+
+
+# --- replica addresses in commands (${{ groups[i].replicas[j].IP_ADDRESS }}) ---------------------
+
+PD = BASE + """groups:
+  - name: router
+    replicas: 1
+    router: {type: sglang}
+    commands: [route]
+  - name: prefill
+    replicas: 2
+    commands: [%s]
+  - name: decode
+    replicas: 0..2
+    scaling: {metric: rps, target: 1}
+    commands: [%s]
+"""
+
+
+@pytest.mark.parametrize("expr", ["groups[0].replicas[0].IP_ADDRESS", "groups[router].replicas[0].IP_ADDRESS",
+                                  "groups['router'].replicas[0].PORT", ' groups [ "router" ] . replicas[0].IP_ADDRESS '])
+def test_reference_by_index_or_name_is_valid(expr):
+    import json
+    cfg = ok(PD % (json.dumps(f"serve --router ${{{{{expr}}}}}"), "serve"))
+    assert "${{" in cfg.replica_groups[1].commands[0]
+
+
+def test_reference_to_a_replica_below_the_minimum_is_valid():
+    ok(PD % ("serve", "'serve --prefill ${{ groups[prefill].replicas[1].IP_ADDRESS }}'"))
+
+
+def test_reference_out_of_range_names_the_minimum_with_path_and_line():
+    err = one_error(PD % ("serve", "'serve --prefill ${{ groups[1].replicas[2].IP_ADDRESS }}'"))
+    assert err.startswith("groups[2].commands[0]: ${{ groups[1].replicas[2].IP_ADDRESS }}: replica index 2 is out "
+                          "of range: group 'prefill' always has 2 replica(s)")
+    assert err.endswith("(line 14)")
+
+
+def test_reference_to_a_group_that_scales_to_zero_is_refused():
+    err = one_error(PD % ("'serve ${{ groups[decode].replicas[0].IP_ADDRESS }}'", "serve"))
+    assert err.startswith("groups[1].commands[0]: ") and "group 'decode' scales to zero" in err
+
+
+@pytest.mark.parametrize("expr, text", [
+    ("groups[3].replicas[0].IP_ADDRESS", "no replica group with index 3 (groups: router, prefill, decode)"),
+    ("groups[nope].replicas[0].IP_ADDRESS", "no replica group with name 'nope'"),
+    ("groups[0].replicas[0].HOSTNAME", "unknown attribute HOSTNAME"),
+    ("groups[0].replica[0].IP_ADDRESS", "malformed expression"),
+    ("groups[0].replicas[-1].IP_ADDRESS", "malformed expression"),
+    ("env.X", "malformed expression"),
+])
+def test_bad_references_are_refused(expr, text):
+    err = one_error(PD % (f"'serve ${{{{ {expr} }}}}'", "serve"))
+    assert err.startswith("groups[1].commands[0]: ") and text in err, err
+
+
+def test_unclosed_expression_is_refused():
+    err = one_error(PD % ("'serve ${{ groups[0].replicas[0].IP_ADDRESS'", "serve"))
+    assert "malformed expression" in err
+
+
+def test_reference_in_env_is_refused_with_its_line():
+    text = PD % ("serve", "serve") + "env:\n  - A=1\n  - ROUTER=${{ groups[0].replicas[0].IP_ADDRESS }}\n"
+    err = one_error(text)
+    assert err.startswith("env.ROUTER: `${{ … }}` expressions may appear only in `commands`")
+    assert err.endswith("(line 17)")
+
+
+def test_references_in_a_cycle_are_refused():
+    err = one_error(PD.replace("commands: [route]", "commands: ['route ${{ groups[1].replicas[0].IP_ADDRESS }}']")
+                    % ("'serve ${{ groups[router].replicas[0].IP_ADDRESS }}'", "serve"))
+    assert "referenced in a cycle (router → prefill → router)" in err
+
+
+def test_a_group_referencing_itself_is_refused():
+    err = one_error(PD % ("'serve ${{ groups[prefill].replicas[0].IP_ADDRESS }}'", "serve"))
+    assert err.startswith("groups[1].commands: ") and "(prefill → prefill)" in err
+
+
+def test_homogeneous_service_cannot_reference_its_own_group():
+    err = one_error(BASE + "replicas: 2\ncommands: ['serve ${{ groups[0].replicas[1].IP_ADDRESS }}']\n")
+    assert err.startswith("commands: replica addresses are referenced in a cycle (0 → 0)")
+
+
+@pytest.mark.parametrize("text, events, duration", [
+    ("retry: true", ["no-capacity", "interruption", "error"], None),
+    ("retry: false", [], None),  # no retry at all: the first failure fails the service
+    ("retry: {}", ["no-capacity", "interruption", "error"], None),
+    ("retry: {on_events: []}", [], None),
+    ("retry: {on_events: [no-capacity, interruption], duration: 2h}", ["no-capacity", "interruption"], 7200),
+])
+def test_retry_shapes(text, events, duration):
+    config = ok(BASE + "commands: [x]\n" + text + "\n")
+    assert config.retry is not None and (list(config.retry.on_events), config.retry.duration) == (events, duration)
+    # It survives the trip through the workflow's state unchanged (`false` does not become "unset").
+    assert ServiceConfiguration.model_validate(config.model_dump(mode="json")) == config
+
+
+def test_without_retry_the_policy_is_unset():
+    assert ok(BASE + "commands: [x]\n").retry is None
+
+
+@pytest.mark.parametrize("text, seconds", [("max_duration: 2h", 7200), ("max_duration: 90", 90),
+                                           ("max_duration: off", None), ("max_duration: false", None), ("", None)])
+def test_max_duration_is_a_duration_or_off(text, seconds):
+    config = ok(BASE + "commands: [x]\n" + text + "\n")
+    assert config.max_duration == seconds
+    assert ServiceConfiguration.model_validate(config.model_dump(mode="json")) == config
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_duration: 0", "max_duration: input should be greater than 0 (line 4)"),
+    ("max_duration: soon", "max_duration: expected a duration like 30s, 5m, 1h or a number of seconds, got 'soon' "
+                           "(or off) (line 4)"),
+    ("retry: {on_events: [crash]}", "retry.on_events[0]: input should be 'no-capacity', 'interruption' or 'error' "
+                                    "(line 4)"),
+])
+def test_bad_retry_and_max_duration_name_the_field_and_line(text, message):
+    assert one_error(BASE + "commands: [x]\n" + text + "\n") == message

@@ -122,9 +122,10 @@ def test_gateway_tokens_from_the_cli(stack: Stack):
     assert gone.returncode == 1 and "durastack token revoke: no token named 'ci'" in gone.stderr
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
+def scrape(url: str, token: str | None = None) -> dict[str, list[tuple[dict, float]]]:
     out: dict[str, list[tuple[dict, float]]] = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10, headers=headers).text):
         for s in family.samples:
             out.setdefault(s.name, []).append((s.labels, s.value))
     return out
@@ -136,7 +137,7 @@ def test_metrics_of_the_gateway_and_the_worker(stack: Stack):
 
     assert get(f"{stack.gateway}/services/{NAME}/", stack.token(), 6) == [200] * 6
     assert get(f"{stack.gateway}/services/{NAME}/", "wrong", 1) == [403]
-    gateway = scrape(f"{stack.control}/metrics")
+    gateway = scrape(f"{stack.control}/metrics", stack.control_token())
     served = {g: value(gateway, "durastack_gateway_requests_total", service=NAME, group=g, code="200") for g in "01"}
     assert served["0"] > 0 and served["1"] > 0  # both groups, known by their replicas' upstream addresses
     assert value(gateway, "durastack_gateway_requests_total", service=NAME, group="-", code="403") >= 1

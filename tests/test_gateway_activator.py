@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.app import GatewayServer
+from tests.conftest import upstreams_for as allowed
 from tests.fakes.upstream import serve
 from gateway.client import GatewayClient
 
@@ -85,7 +86,7 @@ async def upstream(tmpdir_short):
 
 @pytest.fixture
 async def gateway(tmpdir_short):
-    gw = GatewayServer(os.path.join(tmpdir_short, "gw"))
+    gw = GatewayServer(os.path.join(tmpdir_short, "gw"), upstreams=allowed(tmpdir_short + "/gw"))
     await gw.start()
     pid = gw._nginx.pid
     yield gw
@@ -150,7 +151,7 @@ async def test_held_request_is_forwarded_once_a_replica_registers(gateway, clien
     assert (got["replica"], got["method"], got["raw_path"], got["query"], got["body"]) == (
         "A", "POST", "/echo/a%20b", "x=1&y=%2F", "payload-1")  # prefix stripped, rest as sent
     hdrs = got["headers"]
-    assert hdrs["X-Custom"] == "yes" and hdrs["Authorization"] == auth["Authorization"]
+    assert hdrs["X-Custom"] == "yes" and "Authorization" not in hdrs  # the gateway token stays at the gateway
     assert hdrs["X-Forwarded-Prefix"] == "/services/svc" and hdrs["Host"].startswith("127.0.0.1")
     assert "Upgrade" not in hdrs and "Keep-Alive" not in hdrs
     assert resp.headers["x-replica"] == "A" and resp.headers.get_list("set-cookie") == ["a=1", "b=2"]
@@ -270,10 +271,10 @@ async def test_client_that_disconnects_while_held_is_released(gateway, client, u
 
 
 async def test_held_requests_are_bounded_per_service(tmpdir_short, upstream):
-    gw = GatewayServer(os.path.join(tmpdir_short, "gw-bound"), max_held=2)
+    gw = GatewayServer(os.path.join(tmpdir_short, "gw-bound"), max_held=2, upstreams=allowed(tmpdir_short + "/gw"))
     await gw.start()
     try:
-        async with GatewayClient(gw.control_url) as c, httpx.AsyncClient(timeout=30) as h:
+        async with GatewayClient(gw.control_url, token=gw.control_token) as c, httpx.AsyncClient(timeout=30) as h:
             await c.put_service("svc")
             auth = await bearer(c)
             waiting = [asyncio.create_task(h.get(f"{gw.url}/services/svc/echo/{i}", headers=auth)) for i in range(2)]
@@ -304,10 +305,10 @@ async def test_websocket_is_held_then_bridged(gateway, client, upstream, auth):
 
 
 async def test_deleted_or_stopping_gateway_releases_held_requests(tmpdir_short, upstream):
-    gw = GatewayServer(os.path.join(tmpdir_short, "gw-del"))
+    gw = GatewayServer(os.path.join(tmpdir_short, "gw-del"), upstreams=allowed(tmpdir_short + "/gw"))
     await gw.start()
     try:
-        async with GatewayClient(gw.control_url) as c, httpx.AsyncClient(timeout=30) as h:
+        async with GatewayClient(gw.control_url, token=gw.control_token) as c, httpx.AsyncClient(timeout=30) as h:
             await c.put_service("svc")
             await c.put_service("other")
             auth = await bearer(c)
@@ -347,3 +348,30 @@ async def test_replica_breaking_off_mid_body_is_not_a_complete_response(gateway,
         with pytest.raises(httpx.RemoteProtocolError):
             await asyncio.wait_for(task, 10)
 
+
+
+async def test_activator_serves_only_what_nginx_passed_on(gateway, client, upstream, auth):
+    """Straight to the control port, /activator/<service>/ is refused, whatever credential it carries; through
+    nginx it serves after the route's auth, and nginx's secret reaches neither the client nor the replica."""
+    await client.put_service("svc", cold_start_timeout=0)
+    await register(client, upstream)
+    await client.unregister("svc", "svc/0/r0-s0")
+    direct = f"{gateway.control_url}/activator/svc/echo"
+    forged = {"X-Durastack-Gateway": "0" * 64}
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as h:
+        for headers in ({}, auth, forged, {"Authorization": f"Bearer {gateway.control_token}"}):
+            assert (await h.get(direct, headers=headers)).status_code == 403
+        # nginx with a client's forged header: replaced by nginx's own (empty off the activator path).
+        await client.put_service("svc", cold_start_timeout=30)
+        echo = asyncio.create_task(h.get(f"{gateway.url}/services/svc/echo", headers={**auth, **forged}))
+        await held(client, n=1)
+        await register(client, upstream)
+        resp = await echo
+        assert resp.status_code == 200 and resp.json()["replica"] == "A"
+        seen = {k.lower() for k in resp.json()["headers"]}
+        assert "x-durastack-gateway" not in seen
+        assert not any(gateway.internal_secret in v for v in resp.headers.values())
+        # Served by nginx straight to the replica now: a forged header does not pass either.
+        resp = await h.get(f"{gateway.url}/services/svc/echo", headers={**auth, **forged})
+        assert "x-durastack-gateway" not in {k.lower() for k in resp.json()["headers"]}
+    assert gateway.control_token not in gateway._nginx.conf_path.read_text()

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.activator import Activator
 from gateway.app import GatewayServer
 from gateway.metrics import GatewayMetrics
-from gateway.stats import LogEntry, StatsCollector
+from gateway.stats import StatsCollector
 from models.gateway import GatewayState
-from tests.conftest import eventually
+from tests.conftest import eventually, upstreams_for as allowed
 from tests.fakes.upstream import serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
@@ -44,7 +44,7 @@ async def replicas(tmpdir_short):
 
 @pytest.fixture
 async def gateway(tmpdir_short):
-    gw = GatewayServer(os.path.join(tmpdir_short, "gw"))
+    gw = GatewayServer(os.path.join(tmpdir_short, "gw"), upstreams=allowed(tmpdir_short + "/gw"))
     await gw.start()
     yield gw
     await gw.stop()
@@ -53,7 +53,7 @@ async def gateway(tmpdir_short):
 async def scrape(gw: GatewayServer) -> dict[str, dict[tuple, float]]:
     """GET /metrics as a real scraper would: sample name → {sorted label items: value}."""
     async with httpx.AsyncClient() as h:
-        resp = await h.get(f"{gw.control_url}/metrics")
+        resp = await h.get(f"{gw.control_url}/metrics", headers={"Authorization": f"Bearer {gw.control_token}"})
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(resp.text):
@@ -138,8 +138,8 @@ async def test_held_requests_show_while_the_activator_holds_them(gateway, client
 async def test_lines_of_an_earlier_gateway_process_are_not_counted_again():
     collector = StatsCollector()
     metrics = GatewayMetrics(Activator(GatewayState, collector), lambda: ["svc"], since=1000.0)
-    entry = LogEntry(time=999.5, hit=True, status=200, request_time=0.1, service="svc", upstream_addr=None)
-    metrics.observe([entry, LogEntry(**{**entry.__dict__, "time": 1000.5})], collector.group_of)
+    batch = collector.feed(["999.500 1 200 0.100 svc -", "1000.500 1 200 0.100 svc -"], 1001.0)
+    metrics.observe(batch, collector.group_of)
     text = metrics.exposition().decode()
     assert 'durastack_gateway_requests_total{code="200",group="-",service="svc"} 1.0' in text
 

@@ -97,15 +97,20 @@ def test_render_routes_upstreams_and_auth():
     assert "location /services/my-svc/ {" in conf
     assert conf.count("proxy_pass http://ds_svc_my_svc/;") == 2  # path route strips the prefix; host route too
     # auth: the gateway's two digests accepted, a missing header is 401 and another token 403, before the hit flag
-    tokens = conf.split("map $ds_token_sha256 $ds_token_unknown {")[1].split("}")[0]
-    assert tokens.split() == ["default", "1;", f'"{hash_token("a")}"', '"";', "#", "a",
-                              f'"{hash_token("b")}"', '"";', "#", "b"]
+    accepted = ["default", "unknown;", f'"{hash_token("a")}"', "ok;", "#", "a", f'"{hash_token("b")}"', "ok;", "#", "b"]
+    fresh = conf.split("map $ds_token_sha256 $ds_fresh_token {")[1].split("}")[0]
+    cached = conf.split("map $ds_cached_sha256 $ds_cached_token {")[1].split("}")[0]
+    assert fresh.split() == accepted and cached.split() == ['""', "miss;", *accepted]  # a revoked digest: unknown
     body = conf.split("location /services/my-svc/ {")[1].split("}\n        }")[0]
     assert body.index("return 401") < body.index("return 403") < body.index("set $ds_hit 1")
+    # the digest cache: njs hashes only on a miss, and a header's digest is stored only once it passed
+    assert body.index("if ($ds_token = miss) { set $ds_token $ds_fresh_token; }") < body.index("return 403") < \
+        body.index("set $ds_cached_sha256 $ds_token_sha256;")
+    assert "keyval $http_authorization $ds_cached_sha256 zone=ds_token_digests;" in conf and "state=" not in conf
     for directive in ("proxy_buffering off;", "proxy_request_buffering off;", "proxy_http_version 1.1;",
                       "proxy_set_header Connection $ds_connection;", "proxy_set_header Upgrade $http_upgrade;",
                       "daemon off;", "pid /run/gw/nginx.pid;", "proxy_temp_path /run/gw/tmp/proxy;",
-                      "access_log /run/gw/access.log ds_stat;", 'return 200 "7";'):
+                      "access_log /run/gw/access.log ds_stat buffer=64k flush=500ms;", 'return 200 "7";'):
         assert directive in conf, directive
 
 
@@ -167,5 +172,5 @@ def test_round_robin_order_and_hop_by_hop_headers():
 
 def test_render_empty_state_has_control_locations_and_404():
     conf = render_config(GatewayState(), **KW)
-    assert "location = /healthz" in conf and "location = /api/stats" in conf
+    assert "location = /healthz" in conf and "/api/" not in conf
     assert "location / { return 404; }" in conf and 'return 200 "0";' in conf

@@ -14,14 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from activities.catalog import load_catalog
 from activities.cloud import NoCapacity, make_backends, provision_cloud, terminate_cloud, terminate_service
+from activities.cloud_errors import CloudError, ErrorKind
 from activities.gcp import REQUEST_NS, GCPBackend
-from activities.store import Store, StoreLedger
-from activities.userdata import startup_script
-from models.backends import BackendsConfig, CloudError, ErrorKind, GCPConfig, owner, provisioning_key
+from activities.replica import ReplicaActivities
+from activities.replica_cloud import CloudReplicas
+from activities.userdata import BootKeys, startup_script
+from connect.ssh_keys import SSHKeys
+from models.backends import BackendsConfig, GCPConfig, owner, provisioning_key
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
+from models.run import LaunchInput, ReplicaInput, TeardownInput
+from store import Store, StoreLedger
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,8 +40,11 @@ CENTRAL = ["us-central1-a", "us-central1-b", "us-central1-c"]
 def offer(instance_type: str, price: float, *, region="us-central1", zones=None, gpu=("T4", 16.0, 1),
           spot=False) -> InstanceOffer:
     name, mem, count = gpu or (None, 0.0, 0)
+    # By default the catalog's zones of that type: the fake, like Compute, refuses a zone that lacks it.
+    known = next((o.zones for o in load_catalog() if o.backend == "gcp" and o.instance_type == instance_type
+                  and o.region == region), [])
     return InstanceOffer(backend="gcp", instance_type=instance_type, region=region,
-                         zones=zones if zones is not None else [f"{region}-a", f"{region}-b"], cpus=4, memory_gb=15.0,
+                         zones=zones if zones is not None else known[:2], cpus=4, memory_gb=15.0,
                          gpu_vendor="nvidia" if gpu else None, gpu_name=name, gpu_memory_gb=mem, gpu_count=count,
                          spot=spot, price=price)
 
@@ -86,7 +96,19 @@ def test_gpu_group_comes_up_with_accelerators_spot_labels_and_startup_script(gcp
     assert disk["boot"] and disk["autoDelete"] and disk["initializeParams"]["diskSizeGb"] == "200"
     assert "deeplearning-platform-release" in disk["initializeParams"]["sourceImage"]
     items = {i["key"]: i["value"] for i in body["metadata"]["items"]}
-    assert items == {"startup-script": startup_script(job(), gpu=True), "install-nvidia-driver": "True"}
+    keys = SSHKeys.of_home(Path("/nonexistent"))  # DURASTACK_SSH_DIR (tests/conftest.py)
+    host = keys.host_key(key)
+    boot = BootKeys(host.private_openssh, host.public_openssh, keys.client_public())
+    assert items == {"startup-script": startup_script(job(), gpu=True, keys=boot), "install-nvidia-driver": "True",
+                     "block-project-ssh-keys": "true"}
+    # Metadata carries the host key and the installation's key, never env or commands (they come over SSH).
+    for value in job().env.values():
+        assert value not in json.dumps(body)
+    assert not any(c in json.dumps(body) for c in job().commands)
+    assert body["tags"]["items"][0] == gcp.network_tag
+    (rule,) = gce.firewall_rules()
+    assert rule["targetTags"] == [gcp.network_tag] and rule["sourceRanges"] == ["10.0.0.0/8"]
+    assert rule["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]  # SSH only, never the service port
     assert inst.address == "34.1.{}.2:8000".format(inst.public_ip.split(".")[2]) and inst.price == 0.18
     assert [e["phase"] for e in ledger.entries(key)] == ["intent", "created"]
     assert inst.owner == owner("gcp", "Svc.One", "llm", 0, 0)
@@ -106,7 +128,7 @@ def test_cpu_instance_uses_the_cpu_image_and_may_migrate(gcp, gce):
     body = gce.inserts()[-1]["body"]
     assert "ubuntu-os-cloud" in body["disks"][0]["initializeParams"]["sourceImage"]
     assert body["scheduling"]["onHostMaintenance"] == "MIGRATE"
-    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script"]
+    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script", "block-project-ssh-keys"]
 
 
 # --- exactly once -----------------------------------------------------------------------------------
@@ -246,6 +268,19 @@ def test_stopping_the_service_leaves_no_instance_labelled_for_it(gcp, ledger, gc
     assert terminate_service({"gcp": gcp}, "Svc.One", ledger=ledger) == 3
     assert gcp.list_tagged(service="Svc.One") == []
     assert [i["labels"]["durastack-service"] for i in gce.all_instances()] == ["keep"]
+    assert len(gce.firewall_rules()) == 1  # "keep" still runs: its SSH rule stays
+    assert terminate_service({"gcp": gcp}, "keep", ledger=ledger) == 1
+    assert gce.firewall_rules() == []  # no durastack instance left: the rule goes too
+
+
+def test_a_zone_without_the_type_moves_to_the_next_zone_then_the_next_offer(gcp, ledger, gce):
+    # The catalog can be out of date: Compute refuses a zone that does not exist or lacks the machine type.
+    stale = offer("g2-standard-4", 0.70, gpu=("L4", 24.0, 1), zones=["us-central1-z", "us-central1-a"])
+    chosen, inst = walk(gcp, ledger, [stale])
+    assert inst.zone == "us-central1-a"
+    nowhere = offer("a9-imaginary-1g", 0.10, gpu=("L4", 24.0, 1), zones=["us-central1-a"])
+    chosen, inst = walk(gcp, ledger, [nowhere, G2], j=job(1))
+    assert chosen.instance_type == "g2-standard-4"
 
 
 def test_two_control_planes_share_a_project_without_touching_each_other(gcp, ledger, gce):
@@ -273,3 +308,28 @@ def test_make_backends_with_an_http_endpoint_uses_anonymous_credentials(gce):
     backends = make_backends(BackendsConfig(gcp=GCPConfig(project_id="proj", endpoint=gce.url)), catalog=[G2, G2_EAST])
     assert backends["gcp"].regions == ["us-central1", "us-east1"]
     assert backends["gcp"].list_tagged() == []
+
+
+# --- the replica activities on GCP: launch, teardown ----------------------------------------------
+
+async def test_launch_on_gcp_registers_a_retry_adopts_the_instance_and_teardown_deletes_it(gcp, ledger, gce):
+    server, address = await app_server()
+    gateway, client = FakeGateway(), FakeClient()
+    config = BackendsConfig(gcp=GCPConfig(project_id="proj", regions=gcp.regions, endpoint=gce.url))
+    cloud = CloudReplicas(config, {"gcp": gcp}, ledger, catalog=[N1_T4, G2], address=lambda _: address,
+                          poll_seconds=0.1)
+    acts = ReplicaActivities(None, gateway, cloud=cloud)
+    inp = LaunchInput(backend="gcp", replica=ReplicaInput(service_workflow_id="service/Svc.One", job=job(),
+                                                          resources=GPU, backends=["gcp"]))
+    async with server:
+        first = await activity_env(client).run(acts.launch, inp)
+        again = await activity_env(client).run(acts.launch, inp)  # its first result was lost
+    assert first.instance.kind == "cloud" and first.instance.backend == "gcp"
+    assert again.instance.instance_id == first.instance.instance_id
+    assert [i.instance_id for i in gcp.list_tagged() if i.state != "terminated"] == [first.instance.instance_id]
+    assert gateway.routed == {job().replica_id: address}
+
+    await activity_env(client).run(acts.teardown, TeardownInput(
+        service_workflow_id="service/Svc.One", job=job(), backend="gcp", instance=first.instance, reason="stopped"))
+    assert [i for i in gcp.list_tagged() if i.state != "terminated"] == [] and gateway.routed == {}
+    assert [u.seq for _, _, u in client.signals] == [1, 2, 3, 1, 2, 3, 10, 11]

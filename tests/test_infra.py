@@ -154,8 +154,8 @@ def check_cli(args: list[str], where: str) -> None:
         if arg.startswith("-"):
             names = {o for p in command.params for o in getattr(p, "opts", [])}
             assert arg.split("=")[0] in names, f"{where}: {' '.join(path)} has no option {arg}"
-        else:  # a command group (typer may bring its own click: no isinstance here)
-            sub = getattr(command, "commands", {}).get(arg)
+        else:  # a command group (typer may bring its own click: no isinstance here); cli.main loads its groups lazily
+            sub = command.get_command(None, arg) if hasattr(command, "get_command") else None
             assert sub is not None, f"{where}: `{' '.join(path)} {arg}` is not a durastack command"
             command, path = sub, path + [arg]
 

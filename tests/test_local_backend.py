@@ -18,14 +18,16 @@ from typing import Callable
 
 import pytest
 
-from activities.local import (LocalBackend, LocalBackendError, NoOffersError, UnsupportedJobError, isolation_available,
-                              isolation_reason)
+from activities.local import (CODE_DIR, LocalBackend, LocalBackendError, NoOffersError, UnsupportedJobError,
+                              confinement_available, confinement_reason, isolation_available, isolation_reason,
+                              network_reason)
 from activities.local_host import find_python, find_tree, gpu_count
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 from models.resources import ResourcesSpec
 
 needs_ns = pytest.mark.skipif(not isolation_available(), reason=isolation_reason())
 MODES = [pytest.param(True, marks=needs_ns, id="isolated"), pytest.param(False, id="shared")]
+needs_confinement = pytest.mark.skipif(not confinement_available(), reason=confinement_reason())
 
 
 def seed_job(group: int, replica: int, **kw) -> JobSpec:
@@ -125,12 +127,16 @@ def test_seed_replicas_run_unchanged_side_by_side(replicas):
 @needs_ns
 def test_deep_home_uses_short_socket_link(tmp_path, replicas):
     job = seed_job(1, 0)
-    suffix = len("/replicas/replica-groups-test/replica-1/r0-s0/replica.sock")
+    suffix = len("/replicas/replica-groups-test/replica-1/r0-s0/.durastack/replica.sock")
     replicas.home = tmp_path / ("d" * max(1, 110 - suffix - len(str(tmp_path)) - 1))  # socket path: 110 > 107
     backend = replicas.backend(True)
     inst = replicas.start(backend, job)
     sock = inst.address[len("unix:"):]
-    assert len(sock) <= 107 and Path(sock).resolve() == Path(inst.work_dir) / "replica.sock"
+    assert len(sock) <= 107
+    if backend.networked:  # the service's stream proxy listens at the short path itself
+        assert Path(sock).parent == replicas.home / "run" and Path(sock).is_socket()
+    else:
+        assert Path(sock).resolve() == Path(inst.work_dir) / ".durastack" / "replica.sock"
     wait_http_200(backend, inst)
     with pytest.raises(LocalBackendError, match="too long"):
         LocalBackend(tmp_path / ("d" * 120), isolation=True).start(job)
@@ -141,7 +147,7 @@ def test_deep_home_uses_short_socket_link(tmp_path, replicas):
 @pytest.mark.parametrize("isolation", MODES)
 def test_start_twice_returns_the_same_tree(replicas, isolation):
     backend = replicas.backend(isolation)
-    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind $DURASTACK_REPLICA_IP"])
     first = replicas.start(backend, job)
     wait_http_200(backend, first)
     again = LocalBackend(replicas.home, isolation=isolation).start(job)  # e.g. a retried activity
@@ -156,7 +162,7 @@ def test_start_twice_returns_the_same_tree(replicas, isolation):
 
 def test_replica_outlives_a_killed_starter(replicas):
     """The worker is killed -9 right after starting a replica; the retried start finds it."""
-    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind $DURASTACK_REPLICA_IP"])
     script = (
         "import os, signal, sys\n"
         "from activities.local import LocalBackend\n"
@@ -182,7 +188,7 @@ def test_replica_outlives_a_killed_starter(replicas):
 def test_start_adopts_a_tree_whose_record_was_lost(replicas):
     """The starter died between spawning and writing instance.json: start finds the tree by its marker."""
     backend = replicas.backend(None)
-    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind $DURASTACK_REPLICA_IP"])
     first = replicas.start(backend, job)
     (Path(first.work_dir) / ".durastack" / "instance.json").unlink()
     assert backend.start(job) == first
@@ -213,7 +219,7 @@ def test_failed_command_stops_the_sequence(replicas, isolation):
 def test_stop_ends_the_whole_tree_and_is_idempotent(replicas, isolation):
     backend = replicas.backend(isolation)
     inst = replicas.start(backend, seed_job(1, 0, commands=[
-        "sleep 300 &", "(sleep 301 &)", "python3 -m http.server $PORT --bind 127.0.0.1"]))
+        "sleep 300 &", "(sleep 301 &)", "python3 -m http.server $PORT --bind $DURASTACK_REPLICA_IP"]))
     wait_http_200(backend, inst)
     assert len(replica_pids(inst.work_dir)) >= 4
     backend.stop(inst, grace_seconds=5)
@@ -283,7 +289,7 @@ def test_isolation_off_gives_each_replica_a_port(replicas, monkeypatch):
     assert not isolation_available() and "DURASTACK_LOCAL_ISOLATION" in isolation_reason()
     backend = replicas.backend(None)
     assert not backend.isolated
-    job = dict(commands=["python3 -m http.server $PORT --bind 127.0.0.1"])
+    job = dict(commands=["python3 -m http.server $PORT --bind $DURASTACK_REPLICA_IP"])
     a = replicas.start(backend, seed_job(1, 0, **job))
     b = replicas.start(backend, seed_job(2, 1, **job))
     assert not a.isolated and a.address.startswith("127.0.0.1:") and a.address != b.address
@@ -407,3 +413,184 @@ def test_models_round_trip():
     assert LocalInstance.model_validate(json.loads(inst.model_dump_json())) == inst
     with pytest.raises(ValueError):
         JobSpec(service="../x", group="g", replica_num=0, submission_num=0, port=80)
+
+
+# ---- confinement (root with namespaces) -----------------------------------------------------------
+
+ESCAPES = "umount -l {home}; umount {home}; umount -l /tmp; umount /dev/shm; umount -l {code}; " \
+          "unshare -Urm sh -c 'umount -l {home}; cat {secret}' ; "
+
+
+@needs_confinement
+def test_confined_replica_cannot_read_the_home_even_after_unmounting(replicas):
+    home = replicas.home
+    backend = replicas.backend(None)
+    assert backend.confined and "confinement on" in backend.confinement_reason
+    secret = home / "codec.key"
+    secret.write_text("codec-key-material\n")
+    secret.chmod(0o644)  # world-readable: only the mounts (and the home's mode) keep it from the replica
+    (home / "gateway").mkdir()
+    (home / "gateway" / "state.json").write_text('{"hash": "gateway-token-hash"}')
+    other = replicas.start(backend, seed_job(2, 1, env={"API_TOKEN": "other-replica-secret"},
+                                             commands=["echo other-replica-file > mine.txt", "sleep 300"]))
+    wait_until(lambda: (Path(other.work_dir) / "mine.txt").exists(), what="the other replica's file")
+    escapes = ESCAPES.format(home=home, code=CODE_DIR, secret=secret)
+    reads = (f"cat {secret} {home}/gateway/state.json {other.work_dir}/mine.txt {other.work_dir}/.durastack/launch.json;"
+             f" ls -a {home} {home}/replicas")
+    inst = replicas.start(backend, seed_job(1, 0, commands=["(" + escapes + reads + ") > seen.txt 2>&1 || true", "sleep 300"]))
+    seen = Path(inst.work_dir) / "seen.txt"
+    wait_until(lambda: seen.exists() and backend.status(inst).state == "running" and seen.stat().st_size,
+               what="the replica's attempts")
+    code, out = backend.exec(inst, ["sh", "-c", escapes + reads])  # and through `durastack exec`
+    for text in (seen.read_text(), out):
+        for leaked in ("codec-key-material", "gateway-token-hash", "other-replica-file", "other-replica-secret"):
+            assert leaked not in text, text
+        assert "Permission denied" in text or "must be superuser" in text or "not permitted" in text, text
+    # the home, as the replica sees it: only the way down to its own work dir
+    assert backend.exec(inst, ["ls", "-a", str(home)]) == (0, ".\n..\nreplicas\n")
+    assert backend.exec(inst, ["ls", str(home / "replicas" / "replica-groups-test")]) == (0, "replica-1\n")
+
+
+@needs_confinement
+def test_confined_replica_runs_as_non_root_without_capabilities(replicas):
+    backend = replicas.backend(None)
+    inst = replicas.start(backend, seed_job(1, 0, commands=[
+        "id -u > uid.txt", "grep -E '^Cap(Eff|Prm|Bnd)|^NoNewPrivs' /proc/self/status > status.txt", "sleep 300"]))
+    wd = Path(inst.work_dir)
+    wait_until(lambda: (wd / "status.txt").exists() and (wd / "status.txt").stat().st_size, what="status.txt")
+    assert int((wd / "uid.txt").read_text()) != 0
+    status = dict(line.split(":\t") for line in (wd / "status.txt").read_text().splitlines())
+    assert status == {"CapPrm": "0000000000000000", "CapEff": "0000000000000000", "CapBnd": "0000000000000000",
+                      "NoNewPrivs": "1"}
+    code, out = backend.exec(inst, ["sh", "-c", "id -u; grep CapEff /proc/self/status"])
+    assert code == 0 and out.split() == [(wd / "uid.txt").read_text().strip(), "CapEff:", "0000000000000000"]
+    # the process as the host sees it
+    uids = {Path(f"/proc/{p}/status").read_text().split("Uid:")[1].split()[0] for p in replica_pids(inst.work_dir)
+            if "sleep" in Path(f"/proc/{p}/cmdline").read_text()}
+    assert uids and "0" not in uids
+
+
+@needs_confinement
+def test_confined_replica_cannot_write_durastacks_code_but_can_its_own_dirs(replicas):
+    backend = replicas.backend(None)
+    probe = Path(CODE_DIR) / "activities" / ".confined-write-probe"
+    inst = replicas.start(backend, seed_job(1, 0, commands=["sleep 300"]))
+    code, out = backend.exec(inst, ["sh", "-c", f"touch {probe} || echo refused; echo x >> {CODE_DIR}/README.md "
+                                                f"|| echo refused; touch {sys.prefix}/probe || echo refused"])
+    assert out.count("refused") == 3 and not probe.exists(), out
+    assert backend.exec(inst, ["sh", "-c", "mkdir -p a/b && echo ok > a/b/f && cat a/b/f && echo t > /tmp/t && "
+                                           "cat /tmp/t && echo s > /dev/shm/s && cat /dev/shm/s"]) == (0, "ok\nt\ns\n")
+    assert (Path(inst.work_dir) / "a" / "b" / "f").read_text() == "ok\n"
+
+
+@needs_confinement
+def test_confined_replica_cannot_plant_a_link_for_root_to_write_through(replicas, tmp_path):
+    backend = replicas.backend(None)
+    target = tmp_path / "root-owned.txt"
+    target.write_text("untouched\n")
+    job = seed_job(1, 0, commands=["rm -f replica.log exit_code", f"ln -s {target} replica.log",
+                                   f"ln -s {target} exit_code", "exit 0"])
+    inst = replicas.start(backend, job)
+    wait_until(lambda: backend.status(inst).state == "exited", what="exit")
+    assert "untouched" not in backend.logs(inst)  # `durastack logs` does not read through the link
+    backend.stop(inst)
+    again = backend.start(job.model_copy(update={"commands": ["echo second"]}))  # the same work dir again
+    replicas.started.append((backend, again))
+    wait_until(lambda: backend.status(again).state == "exited", what="exit")
+    assert target.read_text() == "untouched\n"
+    assert not Path(again.log_path).is_symlink() and "second" in backend.logs(again)
+
+
+# ---- working_dir, user -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_commands_run_in_working_dir(replicas, isolation):
+    backend = replicas.backend(isolation)
+    inst = replicas.start(backend, seed_job(1, 0, working_dir="src/app", commands=["pwd > where.txt", "sleep 300"]))
+    wd = Path(inst.work_dir)
+    wait_until(lambda: (wd / "src" / "app" / "where.txt").exists(), what="where.txt")
+    assert (wd / "src" / "app" / "where.txt").read_text() == f"{wd}/src/app\n"
+    assert backend.exec(inst, ["pwd"]) == (0, f"{wd}/src/app\n")
+    absolute = seed_job(2, 1, commands=["pwd"])
+    absolute = absolute.model_copy(update={"working_dir": str(backend.work_dir(absolute) / "abs")})
+    inst = replicas.start(backend, absolute)
+    wait_until(lambda: backend.status(inst).state == "exited", what="exit")
+    assert f"{inst.work_dir}/abs\n" in backend.logs(inst)
+
+
+@pytest.mark.parametrize("where", ["../other", "/etc", "a/../../b"])
+def test_working_dir_outside_the_work_dir_is_refused(tmp_path, where):
+    with pytest.raises(UnsupportedJobError, match="outside the replica's work dir"):
+        LocalBackend(tmp_path, isolation=False).start(seed_job(1, 0, working_dir=where))
+
+
+@needs_confinement
+def test_user_is_honoured_or_refused_when_confined(replicas, monkeypatch):
+    backend = replicas.backend(None)
+    with pytest.raises(UnsupportedJobError, match="never runs replicas as root"):
+        backend.start(seed_job(1, 0, user="root"))
+    with pytest.raises(UnsupportedJobError, match="no such user"):
+        backend.start(seed_job(1, 0, user="no-such-user-here"))
+    with pytest.raises(UnsupportedJobError, match="DURASTACK_LOCAL_USERS"):
+        backend.start(seed_job(1, 0, user="nobody"))
+    monkeypatch.setenv("DURASTACK_LOCAL_USERS", "nobody")
+    inst = replicas.start(backend, seed_job(1, 0, user="nobody", commands=["sleep 300"]))
+    assert backend.exec(inst, ["id", "-un"]) == (0, "nobody\n")
+    inst = replicas.start(backend, seed_job(2, 1, user=backend.account.name, commands=["sleep 300"]))
+    assert backend.exec(inst, ["id", "-u"]) == (0, f"{backend.account.uid}\n")
+
+
+def test_user_is_refused_when_the_backend_cannot_switch_users(replicas):
+    import pwd
+    backend = replicas.backend(False)
+    assert not backend.confined
+    with pytest.raises(UnsupportedJobError, match="cannot run the commands as user 'nobody'"):
+        backend.start(seed_job(1, 0, user="nobody"))
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    inst = replicas.start(backend, seed_job(1, 0, user=me, commands=["sleep 300"]))
+    assert backend.exec(inst, ["id", "-u"]) == (0, f"{os.geteuid()}\n")
+
+
+# ---- secrets on disk, modes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_launch_file_loses_the_env_when_the_replica_stops(replicas, isolation):
+    backend = replicas.backend(isolation)
+    launch = lambda inst: Path(inst.work_dir) / ".durastack" / "launch.json"  # noqa: E731
+    stopped = replicas.start(backend, seed_job(1, 0, env={"API_TOKEN": "s3cret-stopped"}, commands=["sleep 300"]))
+    assert "s3cret-stopped" in launch(stopped).read_text()  # while it runs: `exec` needs it
+    assert backend.exec(stopped, ["sh", "-c", "echo $API_TOKEN"]) == (0, "s3cret-stopped\n")
+    backend.stop(stopped, grace_seconds=2)
+    ended = replicas.start(backend, seed_job(2, 1, env={"API_TOKEN": "s3cret-ended"}, commands=["true"]))
+    wait_until(lambda: backend.status(ended).state == "exited", what="exit")
+    for inst, value in ((stopped, "s3cret-stopped"), (ended, "s3cret-ended")):
+        text = launch(inst).read_text()
+        assert value not in text and json.loads(text)["env"] == {}
+        assert not any(value in p.read_text(errors="replace") for p in Path(inst.work_dir).rglob("*")
+                       if p.is_file() and p.name != "replica.log")
+
+
+def test_home_and_replica_files_are_private(replicas):
+    replicas.home.mkdir(mode=0o755)
+    backend = replicas.backend(None)
+    assert replicas.home.stat().st_mode & 0o777 == 0o700
+    inst = replicas.start(backend, seed_job(1, 0, env={"API_TOKEN": "x"}, commands=["sleep 300"]))
+    meta = Path(inst.work_dir) / ".durastack"
+    for path in (Path(inst.log_path), meta / "launch.json", meta / "instance.json"):
+        assert path.stat().st_mode & 0o077 == 0, path
+
+
+def test_server_banner_says_whether_replicas_are_confined(tmp_path):
+    from cli.stack import _replicas_line
+    from models.settings import Settings
+    line = _replicas_line(Settings.from_env({"DURASTACK_HOME": str(tmp_path)}))
+    assert line == f"{isolation_reason()}; {confinement_reason()}; {network_reason()}"
+    assert ("confinement on" in line) == confinement_available()
+    off = _replicas_line(Settings.from_env({"DURASTACK_HOME": str(tmp_path), "DURASTACK_LOCAL_REPLICAS": "off"}))
+    assert off.startswith("local replicas off")
+
+
+def test_confinement_reason_says_why_not_when_isolation_is_off(monkeypatch):
+    monkeypatch.setenv("DURASTACK_LOCAL_ISOLATION", "off")
+    assert not confinement_available()
+    assert confinement_reason().startswith("confinement off: replicas run as this user")

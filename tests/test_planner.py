@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from models.loader import load_config_text
-from models.run import GroupState, Replica, ServiceState
-from workflows.planner import KEEP_FINISHED, Start, Stop, backoff_until, prune, reconcile, removal_order, sync_groups
+from models.run import GroupState, Placement, Replica, ServiceState
+from workflows.planner import (FAILURE_MEMORY, KEEP_FINISHED, Start, Stop, backoff_until, count_failure, prune,
+                               reconcile, removal_order, sync_groups)
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
@@ -89,7 +90,7 @@ def test_removed_group_replicas_are_stopped():
 
 def test_backoff_blocks_resubmission_until_due():
     st = state(replicas=[replica(0, "a"), replica(1, "a", status="failed"), replica(2, "b")], next_num=3)
-    st.groups["a"].failures = 1
+    st.groups["a"].failures = 2  # the first failure is replaced at once; the second in a row waits
     st.groups["a"].retry_after = backoff_until(st.groups["a"], NOW)
     assert st.groups["a"].retry_after == NOW + timedelta(seconds=15)
     assert not reconcile(st, NOW + timedelta(seconds=10))
@@ -100,6 +101,20 @@ def test_backoff_grows_and_caps():
     group = GroupState(name="a", desired=1, failures=9)
     assert backoff_until(group, NOW) == NOW + timedelta(minutes=10)
     assert backoff_until(GroupState(name="a", desired=1), NOW) is None
+    assert backoff_until(GroupState(name="a", desired=1, failures=1), NOW) is None
+
+
+def test_failures_count_in_a_row_only_when_close_together():
+    group = GroupState(name="a", desired=1)
+    count_failure(group, NOW)
+    assert (group.failures, group.retry_after) == (1, None)
+    count_failure(group, NOW + timedelta(minutes=1))
+    assert (group.failures, group.retry_after) == (2, NOW + timedelta(minutes=1, seconds=15))
+    ended = group.retry_after
+    count_failure(group, ended + FAILURE_MEMORY)
+    assert (group.failures, group.retry_after) == (3, ended + FAILURE_MEMORY + timedelta(seconds=30))
+    count_failure(group, group.retry_after + FAILURE_MEMORY + timedelta(seconds=1))
+    assert (group.failures, group.retry_after) == (1, None)  # long after its back-off ended: not in a row
 
 
 def test_sync_groups_keeps_desired_within_new_range_and_adds_new_groups():
@@ -215,3 +230,133 @@ def test_reapplying_mid_rollout_rolls_toward_the_newest_deployment():
     st.next_replica_num = 12
     # Both older deployments are out of date alike; among equals the newest number goes first (spec 5).
     assert reconcile(st, NOW).stop == [Stop(10, 0, "replaced")]
+
+
+# --- router services and replica addresses ---------------------------------------------------------
+
+PD = """
+type: service
+name: svc
+port: 8000
+groups:
+  - name: router
+    replicas: 1
+    router: {type: sglang}
+    commands: [route]
+  - name: decode
+    replicas: 1..3
+    scaling: {metric: rps, target: 1}
+    commands: ["serve --router ${{ groups[router].replicas[0].IP_ADDRESS }}:${{ groups[0].replicas[0].PORT }}"]
+"""
+ROUTER_IP = "groups[router].replicas[0].IP_ADDRESS"
+ROUTER_PORT = "groups[router].replicas[0].PORT"
+
+
+def pd_state(replicas=(), deployment=0, next_num=0) -> ServiceState:
+    config = load_config_text(PD).config
+    st = ServiceState(name="svc", config=config, replicas=list(replicas), next_replica_num=next_num,
+                      deployment_num=deployment)
+    st.groups = sync_groups(config, {})
+    return st
+
+
+def placed(ip: str = "", address: str = "unix:/x") -> Placement:
+    return Placement(backend="local", address=address, ip=ip)
+
+
+def worker(num, **kw) -> Replica:
+    return replica(num, "decode", registered=False, routed=False, **kw)
+
+
+def test_a_ready_old_worker_is_kept_while_its_surge_starts_then_stopped_once_the_new_one_is_ready():
+    # Workers behind a router are never registered: a ready one still counts as serving (spec 6.5).
+    old = worker(1, deployment=0)
+    st = pd_state([replica(0, "router", deployment=1, placement=placed("10.0.0.1"), refs={}), old],
+                  deployment=1, next_num=2)
+    st.groups["decode"].desired = 1
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("decode", 2, 0)] and plan.stop == []
+    st.replicas.append(worker(2, deployment=1, ready=False, status="provisioning"))
+    assert not reconcile(st, NOW)  # the new one is not ready: the old one keeps working
+    st.replicas[-1] = worker(2, deployment=1)
+    assert reconcile(st, NOW).stop == [Stop(1, 0, "replaced")]
+
+
+def test_an_old_worker_that_is_not_ready_is_stopped_at_once():
+    st = pd_state([replica(0, "router", deployment=1, placement=placed("10.0.0.1")),
+                   worker(1, deployment=0, ready=False)], deployment=1, next_num=2)
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("decode", 2, 0)] and plan.stop == [Stop(1, 0, "replaced")]
+
+
+def test_a_reference_waits_for_an_address_with_a_reason():
+    plan = reconcile(pd_state(), NOW)
+    # The router starts; the worker that names it waits: the router has no replica yet.
+    assert plan.start == [Start("router", 0, 0)]
+    assert plan.waits == {"decode": "groups[router].replicas[0] has no replica yet (group 'router' has 0 active)"}
+    st = pd_state([replica(0, "router", status="provisioning", ready=False)], next_num=1)
+    assert "waits for replica 0 to have an address (provisioning)" in reconcile(st, NOW).waits["decode"]
+    # Isolated without a service network: a placement, but no address other replicas can reach.
+    st.replicas[0].placement = placed()
+    assert "isolated with no service network" in reconcile(st, NOW).waits["decode"]
+    st.replicas[0].placement = placed("10.0.0.7")
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("decode", 1, 0)] and plan.waits == {}
+    assert plan.refs["decode"] == {ROUTER_IP: "10.0.0.7", ROUTER_PORT: "8000"}
+
+
+def test_without_isolation_a_reference_is_the_host_and_the_replicas_own_port():
+    st = pd_state([replica(0, "router", placement=placed(address="127.0.0.1:41234"))], next_num=1)
+    assert reconcile(st, NOW).refs["decode"] == {ROUTER_IP: "127.0.0.1", ROUTER_PORT: "41234"}
+
+
+def test_substitution_into_the_job():
+    from workflows.jobs import replica_input
+    st = pd_state()
+    inp = replica_input(st.config, "svc", "service/svc", "decode", 3, 0, 0, {ROUTER_IP: "10.0.0.7",
+                                                                            ROUTER_PORT: "8000"})
+    assert inp.job.commands == ["serve --router 10.0.0.7:8000"] and inp.route is False
+    assert inp.job.env["DURASTACK_GROUP"] == "decode" and inp.job.env["DURASTACK_REPLICA"] == "3"
+    assert replica_input(st.config, "svc", "service/svc", "router", 0, 0, 0).route is True
+
+
+def test_workers_roll_when_the_replica_they_reference_moves():
+    refs = {ROUTER_IP: "10.0.0.1", ROUTER_PORT: "8000"}
+    st = pd_state([replica(0, "router", status="failed"), replica(0, "router", sub=1, placement=placed("10.0.0.9")),
+                   worker(1, refs=refs)], next_num=2)
+    plan = reconcile(st, NOW)
+    assert plan.readdressed == {"decode": f"{ROUTER_IP} 10.0.0.1 → 10.0.0.9"}
+    assert plan.start == [Start("decode", 2, 0)] and plan.stop == []  # surge; the old one keeps working
+    st.replicas.append(worker(2, refs={ROUTER_IP: "10.0.0.9", ROUTER_PORT: "8000"}))
+    assert reconcile(st, NOW).stop == [Stop(1, 0, "replaced")]
+
+
+def test_a_moved_reference_does_not_roll_before_the_new_address_is_known():
+    st = pd_state([replica(0, "router", status="failed"), replica(0, "router", sub=1, status="provisioning"),
+                   worker(1, refs={ROUTER_IP: "10.0.0.1"})], next_num=2)
+    plan = reconcile(st, NOW)
+    assert not plan and plan.readdressed == {}
+
+
+def test_moving_adding_or_retyping_the_router_is_not_updatable():
+    from workflows.changes import classify
+    old = load_config_text(PD).config
+    for text in (PD.replace("router: {type: sglang}", "router: {type: dynamo}"),
+                 PD.replace("    router: {type: sglang}\n", "")):
+        assert "router" in classify(old, load_config_text(text).config).not_updatable
+    assert classify(old, load_config_text(PD.replace("[route]", "[route2]")).config).not_updatable == []
+
+
+def test_a_group_that_fails_at_every_attempt_stays_in_one_row():
+    """Waiting on a back-off is no quiet time: the back-off stays at its cap instead of starting again (and
+    replacing at once) after each 10-minute wait, and `retry.duration` counts from the first failure."""
+    group, now = GroupState(name="a", desired=1), NOW
+    for _ in range(10):  # each replacement fails 30 s after its back-off ends
+        count_failure(group, now)
+        now = (group.retry_after or now) + timedelta(seconds=30)
+    assert group.failures == 10
+    assert group.retry_after == group.last_failed_at + timedelta(minutes=10)
+    assert group.failing_since == NOW
+    quiet = group.last_failed_at + FAILURE_MEMORY + timedelta(minutes=10, seconds=1)  # past its back-off, too
+    count_failure(group, quiet)
+    assert group.failing_since == quiet

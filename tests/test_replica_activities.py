@@ -1,33 +1,266 @@
-"""Where ReplicaActivities.provision places a replica: this machine, or not (cluster workers)."""
+"""A replica's activities on the local backend, with real processes, a fake gateway and a fake Temporal client.
+
+launch (place once, ready, registered; reports seq 1, 2, 3), teardown (unregister, stop; reports 10, 11),
+monitor (a dead process or a closed workflow is returned, already unrouted), NoCapacity's typed details.
+Every replica started here runs in shared mode (its own PORT on 127.0.0.1) and is stopped in teardown.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from datetime import datetime, timedelta, timezone
+
 import pytest
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
-from temporalio.testing import ActivityEnvironment
 
 from activities.local import LocalBackend
-from activities.replica import ReplicaActivities
+from activities import replica as replica_activities
+from activities.replica import LocalReplicas, ReplicaActivities
 from models.loader import load_config_text
-from workflows.jobs import replica_input
+from models.replica import LocalInstance
+from models.run import Down, LaunchInput, MonitorInput, NoCapacity, ReplicaInput, TeardownInput, Watched
+from tests.conftest import eventually
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, no_capacity_of as _no_capacity
+from workflows.jobs import replica_input, replica_workflow_id
 
 CONFIG = """
 type: service
 name: svc
 port: 8000
-commands: [python3 -m http.server 8000]
+commands: [python3 -m http.server $PORT --bind 127.0.0.1]
 """
 
 
-def _input():
-    config = load_config_text(CONFIG).config
-    return replica_input(config, "svc", "service/svc", "0", 0, 0, 1)
+@pytest.fixture
+def local(tmp_path):
+    backend = LocalBackend(tmp_path / "home", isolation=False)
+    yield backend
+    backend.stop_all(grace_seconds=2)
 
 
-async def test_a_worker_without_local_replicas_never_starts_one(tmp_path):
-    acts = ReplicaActivities(LocalBackend(tmp_path / "home"), gateway=None, local_replicas=False)
+def _input(replica: int = 0, config: str = CONFIG) -> ReplicaInput:
+    parsed = load_config_text(config).config
+    return replica_input(parsed, "svc", "service/svc", "0", replica, 0, 1)
+
+
+def _watched(inp: ReplicaInput, instance: LocalInstance) -> Watched:
+    job = inp.job
+    return Watched(replica_num=job.replica_num, submission_num=job.submission_num, group=job.group,
+                   workflow_id=replica_workflow_id("svc", job.group, job.replica_num, job.submission_num),
+                   replica_id=job.replica_id, instance=instance)
+
+
+async def _launch(acts: ReplicaActivities, client: FakeClient, inp: ReplicaInput):
+    return await _env(client).run(acts.launch, LaunchInput(replica=inp, backend="local"))
+
+
+# --- launch and teardown ----------------------------------------------------------------------------
+
+async def test_launch_places_once_waits_until_ready_registers_and_reports_each_step(local):
+    gateway, client = FakeGateway(), FakeClient()
+    acts = ReplicaActivities(local, gateway)
+    inp = _input()
+    launched = await _launch(acts, client, inp)
+    assert launched.placement.backend == "local" and launched.instance.kind == "local"
+    assert local.status(launched.instance).state == "running"
+    assert gateway.routed == {inp.job.replica_id: launched.placement.address}
+    assert client.reports() == [(1, "provisioning", False, False), (2, "running", False, False),
+                                (3, "running", True, True)]
+    assert {wf for wf, _, _ in client.signals} == {"service/svc"}
+    assert {name for _, name, _ in client.signals} == {"replica_changed"}
+    assert client.signals[-1][2].instance == launched.instance  # the service can tear it down itself
+
+    await _env(client).run(acts.teardown, TeardownInput(
+        service_workflow_id="service/svc", job=inp.job, backend="local", instance=launched.instance,
+        reason="scaled_down"))
+    assert gateway.routed == {} and local.status(launched.instance).state != "running"
+    assert [(u.seq, u.status, u.reason) for _, _, u in client.signals[3:]] == [
+        (10, "terminating", "scaled_down"), (11, "terminated", "scaled_down")]
+
+
+async def test_a_poll_that_gets_no_answer_at_all_is_made_again_soon_its_timeout_doubling(local, monkeypatch):
+    asked: list[float] = []
+
+    async def answers(address: str, timeout: float):
+        asked.append(timeout)
+        if len(asked) == 2:  # nothing answers (a SYN lost while the replica's link came up)
+            await asyncio.sleep(timeout)
+        return 200 if len(asked) == 3 else None  # the first: refused at once, the app not listening yet
+
+    async def running(instances):
+        return [None for _ in instances]
+
+    monkeypatch.setattr(replica_activities, "answers_http", answers)
+    replicas = LocalReplicas(local)
+    monkeypatch.setattr(replicas, "down", running)
+    instance = LocalInstance(replica_id="svc/0/r0-s0", pid=1, start_time=0, work_dir="/x", address="unix:/x.sock",
+                             isolated=False, log_path="/x/log")
+    await _env(FakeClient()).run(replicas.wait_ready, instance, [])
+    first = replica_activities.FIRST_ANSWER_TIMEOUT_SECONDS
+    assert asked == [first, first, 2 * first]
+
+
+async def test_a_retried_launch_reuses_what_an_earlier_attempt_started(local):
+    inp = _input()
+    earlier = await asyncio.to_thread(local.start, inp.job)  # that attempt's worker died before it returned
+    launched = await _launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp)
+    assert launched.instance == earlier
+    assert [i.pid for i in local.instances()] == [earlier.pid]
+
+
+async def test_a_failed_report_never_fails_the_launch(local):
+    client = FakeClient()
+    client.signals_fail = True  # the service run is gone
+    launched = await _launch(ReplicaActivities(local, FakeGateway()), client, _input())
+    assert launched.placement.backend == "local"
+
+
+async def test_an_app_that_exits_before_it_is_ready_fails_the_launch_for_good(local):
+    inp = _input(config=CONFIG.replace("python3 -m http.server $PORT --bind 127.0.0.1", "exit 3"))
+    with pytest.raises(ApplicationError) as failed:
+        await _launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp)
+    assert failed.value.type == "ReplicaExited" and failed.value.non_retryable
+    assert failed.value.message == "exited (3)"
+
+
+async def test_teardown_without_an_instance_stops_what_a_dead_launch_started(local):
+    gateway, client = FakeGateway(), FakeClient()
+    inp = _input()
+    started = await asyncio.to_thread(local.start, inp.job)
+    teardown = TeardownInput(service_workflow_id="service/svc", job=inp.job, backend="local", instance=None,
+                             reason="exited (1)", final="failed")
+    for _ in range(2):  # idempotent: the workflow retries it until it succeeds
+        await _env(client).run(ReplicaActivities(local, gateway).teardown, teardown)
+    assert local.status(started).state != "running"
+    assert [(u.seq, u.status) for _, _, u in client.signals] == [(10, "terminating"), (11, "failed")] * 2
+    assert [c[0] for c in gateway.calls] == ["unregister", "unregister"]
+
+
+# --- NoCapacity -------------------------------------------------------------------------------------
+
+async def test_a_machine_that_does_not_fit_raises_no_capacity_with_typed_details(local):
+    client = FakeClient()
+    inp = _input(config=CONFIG + "resources:\n  cpu: 100000\n")
     with pytest.raises(ApplicationError) as refused:
-        await ActivityEnvironment().run(acts.provision, _input())
-    assert refused.value.type == "NoOffers" and refused.value.non_retryable
-    assert "DURASTACK_LOCAL_REPLICAS=off" in str(refused.value)
-    assert acts.local.find(_input().job) is None  # nothing was started on this machine
+        await _launch(ReplicaActivities(local, FakeGateway()), client, inp)
+    details = _no_capacity(refused.value)
+    assert details.backend == "local" and not details.tried
+    assert len(details.reasons) == 1 and "this machine does not fit" in details.reasons[0]
+    assert local.find(inp.job) is None  # nothing was started
+    assert client.reports() == [(1, "provisioning", False, False)]
+
+
+async def test_a_worker_without_local_replicas_never_starts_one(local):
+    acts = ReplicaActivities(local, FakeGateway(), local_replicas=False)
+    with pytest.raises(ApplicationError) as refused:
+        await _launch(acts, FakeClient(), _input())
+    assert "DURASTACK_LOCAL_REPLICAS=off" in _no_capacity(refused.value).reasons[0]
+    assert local.find(_input().job) is None
+
+
+async def test_a_backend_this_worker_does_not_serve_is_no_capacity_too(local):
+    with pytest.raises(ApplicationError) as refused:
+        await _env(FakeClient()).run(ReplicaActivities(local, FakeGateway()).launch,
+                                     LaunchInput(replica=_input(), backend="aws"))
+    assert _no_capacity(refused.value) == NoCapacity(backend="aws", tried=False,
+                                                     reasons=["backend aws is not served by this worker"])
+
+
+# --- monitor ----------------------------------------------------------------------------------------
+
+async def test_a_killed_replica_is_down_and_unrouted_within_a_second(local):
+    gateway, client = FakeGateway(), FakeClient()
+    acts = ReplicaActivities(local, gateway)
+    inputs = [_input(n) for n in range(2)]
+    launched = [await _launch(acts, client, inp) for inp in inputs]
+    watched = [_watched(inp, li.instance) for inp, li in zip(inputs, launched)]
+    monitor = asyncio.ensure_future(_env(client).run(acts.monitor, MonitorInput(
+        service="svc", backend="local", replicas=watched, poll_seconds=0.2)))
+    await asyncio.sleep(0.5)
+    assert not monitor.done()  # both serve: it keeps watching
+    killed = time.monotonic()
+    os.kill(launched[1].instance.pid, signal.SIGKILL)
+    down = await asyncio.wait_for(monitor, 10)
+    returned = time.monotonic()
+    assert [(d.replica_num, d.workflow_closed) for d in down] == [(1, False)]
+    assert returned - killed < 1.5, returned - killed
+    unrouted = [c for c in gateway.calls if c[0] == "unregister"]
+    assert [c[1] for c in unrouted] == [inputs[1].job.replica_id] and unrouted[0][2] <= returned
+    assert list(gateway.routed) == [inputs[0].job.replica_id]
+
+
+async def test_a_closed_replica_workflow_is_down_with_workflow_closed(local):
+    gateway, client = FakeGateway(), FakeClient()
+    acts = ReplicaActivities(local, gateway)
+    inputs = [_input(n) for n in range(3)]
+    launched = [await _launch(acts, client, inp) for inp in inputs]
+    watched = [_watched(inp, li.instance) for inp, li in zip(inputs, launched)]
+    client.statuses[watched[0].workflow_id] = WorkflowExecutionStatus.TERMINATED
+    client.statuses[watched[2].workflow_id] = None  # not found at all
+    down = await asyncio.wait_for(_env(client).run(acts.monitor, MonitorInput(
+        service="svc", backend="local", replicas=watched, poll_seconds=0.2, workflow_check_seconds=0.2)), 10)
+    assert down == [Down(replica_num=0, submission_num=0, reason="replica workflow terminated", workflow_closed=True),
+                    Down(replica_num=2, submission_num=0, reason="replica workflow not found", workflow_closed=True)]
+    assert list(gateway.routed) == [inputs[1].job.replica_id]
+    assert all(local.status(li.instance).state == "running" for li in launched)  # the service tears them down
+
+
+async def test_a_cancelled_monitor_ends_cleanly(local):
+    client = FakeClient()
+    acts = ReplicaActivities(local, FakeGateway())
+    inp = _input()
+    launched = await _launch(acts, client, inp)
+    env = _env(client)
+    monitor = asyncio.ensure_future(env.run(acts.monitor, MonitorInput(
+        service="svc", backend="local", replicas=[_watched(inp, launched.instance)], poll_seconds=0.1)))
+    await asyncio.sleep(0.3)
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(monitor, 5)
+
+
+async def test_a_retried_launch_whose_app_exited_fails_rather_than_start_it_again(local):
+    inp = _input(config=CONFIG.replace("python3 -m http.server $PORT --bind 127.0.0.1", "exit 4"))
+    earlier = await asyncio.to_thread(local.start, inp.job)
+    await eventually(lambda: _exited(local, earlier), timeout=10)
+    with pytest.raises(ApplicationError) as failed:
+        await _launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp)
+    assert failed.value.type == "ReplicaExited" and failed.value.message == "exited (4)"
+    assert local.find(inp.job) == earlier  # not started a second time
+
+
+async def test_a_record_left_by_an_earlier_service_of_the_same_name_is_not_this_launch(local):
+    inp = _input()
+    stale = await asyncio.to_thread(local.start, inp.job)
+    await asyncio.to_thread(local.stop, stale, 2)  # that service was stopped; its work dir stays, for its logs
+    env = _env(FakeClient())
+    # This launch was first scheduled after that record was made (beyond the tolerated clock skew).
+    env.info = dataclasses.replace(env.info, scheduled_time=datetime.now(timezone.utc) + timedelta(seconds=60))
+    launched = await env.run(ReplicaActivities(local, FakeGateway()).launch, LaunchInput(replica=inp, backend="local"))
+    assert launched.instance.pid != stale.pid and local.status(launched.instance).state == "running"
+
+
+async def _exited(local: LocalBackend, instance: LocalInstance) -> bool:
+    return local.status(instance).state != "running"
+
+
+async def test_a_monitor_heartbeats_every_half_heartbeat_timeout_not_every_poll(local):
+    client = FakeClient()
+    acts = ReplicaActivities(local, FakeGateway())
+    inp = _input()
+    launched = await _launch(acts, client, inp)
+    env, beats = _env(client, heartbeat_timeout=0.4), []
+    env.on_heartbeat = lambda *details: beats.append(details)
+    monitor = asyncio.ensure_future(env.run(acts.monitor, MonitorInput(
+        service="svc", backend="local", replicas=[_watched(inp, launched.instance)], poll_seconds=0.02,
+        workflow_check_seconds=0.02)))
+    await asyncio.sleep(1.0)  # 50 polls, about 5 heartbeats
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(monitor, 5)
+    assert 3 <= len(beats) <= 8, beats

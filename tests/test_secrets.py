@@ -13,26 +13,24 @@ from pathlib import Path
 import aiohttp
 import pytest
 import typer
-from temporalio import activity
 from temporalio.api.common.v1 import Payload
-from temporalio.worker import Worker
 
-from cli.codec_server import start_codec_server, ui_origins
-from cli.commands import _resolve
+from activities import interface
+from activities.interface import implements
+from cli.codec_server import codec_endpoint, start_codec_server, ui_origins
+from cli.service import _resolve
+from connect.codec import (KEY_ENV, KEY_FILE, CodecKeyError, SecretCodec, ensure_key_file, load_keys, new_key,
+                           parse_keys)
 from gateway.app import free_port
-from models.codec import (KEY_ENV, KEY_FILE, CodecKeyError, SecretCodec, ensure_key_file, load_keys, new_key,
-                          parse_keys)
 from models.loader import load_config_text
 from models.replica import JobSpec
-from models.run import ApplyRequest, Provisioned, ReplicaInput, ScaleRequest, ServiceState
+from models.run import ApplyRequest, Launched, LaunchInput, ScaleRequest, ServiceState
 from models.secrets import ENCRYPTED_MARK, REDACT, SECRET_MARK
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
-from tests.fakes.cloud import FakeCloud
-from workflows import names
+from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from workflows.changes import classify, spec_hash
 from workflows.jobs import job_spec
-from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 HF = "hf_" + "Q7rT9xLp2VwK4mZs8NbYc3Hd6Jf1GaUe"  # from the caller's environment
@@ -202,32 +200,31 @@ async def test_worker_without_a_key_stops_with_the_fix(tmp_path: Path, monkeypat
 # ---- a real service run ------------------------------------------------------------------------
 
 class RecordingCloud(FakeCloud):
-    """FakeCloud whose provision also records the env each replica was given."""
+    """FakeCloud whose launch also records the env each replica was given."""
 
     def __init__(self) -> None:
         super().__init__()
         self.envs: dict[str, dict[str, str]] = {}
 
-    def activities(self):
-        acts = super().activities()
-        provision = next(a for a in acts if a.__name__ == "provision")
+    def replica_activities(self):
+        acts = super().replica_activities()
+        launch = next(a for a in acts if a.__name__ == "launch")
 
-        @activity.defn(name=names.PROVISION)
-        async def recording_provision(inp: ReplicaInput) -> Provisioned:
-            self.envs[inp.job.replica_id] = dict(inp.job.env)
-            return await provision(inp)
+        @implements(interface.launch_replica)
+        async def recording_launch(inp: LaunchInput) -> Launched:
+            self.envs[inp.replica.job.replica_id] = dict(inp.replica.job.env)
+            return await launch(inp)
 
-        return [recording_provision, *(a for a in acts if a is not provision)]
+        return [recording_launch, *(a for a in acts if a is not launch)]
 
 
 @aio
-async def test_service_run_history_holds_no_secret(ts_env, capsys):
+async def test_service_run_history_holds_no_secret(dev_env, capsys):
+    """On the dev server, across continue-as-new hops (the time-skipping server can lose a hop's events)."""
+    ts_env = dev_env
     name = f"sec-{uuid.uuid4().hex[:6]}"
-    cloud = RecordingCloud()
-    cloud.queue = f"tq-{uuid.uuid4()}"
     config = resolved(name, {"HF_TOKEN": HF})
-    async with Worker(ts_env.client, task_queue=cloud.queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
-                      activities=cloud.activities()):
+    async for cloud in fake_cloud_worker(dev_env, RecordingCloud()):
         handle = await ts_env.client.start_workflow(
             ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config), history_limit=60),
             id=service_workflow_id(name), task_queue=cloud.queue)
@@ -235,7 +232,8 @@ async def test_service_run_history_holds_no_secret(ts_env, capsys):
         web0 = f"{name}/web/r0-s0"
         await eventually(lambda: _async(web0 in cloud.envs))
         assert cloud.envs[web0] == {"HF_TOKEN": HF, "MODEL_ID": "llama-3-8b-instruct", "DATABASE": DB,
-                                    "OPENAI_API_KEY": API}
+                                    "OPENAI_API_KEY": API, "DURASTACK_SERVICE": name, "DURASTACK_GROUP": "web",
+                                    "DURASTACK_REPLICA": "0"}
         runs = {first_run}
         for count in (2, 1, 3, 1):  # enough history for continue-as-new hops
             await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="burst", count=count))
@@ -246,7 +244,7 @@ async def test_service_run_history_holds_no_secret(ts_env, capsys):
         assert (await handle.query(ServiceRunWorkflow.config)).env["HF_TOKEN"] == HF
         new = config.model_copy(update={"env": {**config.env, "HF_TOKEN": HF[::-1]}})
         result = await handle.execute_update(ServiceRunWorkflow.apply,
-                                             ApplyRequest(config=new.model_dump(mode="json")))
+                                             ApplyRequest(config=new))
         assert result.rolling == ["env"]
         await eventually(lambda: _rolled_out(handle, result.deployment))
         rolled = [e for r, e in cloud.envs.items() if r.startswith(f"{name}/web/") and e["HF_TOKEN"] == HF[::-1]]
@@ -269,7 +267,8 @@ async def test_service_run_history_holds_no_secret(ts_env, capsys):
 
 
 async def _cli_shows_no_secret(env, name: str, capsys) -> None:
-    from cli.commands import _config, _ps
+    from cli.inspect import _ps
+    from cli.service import _config
     from models.settings import Settings
 
     settings = Settings.from_env({}, temporal_address=env.client.service_client.config.target_host)
@@ -294,7 +293,7 @@ async def _codec_server_decodes_with_the_right_key_only(history) -> None:
         runner = await start_codec_server(SecretCodec(keys, strict=False), port, [origin])
         try:
             async with aiohttp.ClientSession() as http:
-                url = f"http://127.0.0.1:{port}/decode"
+                url = f"{codec_endpoint(f'http://127.0.0.1:{port}', keys)}/decode"
                 async with http.options(url, headers={"Origin": origin,
                                                       "Access-Control-Request-Method": "POST"}) as pre:
                     assert pre.status == 204 and pre.headers["Access-Control-Allow-Origin"] == origin

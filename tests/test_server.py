@@ -187,6 +187,18 @@ def test_stack_up_with_search_attributes(running: Server):
 
 
 @pytest.mark.e2e
+def test_home_logs_and_databases_are_private(running: Server):
+    from activities.local import confinement_reason
+    assert running.home.stat().st_mode & 0o777 == 0o700
+    made = [p for p in running.home.rglob("*") if p.is_file() and not p.is_symlink()
+            and (p.suffix in (".log", ".db", ".json", ".key") or p.name.endswith(("-wal", "-shm")))]
+    assert any(p.suffix == ".log" for p in made) and any(p.suffix == ".db" for p in made)
+    for path in made:
+        assert path.stat().st_mode & 0o007 == 0, f"{path} is world-accessible"
+    assert f"; {confinement_reason()}" in running.output  # the banner's Replicas line
+
+
+@pytest.mark.e2e
 def test_second_server_same_home_says_already_running(running: Server):
     other = dict(zip(running.ports, free_ports(len(running.ports))))
     argv = [DURASTACK, "server", "--home", str(running.home)]
@@ -205,19 +217,23 @@ def test_web_ui_decodes_secrets_through_the_stack_codec_server(running: Server):
     import httpx
     from temporalio.api.common.v1 import Payload
 
-    from models.codec import SecretCodec, load_keys
+    from connect.codec import SecretCodec, load_keys
     from models.secrets import SECRET_MARK
 
     assert oct((running.home / "codec.key").stat().st_mode & 0o777) == "0o600"  # created by the server
     ui, codec_url = f"http://127.0.0.1:{running.ports['ui_port']}", f"http://127.0.0.1:{running.ports['codec_port']}"
-    assert httpx.get(f"{ui}/api/v1/settings", timeout=5).json()["Codec"]["Endpoint"] == codec_url
+    from cli.codec_server import codec_endpoint
+
+    endpoint = codec_endpoint(codec_url, load_keys(running.home, {}))  # the credential rides in the UI's URL
+    assert httpx.get(f"{ui}/api/v1/settings", timeout=5).json()["Codec"]["Endpoint"] == endpoint
+    assert httpx.post(f"{codec_url}/decode", json={"payloads": []}, headers={"Origin": ui}).status_code == 404
     plain = Payload(metadata={"encoding": b"json/plain"},
                     data=json.dumps({"HF_TOKEN": SECRET_MARK + "hf_abc"}).encode())
     sealed = asyncio.run(SecretCodec(load_keys(running.home, {})).encode([plain]))[0]
     assert b"hf_abc" not in sealed.data
     body = {"payloads": [{"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
                           "data": base64.b64encode(sealed.data).decode()}]}
-    res = httpx.post(f"{codec_url}/decode", json=body, headers={"Origin": ui, "X-Namespace": "default"}, timeout=5)
+    res = httpx.post(f"{endpoint}/decode", json=body, headers={"Origin": ui, "X-Namespace": "default"}, timeout=5)
     assert res.status_code == 200 and res.headers["Access-Control-Allow-Origin"] == ui
     assert json.loads(base64.b64decode(res.json()["payloads"][0]["data"])) == {"HF_TOKEN": SECRET_MARK + "hf_abc"}
     assert f"Codec     {codec_url}" in running.output
@@ -326,8 +342,13 @@ def test_temporal_argv(tmp_path: Path):
 
 def test_gateway_and_worker_argv(tmp_path: Path, monkeypatch):
     s = Settings.from_env({}, home=tmp_path, gateway_port=9000, gateway_control_port=9001)
+    import activities.local as local
+    # nginx joins the service networks exactly when the local backend makes them
+    netns = ["--netns"] if local.networks_available() else []
     assert stack.gateway_argv(s) == [sys.executable, "-m", "gateway", "--runtime-dir", str(tmp_path / "gateway"),
-                                     "--port", "9000", "--control-port", "9001"]
+                                     "--port", "9000", "--control-port", "9001", *netns]
+    monkeypatch.setenv(local.ENV_ISOLATION, "off")
+    assert stack.gateway_argv(s)[-1] == "9001"
     assert stack.worker_argv() == [sys.executable, "-m", "worker"]
     monkeypatch.setenv(stack.ENV_WORKER_CMD, "python -c 'import time; time.sleep(9)'")
     assert stack.worker_argv() == ["python", "-c", "import time; time.sleep(9)"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import pytest
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 
 from models.loader import load_config_file, load_config_text
@@ -161,18 +164,28 @@ async def _rolled_out(handle, deployment: int) -> bool:
         len(live) == 3
 
 
-async def test_crashed_replica_is_replaced_with_a_new_submission(ts_env, cloud):
+async def test_crashed_replica_is_unrouted_and_replaced_then_backs_off(ts_env, cloud):
     handle = await start(ts_env, cloud, "svc-crash")
     await wait_ready(handle, {"0": [0], "1": []})
     await eventually(lambda: _true("svc-crash/0/r0-s0" in cloud.crash))
     cloud.crash["svc-crash/0/r0-s0"].set()
-    await eventually(lambda: _true(cloud.instances["svc-crash/0/r0-s0"] == "terminated"))
-    assert "svc-crash/0/r0-s1" not in cloud.provisions  # the group's back-off holds the resubmission
-    await ts_env.sleep(timedelta(seconds=20))  # the group's resubmission back-off (15 s) is skipped
+    # The first failure is replaced at once; the monitor unrouted it before its teardown.
+    await eventually(lambda: _true("svc-crash/0/r0-s1" in cloud.routed))
+    await wait_ready(handle, {"0": [0], "1": []})
+    assert cloud.log.index(("unregister", "svc-crash/0/r0-s0")) < cloud.log.index(("terminate", "svc-crash/0/r0-s0"))
+    # A second failure in a row waits on the group's back-off (15 s), which `ps` shows.
+    cloud.crash.setdefault("svc-crash/0/r0-s1", asyncio.Event()).set()
+    await eventually(lambda: _true(cloud.instances["svc-crash/0/r0-s1"] == "terminated"))
+    status = await status_of(handle)
+    assert status.groups[0].retry_after is not None and "svc-crash/0/r0-s2" not in cloud.provisions
+    await ts_env.sleep(timedelta(seconds=20))  # the back-off is skipped
+    await eventually(lambda: _true("svc-crash/0/r0-s2" in cloud.routed))
     status = await wait_ready(handle, {"0": [0], "1": []})
-    (replica,) = status.groups[0].replicas
-    assert replica.submission == 1
-    assert any("replica 0 failed: exited (1)" in e.message for e in await handle.query(ServiceRunWorkflow.events))
+    assert [r.submission for r in status.groups[0].replicas] == [2] and status.groups[0].retry_after is None
+    messages = [e.message for e in await handle.query(ServiceRunWorkflow.events)]
+    assert "replica 0 down: exited (1); unrouted, replacing" in messages
+    assert any(m.startswith("2 failures in a row: next replica after") for m in messages)
+    assert any("replica 0 failed: exited (1)" in m for m in messages)
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
 
@@ -196,7 +209,15 @@ async def test_cancel_from_the_ui_tears_down_too(ts_env, cloud):
     assert cloud.running() == set() and ("unroute", "svc-cancel") in cloud.log
 
 
-async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
+@pytest.fixture
+async def cloud_dev(dev_env):
+    async for fake in fake_cloud_worker(dev_env):
+        yield fake
+
+
+async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev):
+    """On the dev server: the time-skipping one can lose a hop's last events (tests/conftest.py)."""
+    ts_env, cloud = dev_env, cloud_dev
     handle = await start(ts_env, cloud, "svc-hops", history_limit=60)
     await wait_ready(handle, {"0": [0], "1": []})
     runs = {(await handle.describe()).run_id}
@@ -205,6 +226,9 @@ async def test_continue_as_new_hops_keep_replicas_alive(ts_env, cloud):
         await eventually(lambda: _group_ready(handle, "1", count))
         runs.add((await handle.describe()).run_id)
     assert len(runs) >= 3, "expected several continue-as-new hops"
+    # The newest run shows the service in the Web UI's details from its first task on.
+    meta = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+    assert meta.current_details.startswith("**svc-hops** running"), meta.current_details
     status = await status_of(handle)
     assert ready_replicas(status)["0"] == [0]
     # Nothing was provisioned twice, and the first replica survived every hop.
@@ -422,3 +446,110 @@ async def test_manual_scale_of_an_autoscaled_group_holds_until_its_delay(ts_env_
 
 async def _desired(handle, expected: list[int]) -> bool:
     return [g.desired for g in (await status_of(handle)).groups] == expected
+
+
+async def test_a_replica_workflow_terminated_from_outside_is_torn_down_and_replaced(ts_env, cloud):
+    """As `temporal workflow terminate` or the Web UI's Terminate: nothing runs in the child any more."""
+    handle = await start(ts_env, cloud, "svc-term")
+    await wait_ready(handle, {"0": [0], "1": []})
+    child = ts_env.client.get_workflow_handle("service/svc-term/0/r0-s0")
+    await child.terminate(reason="from the Web UI")
+    await eventually(lambda: _true("svc-term/0/r0-s1" in cloud.routed))
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    assert [r.submission for r in status.groups[0].replicas] == [1]
+    # The service tore the orphan down itself: unrouted, then its instance terminated.
+    assert cloud.instances["svc-term/0/r0-s0"] == "terminated" and "svc-term/0/r0-s0" not in cloud.routed
+    assert cloud.log.index(("unregister", "svc-term/0/r0-s0")) < cloud.log.index(("terminate", "svc-term/0/r0-s0"))
+    messages = [e.message for e in await handle.query(ServiceRunWorkflow.events)]
+    assert "replica 0 down: replica workflow terminated; unrouted, replacing" in messages
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):
+    """A broken command crash-loops into the longest back-off; the corrected file is applied: it serves
+    without waiting for the back-off to end, and `ps` showed the wait while it lasted."""
+    name = "svc-fix"
+    broken = load_config_text(ROLLING.format(name=name, cmd_a="crash")).config
+    handle = await ts_env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=broken)),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+
+    async def waiting() -> Optional[ServiceStatus]:
+        status = await status_of(handle)
+        return status if status.groups[0].retry_after is not None else None
+
+    status = await eventually(waiting)
+    assert status.status == "running"  # group b serves; group a waits on its back-off
+    result = await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=rolling_config(name)))
+    assert result.changed and result.deployment == 1
+    status = await wait_ready(handle, {"a": [0, 1], "b": [2]})  # no time skipped: the back-off was lifted
+    assert status.groups[0].retry_after is None
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_reapplying_the_running_configuration_is_a_no_op(ts_env, cloud):
+    handle = await start_rolling(ts_env, cloud, "svc-same")
+    result = await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=rolling_config("svc-same")))
+    assert not result.changed and result.deployment == 0
+    assert (await status_of(handle)).deployment == 0
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_the_status_says_once_the_gateway_has_the_route(ts_env, cloud):
+    """`durastack apply` follows a service until this is set, so a first request after it is never a 404."""
+    handle = await start(ts_env, cloud, "svc-routed")
+    status = await eventually(lambda: _routed(handle))
+    assert ("route", "svc-routed") in cloud.log and status.routed is True
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def _routed(handle) -> Optional[ServiceStatus]:
+    status = await status_of(handle)
+    return status if status.routed is not None else None
+
+
+async def test_a_failure_retry_does_not_cover_fails_the_service(ts_env, cloud):
+    """`retry: {on_events: [no-capacity]}`: a replica that exits is not replaced; the service gives up as dstack
+    does, tears every replica down, drops its route and ends as failed, with the reason in its log."""
+    name = "svc-giveup"
+    config = load_config_text(ROLLING.format(name=name, cmd_a="serve a") + "retry: {on_events: [no-capacity]}\n")
+    handle = await ts_env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config.config)),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+    await wait_ready(handle, {"a": [0, 1], "b": [2]})
+    await eventually(lambda: _true(f"{name}/a/r1-s0" in cloud.crash))
+    cloud.crash[f"{name}/a/r1-s0"].set()
+    await eventually(lambda: _status_is(handle, WorkflowExecutionStatus.COMPLETED))
+    assert await handle.result() == "failed"
+    assert cloud.running() == set() and cloud.routed == set() and cloud.log[-1] == ("unroute", name)
+    assert f"{name}/a/r1-s1" not in cloud.provisions  # not replaced
+    messages = [e.message for _, e in sorted(cloud.log_by_seq.items())]
+    assert "replica 1 down: exited (1); unrouted, not replaced" in messages
+    assert "service failed: replica 1 exited (1); not retried: 'error' is not in retry.on_events" in messages
+    assert messages[-1] == "service stopped (failed)" and cloud.rows[name].status == "failed"
+
+
+async def test_max_duration_stops_the_service_by_itself(ts_env_alone, cloud_alone):
+    ts_env, cloud = ts_env_alone, cloud_alone
+    name = "svc-maxdur"
+    config = load_config_text(CONFIG.format(name=name) + "max_duration: 2h\n").config
+    cloud.polling = True  # the monitor polls by server timers, so virtual time can pass
+    handle = await ts_env.client.start_workflow(
+        # Long heartbeat timeouts: skipped virtual time must not time out the fakes' real-time heartbeats.
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config), heartbeat_seconds=86400),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+    submitted = (await wait_ready(handle, {"0": [0], "1": []})).submitted_at
+    await ts_env.sleep(timedelta(hours=1, minutes=50))
+    assert (await status_of(handle)).status == "running" and cloud.running() == {f"{name}/0/r0-s0"}
+    await ts_env.sleep(timedelta(minutes=15))
+    await eventually(lambda: _status_is(handle, WorkflowExecutionStatus.COMPLETED))
+    assert await handle.result() == "stopped"
+    assert cloud.running() == set() and cloud.log[-1] == ("unroute", name)
+    events = [e for _, e in sorted(cloud.log_by_seq.items())]
+    (reached,) = [e for e in events if e.message == "max_duration 2h reached: stopping the service"]
+    assert reached.kind == "stop" and timedelta(hours=2) <= reached.at - submitted < timedelta(hours=2, minutes=1)
+    assert events[-1].message == "service stopped" and cloud.rows[name].status == "terminated"

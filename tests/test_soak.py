@@ -11,8 +11,9 @@ completed.
 
 Virtual time is cheap only while nothing runs: the fakes poll (tests/fakes/cloud.py), replicas' watches
 hourly and the stats watcher at each hourly traffic change, and the safety tick is coarse. Replicas
-outlive the service's hops, which leaks the test server's time-skipping locks: ``ChildLocks``
-(tests/fakes/timeskip.py) gives them back. ``-s`` prints the figures.
+outlive the service's hops, which leaks the test server's time-skipping locks, and the test server
+sometimes half-closes a run whose continue-as-new races a replica's report: ``ChildLocks``
+(tests/fakes/timeskip.py) gives those locks back. ``-s`` prints the figures and each step as it is played.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from models.run import ApplyRequest, Event, ScaleRequest, ServiceState, ServiceS
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
-from tests.fakes.timeskip import ChildLocks
+from tests.fakes.timeskip import ChildLocks, sleep_watched
 from workflows.autoscaler import decide, next_check
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -170,8 +171,8 @@ async def test_a_month_of_traffic_rollouts_and_crashes(ts_env_alone, cloud: Fake
         id=service_workflow_id(NAME), task_queue=cloud.queue)
     # Replicas outlive the service's hops: give back the time-skipping locks the test server leaks for them.
     async with ChildLocks(env, lambda: {f"service/{rid}" for rid, st in cloud.instances.items()
-                                        if st == "terminated"}) as locks:
-        manual, crashed = await live_a_month(env, handle, cloud, start)
+                                        if st == "terminated"}, parents=[handle.id]) as locks:
+        manual, crashed = await live_a_month(env, handle, cloud, start, locks)
         await check_month_end(handle, cloud, crashed)
         await handle.signal(ServiceRunWorkflow.stop)
         assert await last_run_result(env.client, handle.id, timeout=120) == "stopped"
@@ -190,11 +191,17 @@ async def test_a_month_of_traffic_rollouts_and_crashes(ts_env_alone, cloud: Fake
           f"{len(locks.given_back)} test-server locks given back")
 
 
-async def live_a_month(env, handle, cloud: FakeCloud, start: datetime) -> tuple[dict[datetime, int], list[str]]:
+async def live_a_month(env, handle, cloud: FakeCloud, start: datetime,
+                      locks: ChildLocks) -> tuple[dict[datetime, int], list[str]]:
     """Play STEPS at their virtual times; returns the manual scales (when → count) and the crashed replicas."""
     versions, manual, crashed = ("v0", "v0"), {}, []
+    def open_ids() -> list[str]:
+        return [handle.id] + [f"service/{rid}" for rid, st in cloud.instances.items() if st == "running"]
+
     for offset, kind, value in STEPS:
-        await env.sleep(start + offset - await env.get_current_time())
+        await sleep_watched(env, start + offset - await env.get_current_time(), open_ids, locks.unstick)
+        print(f"soak: day {offset.days} {offset.seconds // 3600:02}:{offset.seconds // 60 % 60:02} {kind} {value}",
+              flush=True)
         if kind == "scale":
             manual[await env.get_current_time()] = value
             assert await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=value)) \
@@ -212,7 +219,8 @@ async def live_a_month(env, handle, cloud: FakeCloud, start: datetime) -> tuple[
             await eventually(lambda: settled(handle, "router", router))
             decode = group_of(await status_of(handle), "decode").desired
             await eventually(lambda: settled(handle, "decode", decode))
-    await env.sleep(start + timedelta(days=DAYS) - await env.get_current_time())
+    await sleep_watched(env, start + timedelta(days=DAYS) - await env.get_current_time(), open_ids,
+                        locks.unstick)
     return manual, crashed
 
 

@@ -1,4 +1,4 @@
-"""The store (activities/store.py) on SQLite and, when DURASTACK_TEST_POSTGRES_URL is set, on PostgreSQL.
+"""The store (store/) on SQLite and, when DURASTACK_TEST_POSTGRES_URL is set, on PostgreSQL.
 
 Each PostgreSQL test gets a database of its own, ``durastack_test_<uuid>``, dropped afterwards, so parallel runs
 and reruns never meet. Several tests start real processes that write to one database at once.
@@ -25,14 +25,17 @@ from sqlmodel import SQLModel
 from temporalio.worker import Worker
 from typer.testing import CliRunner
 
-from activities.store import INTENT, KEYS_PER_QUERY, Store, StoreActivities, StoreLedger, alembic_config, head_revision
+from activities.store import StoreActivities
 from models.loader import load_config_text
 from models.run import Event, GroupView, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
-from models.store import LedgerEntry
+from store.db import INTENT, KEYS_PER_QUERY, Store, StoreLedger, alembic_config, head_revision
+from store.tables import LedgerEntry
 from tests.conftest import eventually
 from tests.test_server import free_ports
 from tests.fakes.cloud import FakeCloud
+from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
+from workflows.names import backend_queue
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +145,7 @@ def test_migrations_on_an_empty_database_make_exactly_the_tables(url):
 def test_workers_starting_together_migrate_once(url, tmp_path):
     # Alembic and the revisions are loaded before the start, so the processes meet in the DDL itself (without the
     # lock, that fails: "table … already exists" on SQLite, a unique violation in pg_type on PostgreSQL).
-    setup = "from activities.store import Store, head_revision\nimport alembic.command\nhead_revision()"
+    setup = "from store import Store, head_revision\nimport alembic.command\nhead_revision()"
     results = run_children(setup, "print(Store(sys.argv[2]).open().current())", [url] * 4, tmp_path / "go")
     assert [(r.returncode, r.stdout.strip()) for r in results] == [(0, "0001")] * 4, [r.stderr for r in results]
     store = Store(url, upgrade=False)
@@ -188,7 +191,7 @@ def test_last_phases_of_more_keys_than_one_query_takes(store):
 def test_concurrent_writers_from_several_processes(store, url, tmp_path):
     """4 processes × 2 threads × 25 entries, all at once: none lost, each writer's own order kept."""
     store.open()  # migrated before: the writers race on entries, not on the schema
-    setup = ("import threading\nfrom activities.store import Store, StoreLedger\n"
+    setup = ("import threading\nfrom store import Store, StoreLedger\n"
              "ledger = StoreLedger(Store(sys.argv[2].split('|')[0]).open())\nproc = sys.argv[2].split('|')[1]")
     code = ("def write(t):\n"
             "    for i in range(25):\n"
@@ -275,7 +278,8 @@ async def test_service_workflow_records_its_decisions_and_ps_row(ts_env, tmp_pat
     fake.queue = f"tq-{uuid.uuid4()}"
     activities = [a for a in fake.activities() if a.__name__ != "record"] + [StoreActivities(store).record_service]
     async with Worker(ts_env.client, task_queue=fake.queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
-                      activities=activities):
+                      activities=activities), \
+            Worker(ts_env.client, task_queue=backend_queue(fake.queue, "local"), activities=fake.replica_activities()):
         config = load_config_text(SERVICE).config
         handle = await ts_env.client.start_workflow(
             ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name="svc-store", config=config)),

@@ -1,4 +1,4 @@
-"""Connecting to Temporal from the environment: TLS, mTLS and an API key (models.connection), and the
+"""Connecting to Temporal from the environment: TLS, mTLS and an API key (connect.connection), and the
 worker's SDK metrics endpoint.
 
 TLS is real: a CA, server and client certificates made with `cryptography`, and an asyncio relay on
@@ -33,8 +33,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from cli import client as cli_client
 from cli.stack import Stack, StackError
+from connect.connection import TemporalConfigError, client_options
 from gateway.app import free_port
-from models.connection import TemporalConfigError, client_options
 from models.settings import Settings
 from tests.conftest import DATA_CONVERTER, eventually, tool
 

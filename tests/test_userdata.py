@@ -1,5 +1,6 @@
-"""Boot scripts: golden files for AWS cloud-init and the GCP startup-script, and the script actually run
-against a stub ``docker`` so the commands, env and flags are checked by behaviour, not only by text.
+"""What a cloud instance gets: golden files for the boot script (AWS cloud-init, GCP startup-script) and for the
+``docker run`` of each runtime, and both actually run — the boot script in a scratch root, the start command
+against a stub ``docker`` — so commands, env and flags are checked by behaviour, not only by text.
 
 Regenerate the golden files after an intended change with ``DURASTACK_UPDATE_GOLDEN=1 pytest tests/test_userdata.py``.
 """
@@ -7,6 +8,7 @@ Regenerate the golden files after an intended change with ``DURASTACK_UPDATE_GOL
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,10 +16,15 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from activities.userdata import DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, cloud_init, start_script, startup_script
+from activities.runtime import DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, DIND_IMAGE, docker_run_argv, runtime_of
+from activities.userdata import BootKeys, boot_script, cloud_init, job_upload, start_command, startup_script
+from connect.ssh_keys import SSHKeys
+from models.loader import load_config_text
 from models.replica import JobSpec
+from workflows.jobs import job_spec
 
 GOLDEN = Path(__file__).with_name("golden")
+SECRET = "hf_secret'value"
 
 
 def _load(text: str):
@@ -27,8 +34,15 @@ def _load(text: str):
 def job(**kw) -> JobSpec:
     fields = dict(service="llm-svc", group="decode", replica_num=3, submission_num=1, port=8000,
                   commands=["pip install vllm", "vllm serve Qwen/Qwen2.5-0.5B --port 8000"],
-                  env={"HF_TOKEN": "hf_secret'value", "MODEL": "Qwen/Qwen2.5-0.5B"})
+                  env={"HF_TOKEN": SECRET, "MODEL": "Qwen/Qwen2.5-0.5B"})
     return JobSpec(**{**fields, **kw})
+
+
+def keys() -> BootKeys:
+    # Fixed keys, so the golden files do not depend on the session's key directory.
+    return BootKeys(host_key="-----BEGIN OPENSSH PRIVATE KEY-----\nAAAA\n-----END OPENSSH PRIVATE KEY-----",
+                    host_key_public="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyForTheGoldenFile",
+                    authorized_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIClientKeyForTheGoldenFile durastack")
 
 
 def check_golden(name: str, text: str) -> None:
@@ -40,12 +54,24 @@ def check_golden(name: str, text: str) -> None:
     assert text == path.read_text(encoding="utf-8"), f"{name} differs from its golden file"
 
 
+def _argv(j: JobSpec, gpu: bool) -> str:
+    return " \\\n  ".join(shlex.quote(a) for a in docker_run_argv(j, gpu=gpu, job_dir="/opt/durastack/job")) + "\n"
+
+
 CASES = {
-    "aws_gpu_cloud_init.yml": lambda: cloud_init(job(), gpu=True),
-    "aws_cpu_image_cloud_init.yml": lambda: cloud_init(job(image="vllm/vllm-openai:v0.6.0", commands=[], env={}),
-                                                       gpu=False),
-    "gcp_gpu_startup.sh": lambda: startup_script(job(), gpu=True),
-    "gcp_nvcc_startup.sh": lambda: startup_script(job(env={}), gpu=True, nvcc=True),
+    "aws_gpu_cloud_init.yml": lambda: cloud_init(job(), gpu=True, keys=keys()),
+    "gcp_cpu_startup.sh": lambda: startup_script(job(), gpu=False, keys=keys()),
+    # One per runtime: what `docker run` the instance is given.
+    "docker_run_default_gpu.txt": lambda: _argv(job(), True),
+    "docker_run_image.txt": lambda: _argv(job(image="vllm/vllm-openai:v0.6.0", commands=[]), True),
+    "docker_run_python.txt": lambda: _argv(job(python="3.12"), False),
+    "docker_run_nvcc.txt": lambda: _argv(job(nvcc=True, python="3.12"), True),
+    "docker_run_docker.txt": lambda: _argv(job(docker=True, privileged=True), False),
+    # The job file the container runs: what nvcc + python and docker: true add before the commands.
+    "job_nvcc_python.sh": lambda: job_upload(job(nvcc=True, python="3.12"))["job.sh"],
+    "job_docker.sh": lambda: job_upload(job(docker=True, privileged=True))["job.sh"],
+    "docker_run_privileged_user_workdir.txt": lambda: _argv(job(privileged=True, user="1000", working_dir="/work"),
+                                                            True),
 }
 
 
@@ -54,81 +80,151 @@ def test_golden(name):
     check_golden(name, CASES[name]())
 
 
-def test_cloud_init_is_yaml_whose_file_is_the_start_script():
-    doc = _load(cloud_init(job(), gpu=True))
+def test_boot_data_carries_keys_and_no_env_or_command():
+    for text in (cloud_init(job(), gpu=True, keys=keys()), startup_script(job(), gpu=True, keys=keys())):
+        assert keys().host_key_public in text and keys().authorized_key in text
+        assert SECRET not in text and "Qwen" not in text and "vllm" not in text
+
+
+def test_cloud_init_is_yaml_whose_file_is_the_boot_script():
+    doc = _load(cloud_init(job(), gpu=True, keys=keys()))
     assert doc["runcmd"] == [["/bin/bash", "/opt/durastack/start.sh"]]
     (f,) = doc["write_files"]
-    assert f["path"] == "/opt/durastack/start.sh" and f["permissions"] == "0700"
-    assert f["content"] == start_script(job(), gpu=True)
+    assert f["permissions"] == "0700"
+    assert f["content"] == boot_script(job(), gpu=True, keys=keys())
 
 
-def test_control_characters_fall_back_to_base64():
-    import base64
+def test_runtimes():
+    assert runtime_of(job()).image == DEFAULT_IMAGE
+    assert runtime_of(job(nvcc=True)).image == DEFAULT_DEVEL_IMAGE
+    assert runtime_of(job(python="3.11")).image == "python:3.11"
+    assert runtime_of(job(image="my/image:1", nvcc=True)).image == "my/image:1"  # an explicit image wins
+    dind = runtime_of(job(docker=True))
+    assert dind.image == DIND_IMAGE and dind.privileged and any("dockerd" in line for line in dind.preamble)
+    assert runtime_of(job(privileged=True)).privileged and not runtime_of(job()).privileged
+    nvcc_python = runtime_of(job(nvcc=True, python="3.12"))
+    assert any("--python 3.12" in line for line in nvcc_python.preamble)
 
-    j = job(env={"WEIRD": "a\x01b"})
-    doc = _load(cloud_init(j, gpu=False))
-    (f,) = doc["write_files"]
-    assert f["encoding"] == "b64" and base64.b64decode(f["content"]).decode() == start_script(j, gpu=False)
+
+def test_docker_run_flags():
+    argv = docker_run_argv(job(user="1000", working_dir="/w"), gpu=True, job_dir="/j")
+    assert argv[:2] == ["docker", "run"] and "--gpus" in argv and "--privileged" not in argv
+    assert argv[argv.index("--env-file") + 1] == "/j/env" and SECRET not in " ".join(argv)
+    assert argv[argv.index("-u") + 1] == "1000" and argv[argv.index("-w") + 1] == "/w"
+    assert argv[argv.index("-p") + 1] == "127.0.0.1:8000:8000"  # the instance's loopback: only the tunnel
+    assert "--gpus" not in docker_run_argv(job(), gpu=False, job_dir="/j")
 
 
-def test_gpu_flag_image_and_port():
-    assert "--gpus all" in start_script(job(), gpu=True)
-    assert "--gpus" not in start_script(job(), gpu=False)
-    assert DEFAULT_IMAGE in start_script(job(), gpu=True)
-    assert DEFAULT_DEVEL_IMAGE in start_script(job(), gpu=True, nvcc=True)
-    assert "my/image:1" in start_script(job(image="my/image:1"), gpu=True, nvcc=True)
-    assert "-p 8000:8000" in start_script(job(), gpu=False)
+SERVICE = """
+type: service
+name: rt
+port: 8000
+docker: true
+groups:
+  - name: router
+    replicas: 1
+    commands: [echo router]
+  - name: worker
+    replicas: 1
+    python: "3.12"
+    nvcc: true
+    commands: [echo worker]
+    resources: {gpu: 1}
+"""
+
+
+def test_group_fields_reach_the_job():
+    result = load_config_text(SERVICE.replace("docker: true\n", ""))
+    assert result.config is not None, result.errors
+    worker = job_spec(result.config, "rt", "worker", 0, 0)
+    assert (worker.python, worker.nvcc, worker.docker, worker.privileged) == ("3.12", True, False, False)
+    router = job_spec(result.config, "rt", "router", 1, 0)
+    assert not router.nvcc and router.python is None
+    # docker: true at the service level reaches every group, privileged (K11 cannot happen here).
+    result = load_config_text(SERVICE.replace("    nvcc: true\n", "").replace('    python: "3.12"\n', ""))
+    assert result.config is not None, result.errors
+    router = job_spec(result.config, "rt", "router", 1, 0)
+    assert router.docker and router.privileged
 
 
 def test_invalid_env_names_are_refused():
     with pytest.raises(ValueError, match="invalid environment variable names: A B"):
-        start_script(job(env={"A B": "x"}), gpu=False)
+        job_upload(job(env={"A B": "x"}))
 
 
-def test_startup_script_passes_bash_syntax_check():
-    for text in (startup_script(job(), gpu=True), startup_script(job(commands=[]), gpu=False)):
+def test_boot_script_passes_bash_syntax_check():
+    for text in (startup_script(job(), gpu=True, keys=keys()), startup_script(job(), gpu=False, keys=keys())):
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
+def test_boot_script_installs_the_host_key_and_the_installation_key(tmp_path):
+    ssh = SSHKeys.of_home(tmp_path)
+    host = ssh.host_key("ds-some-key")
+    boot = BootKeys(host.private_openssh, host.public_openssh, ssh.client_public())
+    script = tmp_path / "boot.sh"
+    script.write_text(boot_script(job(), gpu=False, keys=boot))
+    root = tmp_path / "root"
+    env = {"PATH": "/usr/bin:/bin", "DURASTACK_DIR": str(root / "opt"), "DURASTACK_ETC": str(root / "etc"),
+           "DURASTACK_ROOT_HOME": str(root / "home"), "DURASTACK_SIMULATED": "1"}
+    for _ in range(2):  # GCP runs it at every boot
+        subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
+    assert (root / "etc/ssh/ssh_host_ed25519_key").read_text() == host.private_openssh
+    assert (root / "etc/ssh/ssh_host_ed25519_key").stat().st_mode & 0o777 == 0o600
+    assert (root / "home/.ssh/authorized_keys").read_text() == ssh.client_public() + "\n"
+    assert (root / "opt/ready").exists()
+    if shutil.which("ssh-keygen"):  # OpenSSH reads the host key durastack wrote
+        out = subprocess.run(["ssh-keygen", "-y", "-f", str(root / "etc/ssh/ssh_host_ed25519_key")],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.split()[:2] == host.public_openssh.split()[:2]
+
+
 DOCKER_STUB = """#!/bin/bash
-# Records each docker call; for `run`, also runs the mounted job script the way the container would.
+# Records each docker call; for `run`, runs the mounted job the way the container would: env from --env-file.
 printf '%s\\n' "$*" >> "$DIR_OUT/docker.calls"
 if [ "$1" = run ]; then
-  printf 'HF_TOKEN=%s\\n' "${HF_TOKEN-unset}" > "$DIR_OUT/env.seen"
-  printf 'MODEL=%s\\n' "${MODEL-unset}" >> "$DIR_OUT/env.seen"
-  bash "$DURASTACK_DIR/job.sh" > "$DIR_OUT/job.out" 2>&1 || echo "exit $?" >> "$DIR_OUT/job.out"
+  shift
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --env-file) envfile="$2"; shift 2;;
+      -v) mount="${2%%:*}"; shift 2;;
+      --name|--restart|--label|--gpus|-e|-u|-w|-p|--entrypoint) shift 2;;
+      -*) shift;;
+      *) break;;
+    esac
+  done
+  ( set -a; . /dev/null; while IFS= read -r line; do export "$line"; done < "$envfile"
+    printf 'HF_TOKEN=%s\\n' "${HF_TOKEN-unset}" > "$DIR_OUT/env.seen"
+    printf 'MODEL=%s\\n' "${MODEL-unset}" >> "$DIR_OUT/env.seen"
+    sed "s#/durastack/#$mount/#g" "$mount/job.sh" > "$DIR_OUT/job.rewritten"
+    bash "$DIR_OUT/job.rewritten" > "$DIR_OUT/job.out" 2>&1 || echo "exit $?" >> "$DIR_OUT/job.out" )
 fi
 """
 
 
 @pytest.mark.parametrize("commands,expect", [
     (["echo one", "echo 'two  spaces'", "false", "echo never"], "one\ntwo  spaces\nexit 1\n"),
-    (["DURASTACK_JOB", "echo after"], None),  # a command equal to the heredoc delimiter must not end it
+    (['echo "$MULTI"'], "line one\nline two\n"),
 ])
-def test_start_script_runs_commands_with_env(tmp_path, commands, expect):
+def test_start_command_runs_commands_with_env_from_files(tmp_path, commands, expect):
     if shutil.which("bash") is None:
         pytest.skip("bash not installed")
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    out.mkdir()
+    bin_dir, out, state = tmp_path / "bin", tmp_path / "out", tmp_path / "state"
+    for d in (bin_dir, out, state / "job"):
+        d.mkdir(parents=True)
     (bin_dir / "docker").write_text(DOCKER_STUB)
     (bin_dir / "docker").chmod(0o755)
-    j = job(commands=commands, env={"HF_TOKEN": "it's\na secret", "MODEL": "m"})
-    script = tmp_path / "start.sh"
-    script.write_text(start_script(j, gpu=False))
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "DURASTACK_DIR": str(tmp_path / "state"), "DIR_OUT": str(out)}
-    subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
+    j = job(commands=commands, env={"HF_TOKEN": "it's a secret", "MODEL": "m", "MULTI": "line one\nline two"})
+    for name, text in job_upload(j).items():  # what the launch uploads over SSH
+        path = state / "job" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert (state / "job/env.d/MULTI").read_text() == "line one\nline two"
+    assert "MULTI" not in (state / "job/env").read_text()
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "DURASTACK_DIR": str(state), "DIR_OUT": str(out)}
+    subprocess.run(["bash", "-c", start_command(j, gpu=False)], env=env, check=True, timeout=30)
     calls = (out / "docker.calls").read_text().splitlines()
     assert calls[0] == "rm -f durastack-job"
-    run = calls[1]
-    assert run.startswith("run -d --name durastack-job --ipc=host -p 8000:8000 -e HF_TOKEN -e MODEL ")
-    assert f"{tmp_path / 'state'}/job.sh:/durastack/job.sh:ro" in run and DEFAULT_IMAGE in run
-    assert (out / "env.seen").read_text() == "HF_TOKEN=it's\na secret\nMODEL=m\n"
-    job_out = (out / "job.out").read_text()
-    if expect is not None:
-        assert job_out == expect
-    else:
-        assert (tmp_path / "state" / "job.sh").read_text().splitlines()[-2:] == ["DURASTACK_JOB", "echo after"]
-    # Running it again (a reboot on GCP) replaces the container instead of failing.
-    subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
-    assert (out / "docker.calls").read_text().splitlines()[2] == "rm -f durastack-job"
+    assert calls[1].startswith("run -d --name durastack-job ")
+    assert f"--env-file {state}/job/env" in calls[1] and "it's a secret" not in calls[1]
+    assert (out / "env.seen").read_text() == "HF_TOKEN=it's a secret\nMODEL=m\n"
+    assert (out / "job.out").read_text() == expect

@@ -15,9 +15,9 @@ from temporalio.runtime import MetricBuffer, PrometheusConfig, Runtime, Telemetr
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.cloud import provision_cloud
+from activities.cloud_errors import ErrorKind
 from activities.metrics import PROVISIONING_FAILURES, provisioning_failed
 from gateway.app import free_port
-from models.backends import ErrorKind
 from models.loader import load_config_text
 from models.run import ScaleRequest, ServiceState
 from models.settings import SEARCH_ATTRIBUTES

@@ -9,14 +9,21 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
 
 from models.secrets import REVEAL
 from models.service import ServiceConfiguration
-from workflows.jobs import replica_input
+from models.run import ReplicaInput
+from workflows.jobs import COORDINATES, replica_input
 
 # Applied by changing counts and decisions only: no replica restarts.
 # `secrets` only changes which values are encrypted in history: what replicas run stays the same.
-IN_PLACE = {"replicas", "groups", "scaling", "stop_duration", "cold_start_timeout", "secrets"}
+# The gateway route's settings are put again on the route by the service's loop (lifecycle.route).
+# `retry` and `max_duration` are the service's own decisions: the next failure, the next pass use the new ones.
+IN_PLACE = {"replicas", "groups", "scaling", "stop_duration", "cold_start_timeout", "secrets",
+            "rate_limits", "strip_prefix", "pass_authorization", "retry", "max_duration"}
 # Applied by replacing the replicas whose job changes, one at a time per group.
 ROLLING = {"port", "probes", "resources", "docker", "image", "privileged", "python", "nvcc", "env",
            "commands", "entrypoint", "working_dir", "user", "shell"}
@@ -47,6 +54,11 @@ def classify(old: ServiceConfiguration, new: ServiceConfiguration) -> Changes:
             changes.rolling.append(name)
         else:
             changes.not_updatable.append(name)
+    # Which group routes decides which replicas the gateway knows: moving, adding or removing the router, or
+    # changing its type, would leave running replicas registered (or not) against the new rule (spec 6.1).
+    routers = [(c.router_group, (c.group(c.router_group).router if c.router_group else None)) for c in (old, new)]
+    if routers[0] != routers[1]:
+        changes.not_updatable.append("router")
     return changes
 
 
@@ -65,11 +77,34 @@ def _classify_groups(old: list[dict], new: list[dict], key: str, changes: Change
     changes.in_place += [f"{key}.{name} (removed)" for name in before]
 
 
+# What a replica runs, for `spec_hash`: an explicit list, so a model that gains a field restarts nothing.
+# Nested models are hashed without their default values, for the same reason. Bump SPEC_VERSION only for
+# a change that must restart every replica on its next deployment.
+SPEC_VERSION = 1
+JOB_FIELDS = ("commands", "env", "port", "python", "image")
+INPUT_FIELDS = ("resources", "probes", "backends", "regions", "spot_policy", "max_price")
+
+
 def spec_hash(config: ServiceConfiguration, group: str) -> str:
     """Identity of what a replica of ``group`` runs; equal hashes mean no restart is needed."""
-    inp = replica_input(config, "x", "x", group, 0, 0, 0)
+    return input_hash(replica_input(config, "x", "x", group, 0, 0, 0))
+
+
+def input_hash(inp: ReplicaInput) -> str:
     # Real values, without which of them are secret: marking a value secret restarts nothing.
-    payload = inp.model_dump(mode="json", context=REVEAL,
-                             exclude={"service_workflow_id": True, "deployment_num": True, "stop_duration": True,
-                                      "job": {"secrets"}})
+    fields = {f"job.{name}": getattr(inp.job, name) for name in JOB_FIELDS}
+    # The replica's coordinates are not what it runs: a replica that predates them restarts for nothing.
+    fields["job.env"] = {k: v for k, v in inp.job.env.items() if k not in COORDINATES}
+    fields.update({name: getattr(inp, name) for name in INPUT_FIELDS})
+    payload = {"version": SPEC_VERSION, **{name: _plain(value) for name, value in fields.items()}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_defaults=True, context=REVEAL)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

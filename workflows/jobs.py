@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from models.replica import JobSpec
 from models.run import ReplicaInput
 from models.service import ServiceConfiguration
+from workflows.addresses import commands as resolved_commands
+
+# The replica's coordinates, in its env on every backend. Its own address (DURASTACK_REPLICA_IP) is set by
+# the backend that places it: only the backend knows it before the commands run.
+COORDINATES = ("DURASTACK_SERVICE", "DURASTACK_GROUP", "DURASTACK_REPLICA")
 
 
 def replica_workflow_id(service: str, group: str, replica_num: int, submission_num: int) -> str:
@@ -12,29 +19,50 @@ def replica_workflow_id(service: str, group: str, replica_num: int, submission_n
 
 
 def job_spec(config: ServiceConfiguration, service: str, group_name: str, replica_num: int,
-             submission_num: int) -> JobSpec:
+             submission_num: int, refs: Optional[dict[str, str]] = None) -> JobSpec:
+    """``refs``: the values of the replica addresses its commands name (workflows.addresses); None leaves
+    the expressions as written (a job rebuilt only to find or tear down its instance)."""
     group = config.group(group_name)
     assert group is not None, group_name
     env = {k: v for k, v in config.env.items() if v is not None}
+    env.update(zip(COORDINATES, (service, group_name, str(replica_num))))
+    commands = resolved_commands(config, group_name, refs) if refs is not None else list(group.commands)
     return JobSpec(service=service, group=group_name, replica_num=replica_num, submission_num=submission_num,
-                   commands=list(group.commands), env=env, secrets=[k for k in config.secrets if k in env],
+                   commands=commands, env=env, secrets=[k for k in config.secrets if k in env],
                    port=config.port.container_port,
-                   python=group.python or config.python, image=group.image or config.image)
+                   python=group.python or config.python, image=group.image or config.image,
+                   working_dir=config.working_dir, user=config.user, **runtime_fields(config, group_name))
+
+
+def runtime_fields(config: ServiceConfiguration, group_name: str) -> dict:
+    """A group's nvcc/docker/privileged, the group's value winning over the service's. Docker-in-Docker is
+    always privileged, whichever level set `privileged: false`."""
+    group = config.group(group_name)
+    assert group is not None, group_name
+
+    def pick(name: str) -> bool:
+        value = getattr(group, name)
+        return bool(getattr(config, name) if value is None else value)
+
+    docker = pick("docker")
+    return {"nvcc": pick("nvcc"), "docker": docker, "privileged": docker or pick("privileged")}
 
 
 def replica_input(config: ServiceConfiguration, service: str, service_workflow_id: str, group_name: str,
-                  replica_num: int, submission_num: int, deployment_num: int) -> ReplicaInput:
+                  replica_num: int, submission_num: int, deployment_num: int,
+                  refs: Optional[dict[str, str]] = None) -> ReplicaInput:
     group = config.group(group_name)
     assert group is not None, group_name
     return ReplicaInput(
         service_workflow_id=service_workflow_id,
-        job=job_spec(config, service, group_name, replica_num, submission_num),
+        job=job_spec(config, service, group_name, replica_num, submission_num, refs),
         deployment_num=deployment_num,
-        resources=group.resources.model_dump(mode="json"),
-        probes=[p.model_dump(mode="json") for p in config.effective_probes()],
+        resources=group.resources,
+        probes=config.effective_probes(),
         backends=list(config.backends) if config.backends else None,
         regions=list(config.regions) if config.regions else None,
         spot_policy=group.spot_policy or config.spot_policy or "on-demand",
         max_price=config.max_price,
         stop_duration=config.stop_duration,
+        route=config.routed(group_name),
     )

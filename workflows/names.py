@@ -1,18 +1,20 @@
-"""Activity names shared by workflows (which schedule them) and the worker (which runs them)."""
+"""Activity names the workflows still spell (the replica's activities are called by reference to their stubs in
+activities/interface.py, which name them), and the task queue of each backend."""
 
-PROVISION = "provision_replica"
-WAIT_READY = "wait_replica_ready"
-WATCH = "watch_replica"
-TERMINATE = "terminate_replica"
-REGISTER = "register_replica"
-UNREGISTER = "unregister_replica"
-ENSURE_ROUTE = "ensure_service_route"
-REMOVE_ROUTE = "remove_service_route"
-WATCH_STATS = "watch_service_stats"
+# The stubs' names: the implementations take them (``@implements``), so a workflow scheduling by these names and
+# one calling the stubs by reference run the same activities.
+ENSURE_ROUTE = "ensure_route"
+REMOVE_ROUTE = "remove_route"
+WATCH_STATS = "watch_stats"
 REAP_ORPHANS = "reap_orphans"
 RECORD_SERVICE = "record_service"  # a local activity: decision log + read model in the store
 
+# The service's signal its replicas report on (ServiceRunWorkflow.replica_changed, payload ReplicaUpdate). Named
+# here because the replica workflow, which the service module imports, sends one too.
+REPLICA_CHANGED = "replica_changed"
+
 
 def backend_queue(task_queue: str, backend: str) -> str:
-    """The task queue of a worker that runs only ``backend``'s cloud activities (``worker.py --backends``)."""
+    """The task queue of the replica activities (launch, teardown, monitor) of ``backend``: the main worker polls
+    it for this machine and the clouds it calls itself, a ``worker.py --backends <cloud>`` worker for its cloud."""
     return f"{task_queue}-{backend}"

@@ -12,9 +12,14 @@ from typing import Optional
 
 from models.run import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
+from workflows.addresses import readdressed, resolve
 
-# Resubmission back-off after consecutive failures of a group (spec 3.5's pending back-off).
+# Resubmission back-off after failures in a row of a group (spec 3.5's pending back-off). The first is
+# replaced at once (a replica that served for hours and crashed should not wait); from the second in a
+# row on, the group waits these many seconds. A failure more than FAILURE_MEMORY after the end of the last
+# back-off starts a new row.
 BACKOFF = (15, 30, 60, 120, 300, 600)
+FAILURE_MEMORY = timedelta(minutes=10)
 KEEP_FINISHED = 50  # finished rows kept for `ps` (the latest submission of each replica wins)
 
 
@@ -36,6 +41,11 @@ class Stop:
 class Plan:
     start: list[Start] = field(default_factory=list)
     stop: list[Stop] = field(default_factory=list)
+    # Not actions: what the workflow records. The addresses each group's new replicas start with; why a
+    # group cannot start the replicas it needs; why a group's current replicas roll (an address moved).
+    refs: dict[str, dict[str, str]] = field(default_factory=dict)
+    waits: dict[str, str] = field(default_factory=dict)
+    readdressed: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.start or self.stop)
@@ -57,17 +67,15 @@ def sync_groups(config: ServiceConfiguration, groups: dict[str, GroupState]) -> 
 def importance(replica: Replica) -> int:
     """3 serving, 2 running but not serving, 1 provisioning, 0 submitted (spec 5)."""
     if replica.status == "running":
-        return 3 if replica.ready and replica.registered else 2
+        return 3 if replica.serves else 2
     return 1 if replica.status == "provisioning" else 0
 
 
-def removal_order(replicas: list[Replica], deployment_num: int) -> list[Replica]:
-    """Most important first; victims are taken from the end (out-of-date, least important, newest)."""
-    return sorted(replicas, key=lambda r: (r.deployment_num < deployment_num, -importance(r), r.replica_num))
-
-
-def serving(replica: Replica) -> bool:
-    return replica.status == "running" and replica.ready and replica.registered and not replica.stop_requested
+def removal_order(replicas: list[Replica], deployment_num: int, stale: frozenset = frozenset()) -> list[Replica]:
+    """Most important first; victims are taken from the end (out-of-date, least important, newest).
+    ``stale``: keys of replicas out of date though of the current deployment (an address they use moved)."""
+    return sorted(replicas, key=lambda r: (r.deployment_num < deployment_num or r.key in stale, -importance(r),
+                                           r.replica_num))
 
 
 def reconcile(state: ServiceState, now: datetime) -> Plan:
@@ -79,12 +87,22 @@ def reconcile(state: ServiceState, now: datetime) -> Plan:
     for name in names:
         group = state.groups[name]
         mine = [r for r in latest if r.group == name]
-        can_start = group.retry_after is None or group.retry_after <= now
-        if any(r.active and r.deployment_num < state.deployment_num for r in mine):
+        # A replica whose commands name another replica starts only once that one has an address.
+        addresses = resolve(state, name)
+        moved = {r.key: why for r in mine if r.active and (why := readdressed(r, addresses))}
+        can_start = (group.retry_after is None or group.retry_after <= now) and not addresses.missing
+        needed = 0
+        if state.rolling(name) or moved:
             if not group.rollout_failed:  # a failed rollout stops here: the old replicas keep serving
-                _roll(plan, state, group, mine, numbers, can_start)
+                needed = _roll(plan, state, group, mine, numbers, can_start, frozenset(moved))
         else:
-            _scale(plan, state, group, mine, numbers, can_start)
+            needed = _scale(plan, state, group, mine, numbers, can_start)
+        if needed and addresses.missing:
+            plan.waits[name] = addresses.why_waiting()
+        if addresses.values:
+            plan.refs[name] = addresses.values
+        if moved:
+            plan.readdressed[name] = "; ".join(sorted(set(moved.values())))
     for r in latest:
         if r.active and r.group not in names:
             plan.stop.append(Stop(r.replica_num, r.submission_num, "group removed"))
@@ -98,7 +116,8 @@ def _starts(name: str, mine: list[Replica], count: int, numbers) -> list[Start]:
     return starts + [Start(name, next(numbers), 0) for _ in range(count - len(reuse))]
 
 
-def _scale(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start) -> None:
+def _scale(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start) -> int:
+    """Start or stop replicas toward the desired count; returns how many it needed to start."""
     active = [r for r in mine if r.active]
     diff = group.desired - len(active)
     if diff > 0 and can_start:
@@ -106,28 +125,52 @@ def _scale(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replic
     elif diff < 0:
         for r in removal_order(active, state.deployment_num)[diff:]:
             plan.stop.append(Stop(r.replica_num, r.submission_num, "scaled_down"))
+    return max(0, diff)
 
 
-def _roll(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start) -> None:
-    """Spec 6.5: at most one extra replica; an old one stops only when a new one serves."""
+def _roll(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start,
+          stale: frozenset = frozenset()) -> int:
+    """Spec 6.5: at most one extra replica; an old one stops only when a new one serves. Old: of an earlier
+    deployment, or ``stale`` (an address it was started with moved). Returns how many it needed to start."""
     # Replicas still terminating count, also when a newer submission reuses their number.
     unfinished = {r.replica_num for r in state.replicas if r.group == group.name and not r.finished}
     surge = group.desired + 1 - len(unfinished)
     if surge > 0 and can_start:
         plan.start += _starts(group.name, mine, surge, numbers)
     active = [r for r in mine if r.active]
-    idle_old = [r for r in active if r.deployment_num < state.deployment_num and not serving(r)]
-    serving_now = [r for r in active if serving(r)]
+    idle_old = [r for r in active if (r.deployment_num < state.deployment_num or r.key in stale) and not r.serves]
+    serving_now = [r for r in active if r.serves]
     to_stop = len(idle_old) + max(0, len(serving_now) - group.desired)
     if to_stop:
-        for r in removal_order(active, state.deployment_num)[-to_stop:]:
+        for r in removal_order(active, state.deployment_num, stale)[-to_stop:]:
             plan.stop.append(Stop(r.replica_num, r.submission_num, "replaced"))
+    return max(0, surge)
+
+
+def count_failure(group: GroupState, now: datetime) -> None:
+    """A replica of the group failed: count it in a row with the last one, or start a new row."""
+    in_row = _in_row(group, now)
+    group.failures = group.failures + 1 if in_row else 1
+    if not in_row or group.failing_since is None:
+        group.failing_since = now  # where `retry.duration` counts from
+    group.last_failed_at = now
+    group.retry_after = backoff_until(group, now)
+
+
+def _in_row(group: GroupState, now: datetime) -> bool:
+    """A failure continues the row if it comes within FAILURE_MEMORY of the end of the back-off the last one
+    set: waiting out a back-off is no time without failures (else a group that fails at every attempt would
+    start a new row after each 10-minute back-off, and be replaced at once again)."""
+    if group.last_failed_at is None:
+        return False
+    waited = backoff_until(group, group.last_failed_at) or group.last_failed_at
+    return now - waited <= FAILURE_MEMORY
 
 
 def backoff_until(group: GroupState, now: datetime) -> Optional[datetime]:
-    if group.failures == 0:
+    if group.failures <= 1:
         return None
-    return now + timedelta(seconds=BACKOFF[min(group.failures, len(BACKOFF)) - 1])
+    return now + timedelta(seconds=BACKOFF[min(group.failures - 1, len(BACKOFF)) - 1])
 
 
 def prune(replicas: list[Replica]) -> list[Replica]:

@@ -1,13 +1,13 @@
 """ReplicaWorkflow: the life of one replica submission.
 
-provision → probes until ready → register with the gateway → watch → on stop (or when the app
-exits): unregister, drain, terminate — the teardown is retried until it succeeds, because a
-leaked instance costs money every hour.
+launch (provision, probes until ready, register with the gateway: one activity, on the task queue
+of the backend it tries) → wait for a stop → teardown (leave the gateway, drain, terminate; retried
+until it succeeds, because a leaked instance costs money every hour).
 
-Task queues: every activity runs on this workflow's own queue, unless PROVISION answers with a
-delegation (only when clouds are served by workers of their own, ``worker.py --backends``): then each
-delegated backend is tried on its queue in turn, and the instance's later activities (probes, watch,
-terminate) go to the queue that provisioned it. The local path schedules exactly what it always did.
+A healthy replica costs its workflow nothing: no watch activity, no timers. The service's monitor
+watches every serving replica and asks this workflow to stop when its process, container or instance
+dies. Reports to the service come from the activities, fire-and-forget, each with the sequence number
+of its lifecycle step, so this history holds about ten events until the replica stops.
 """
 
 from __future__ import annotations
@@ -18,21 +18,15 @@ from typing import Optional
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
-    from models.run import (
-        Delegation,
-        InstanceRef,
-        Placement,
-        Provisioned,
-        ReadyInput,
-        ReplicaInput,
-        ReplicaStatus,
-        ReplicaUpdate,
-        Registration,
-    )
-    from workflows import names
+    from activities import interface
+    from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS
+    from models.run import (Instance, Launched, LaunchInput, NoCapacity, Placement, ReplicaInput, ReplicaStatus,
+                            ReplicaUpdate, Step, StopRequest, TeardownInput)
+    from workflows.names import REPLICA_CHANGED, backend_queue
 
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
@@ -43,17 +37,27 @@ SHORT = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=time
                     maximum_attempts=10)
 
 
-def _reason(error: BaseException) -> str:
-    cause = error.cause if isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause else error
+def reason_of(error: BaseException) -> str:
+    cause = error.cause if isinstance(error, ActivityError) and error.cause else error
     return str(cause.message if isinstance(cause, ApplicationError) else cause) or type(cause).__name__
 
 
-def _combined(reasons: list[str]) -> str:
-    """One ``no offers: …`` / ``all offers failed: …`` message from the delegated backends' own."""
-    prefixes = ("no offers: ", "all offers failed: ")
-    parts = [next((r[len(p):] for p in prefixes if r.startswith(p)), r) for r in reasons]
-    failed = any(r.startswith(prefixes[1]) for r in reasons)
-    return ("all offers failed: " if failed else "no offers: ") + "; ".join(parts)
+def no_capacity_reason(refusals: list[NoCapacity]) -> str:
+    """Why no backend placed the replica, as `ps` and `events` show it: "all offers failed: …" once some backend
+    tried offers and each failed (the user may retry later), else "no offers: …" (nothing fits: the spec must
+    change); each backend's reasons in the order the backends were tried."""
+    if not refusals:
+        return NO_BACKEND
+    head = ALL_OFFERS_FAILED if any(r.tried for r in refusals) else NO_OFFERS
+    return f"{head}: " + "; ".join("; ".join(r.reasons) or f"{r.backend}: no capacity" for r in refusals)
+
+
+def no_capacity(error: ActivityError) -> Optional[NoCapacity]:
+    """The typed details of a backend that could not place the replica; None for any other failure."""
+    cause = error.cause
+    if isinstance(cause, ApplicationError) and cause.type == "NoCapacity" and cause.details:
+        return NoCapacity.model_validate(cause.details[0])
+    return None
 
 
 @workflow.defn
@@ -61,144 +65,100 @@ class ReplicaWorkflow:
     @workflow.init
     def __init__(self, inp: ReplicaInput) -> None:
         self.inp = inp
-        self.stop_reason: Optional[str] = None
-        self.status: ReplicaStatus = "submitted"
-        self.placement: Optional[Placement] = None
-        self.instance: Optional[dict] = None
-        self.ready = False
-        self.registered = False
-        self.queue: Optional[str] = None  # where this instance's activities run; None: this workflow's queue
-
-    @workflow.signal
-    def stop(self, reason: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason or "stopped"
+        self.stop_request: Optional[StopRequest] = None
+        self.launched: Optional[Launched] = None
+        self.tried: list[str] = []  # backends a launch ran on: each may hold something to tear down
 
     @workflow.query
-    def state(self) -> ReplicaUpdate:
-        return self._update()
+    def placement(self) -> Optional[Placement]:
+        """Where the replica runs once its launch returned; None before. The reaper spares only that instance of
+        the ones tagged for this replica (any other is a duplicate a lost launch attempt made)."""
+        return self.launched.placement if self.launched else None
+
+    @workflow.signal
+    def stop(self, request: StopRequest) -> None:
+        if self.stop_request is None:
+            self.stop_request = request
 
     @workflow.run
     async def run(self, inp: ReplicaInput) -> str:
-        failure = ""
         try:
-            await self._report("provisioning")
-            provisioned = await self._provision()
-            self.placement, self.instance = provisioned.placement, provisioned.instance
-            await self._report("running")
-            if self.stop_reason is None:
-                failure = await self._until_stopped(self._serve())
+            failure = await self._until_stopped(self._launch())
         except asyncio.CancelledError:
             # Cancelled from the Web UI or by an operator: tear down, then end as cancelled.
-            self.stop_reason = self.stop_reason or "cancelled"
-            await self._teardown(self.stop_reason)
+            await self._teardown(StopRequest(reason="cancelled"))
             raise
-        except (ActivityError, ApplicationError) as e:
-            failure = _reason(e)
-        await self._teardown(self.stop_reason or failure or "exited")
-        return self.stop_reason or failure
+        await self._teardown(self.stop_request or StopRequest(reason=failure, failed=True))
+        return (self.stop_request or StopRequest(reason=failure)).reason
 
-    async def _provision(self) -> Provisioned:
-        # Not interrupted by stop: a provision in flight must finish so that its instance is torn down.
-        provisioned = await self._provision_on(self.inp, None)
-        reasons = []
-        for d in provisioned.delegate:
-            self.queue = d.task_queue  # a failure below is torn down where an instance may have been made
+    async def _launch(self) -> str:
+        """Each backend in turn until one places the replica; '' once it serves, else why it failed."""
+        refusals: list[NoCapacity] = []
+        for backend in self.inp.launch_on:
+            self.tried.append(backend)
             try:
-                return await self._provision_on(self.inp.model_copy(update={"backends": [d.backend]}), d)
+                self.launched = await workflow.execute_activity(
+                    interface.launch_replica, LaunchInput(replica=self.inp, backend=backend),
+                    task_queue=backend_queue(workflow.info().task_queue, backend),
+                    start_to_close_timeout=timedelta(minutes=30), heartbeat_timeout=self._heartbeat(),
+                    retry_policy=SHORT, cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                    summary=f"launch on {backend}")
+                return ""
             except ActivityError as e:
-                if not (isinstance(e.cause, ApplicationError) and e.cause.type == "NoCapacity"):
-                    raise
-                reasons.append(_reason(e))
-        if provisioned.delegate:
-            raise ApplicationError(_combined(reasons), type="NoCapacity", non_retryable=True)
-        return provisioned
+                details = no_capacity(e)
+                if details is None:
+                    return reason_of(e)
+                refusals.append(details)
+        return no_capacity_reason(refusals)
 
-    async def _provision_on(self, inp: ReplicaInput, where: Optional[Delegation]) -> Provisioned:
-        return await workflow.execute_activity(
-            names.PROVISION, inp, result_type=Provisioned, task_queue=where.task_queue if where else None,
-            start_to_close_timeout=timedelta(minutes=30), heartbeat_timeout=self._liveness(), retry_policy=SHORT,
-            summary=f"provision {self.inp.job.replica_id}" + (f" on {where.backend}" if where else ""))
-
-    async def _serve(self) -> str:
-        ref = self._ref()
-        await workflow.execute_activity(
-            names.WAIT_READY, ReadyInput(ref=ref, probes=self.inp.probes), task_queue=self.queue,
-            start_to_close_timeout=timedelta(minutes=20), heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_seconds),
-            retry_policy=SHORT, summary="probes until ready")
-        self.ready = True
-        await workflow.execute_activity(
-            names.REGISTER, self._registration(), start_to_close_timeout=timedelta(seconds=60),
-            heartbeat_timeout=self._liveness(),
-            retry_policy=SHORT, summary="register with the gateway")
-        self.registered = True
-        await self._report("running")
-        # One heartbeating activity while healthy: no history events until the app exits.
-        return await workflow.execute_activity(
-            names.WATCH, ref, result_type=str, task_queue=self.queue, start_to_close_timeout=timedelta(days=3650),
-            heartbeat_timeout=timedelta(seconds=max(self.inp.heartbeat_seconds, self.inp.watch_heartbeat_seconds)),
-            retry_policy=FOREVER, summary="watch")
-
-    async def _until_stopped(self, work) -> str:
-        """Run ``work`` until it ends (its result is a failure reason) or a stop is requested."""
-        task = asyncio.ensure_future(work)
-        try:
-            await workflow.wait_condition(lambda: self.stop_reason is not None or task.done())
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
+    async def _until_stopped(self, launch) -> str:
+        """Launch, then wait for a stop; a stop during the launch cancels it (and waits for that)."""
+        task = asyncio.ensure_future(launch)
+        await workflow.wait_condition(lambda: self.stop_request is not None or task.done())
         if not task.done():
             task.cancel()
-        try:
-            return await task
-        except asyncio.CancelledError:
+            try:
+                await task
+            except (asyncio.CancelledError, ActivityError):
+                pass  # the teardown finds whatever the cancelled launch made
             return ""
-        except (ActivityError, ApplicationError) as e:
-            return _reason(e)
+        failure = task.result()
+        if not failure:
+            await workflow.wait_condition(lambda: self.stop_request is not None)
+        return failure
 
-    async def _teardown(self, reason: str) -> None:
-        failed = self.stop_reason is None
-        await self._report("terminating", reason)
-        if self.registered:
+    async def _teardown(self, request: StopRequest) -> None:
+        instance: Optional[Instance] = self.launched.instance if self.launched else None
+        where = [self.launched.placement.backend] if self.launched else self.tried
+        for backend in where:
             await workflow.execute_activity(
-                names.UNREGISTER, self._registration(drain=True), start_to_close_timeout=timedelta(
-                    seconds=self.inp.stop_duration + 60), heartbeat_timeout=self._liveness(), retry_policy=FOREVER,
-                summary="leave the gateway, drain")
-            self.registered = False
-        await workflow.execute_activity(
-            names.TERMINATE, self._ref(), task_queue=self.queue, start_to_close_timeout=timedelta(minutes=10),
-            heartbeat_timeout=self._liveness(), retry_policy=FOREVER, summary="terminate")
-        await self._report("failed" if failed else "terminated", reason)
+                interface.teardown_replica,
+                TeardownInput(service_workflow_id=self.inp.service_workflow_id, job=self.inp.job, backend=backend,
+                              instance=instance, drain_seconds=0 if request.failed else self.inp.stop_duration,
+                              reason=request.reason, final="failed" if request.failed else "terminated"),
+                task_queue=backend_queue(workflow.info().task_queue, backend),
+                start_to_close_timeout=timedelta(seconds=self.inp.stop_duration + 600),
+                heartbeat_timeout=self._heartbeat(), retry_policy=FOREVER, summary="leave the gateway, terminate")
+        # Indexed once, at the end, so that the Web UI's list filters replicas by outcome and backend.
+        final = "failed" if request.failed else "terminated"
+        workflow.upsert_search_attributes([SA_STATUS.value_set(final)] + (
+            [SA_BACKEND.value_set(self.launched.placement.backend)] if self.launched else []))
+        await self._report_end(final, request.reason)
 
-    def _liveness(self) -> timedelta:
-        """Heartbeat timeout of the short activities too: without one, an attempt lost with its worker
-        (SIGKILL) would wait for its start-to-close timeout, minutes (activities/liveness.py)."""
-        return timedelta(seconds=self.inp.heartbeat_seconds)
-
-    def _ref(self) -> InstanceRef:
-        backend = self.placement.backend if self.placement else "local"
-        return InstanceRef(backend=backend, job=self.inp.job, instance=self.instance)
-
-    def _registration(self, drain: bool = False) -> Registration:
+    async def _report_end(self, final: ReplicaStatus, reason: str) -> None:
+        """The end, told durably: the teardown's own report is fire-and-forget, and a service that missed it
+        would wait for this replica for ever (its stop waits for every replica to finish). The same step
+        number: whichever arrives second is dropped."""
         job = self.inp.job
-        return Registration(service=job.service, replica_id=job.replica_id, group=job.group,
-                            address=self.placement.address if self.placement else "",
-                            drain_seconds=self.inp.stop_duration if drain else 0)
-
-    def _update(self, reason: str = "") -> ReplicaUpdate:
-        job = self.inp.job
-        return ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=self.status,
-                             ready=self.ready, registered=self.registered, placement=self.placement, reason=reason)
-
-    async def _report(self, status: ReplicaStatus, reason: str = "") -> None:
-        self.status = status
-        where = f" on {self.placement.backend} {self.placement.instance_type}" if self.placement else ""
-        workflow.set_current_details(f"**{status}**{where} {reason}".strip())
-        # Indexed so that the Web UI's list filters replicas by status and backend.
-        workflow.upsert_search_attributes([SA_STATUS.value_set(status)] + (
-            [SA_BACKEND.value_set(self.placement.backend)] if self.placement else []))
         try:
             await workflow.get_external_workflow_handle(self.inp.service_workflow_id).signal(
-                "replica_changed", self._update(reason))
-        except Exception as e:  # noqa: BLE001 — the service run is gone: nothing to tell
-            workflow.logger.warning("could not report to %s: %s", self.inp.service_workflow_id, e)
+                REPLICA_CHANGED,
+                ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=final,
+                              seq=Step.FINISHED, reason=reason))
+        except Exception as e:  # noqa: BLE001 — the service run is gone: nobody to tell
+            workflow.logger.info("final report to %s not delivered: %s", self.inp.service_workflow_id, e)
+
+    def _heartbeat(self) -> timedelta:
+        """Without a heartbeat timeout, an attempt lost with its worker (SIGKILL) waits for its
+        start-to-close timeout, minutes (activities/liveness.py)."""
+        return timedelta(seconds=self.inp.heartbeat_seconds)

@@ -10,8 +10,8 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from activities import interface
     from models.run import RouteInput
-    from workflows import names
     from workflows.service import ServiceRunInput, ServiceRunWorkflow
 
 
@@ -21,6 +21,6 @@ class ExtraActivityFirst(ServiceRunWorkflow):
 
     @workflow.run
     async def run(self, inp: ServiceRunInput) -> str:
-        await workflow.execute_activity(names.REMOVE_ROUTE, RouteInput(service=inp.state.name),
+        await workflow.execute_activity(interface.remove_route, RouteInput(service=inp.state.name),
                                         start_to_close_timeout=timedelta(seconds=10))
         return await super().run(inp)

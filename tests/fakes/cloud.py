@@ -1,6 +1,8 @@
 """FakeCloud: every activity of a service run, faked and recorded, for the time-skipping workflow tests.
 
-Shared by tests/test_service_workflow.py, tests/test_soak.py and tests/histories/capture.py.
+Shared by tests/test_service_workflow.py, tests/test_soak.py and tests/histories/capture.py. Each fake takes its
+stub's name (``@implements``, activities/interface.py); the replica's activities run on ``<queue>-local``, the
+backend ``served_backends`` names, and report to the service by signal as the real ones do (activities/report.py).
 
 The time-skipping server does not skip time while an activity runs, so for long virtual waits the
 watchers *poll* (``polling = True``): each attempt checks once and fails, and the retry is a server
@@ -20,10 +22,16 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.worker import Worker
 
+from activities import interface
+from activities.interface import implements
+from activities.replica import ORPHANED_BY
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
+from activities.signals import judge_signal
 from activities.stats import changed
-from models.run import (Event, InstanceRef, Placement, Provisioned, ReadyInput, Registration, ReplicaInput,
-                        RouteInput, ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch)
-from workflows import names
+from models.replica import LocalInstance
+from models.run import (Down, Event, Launched, LaunchInput, MonitorInput, Placement, RecordResult, RouteInput,
+                        ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
+from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
 
@@ -49,7 +57,13 @@ class FakeCloud:
         self.max_alive: dict[str, int] = {}  # most instances of a group alive at once
         self.log_by_seq: dict[int, Event] = {}  # the store's decision log (one service per test)
         self.rows: dict[str, ServiceStatus] = {}  # the store's read model
+        self.routes: list[RouteInput] = []  # every route put on the gateway, in order
+        self.refuse_routes = ""  # the gateway answers every route put with this 4xx message while set
+        self.store_down = False  # the store refuses writes while set (record_service fails)
+        self.record_calls = 0  # attempts to write the store, failed ones too
         self.queue = ""
+        self.addresses = 0  # instances given an address so far
+        self.ips: dict[str, str] = {}  # each instance's address (the order instances start in is a race)
 
     @staticmethod
     def _poll_again(message: str, delay: Optional[timedelta]) -> ApplicationError:
@@ -57,6 +71,14 @@ class FakeCloud:
 
         Benign: the worker logs it at debug level, not as a warning with a traceback per poll."""
         return ApplicationError(message, next_retry_delay=delay, category=ApplicationErrorCategory.BENIGN)
+
+    @staticmethod
+    def _off_grid(delay: Optional[timedelta]) -> Optional[timedelta]:
+        """A monitor's next poll, half a second off the hourly grid the soak's steps (and so the service's
+        restarts of its monitors) fall on. The time-skipping test server leaks its time lock when a polling
+        activity's retry falls due in the same instant as the workflow task that cancels it (the retry is
+        queued for an activity already gone, and virtual time stops for good); a real server drops it."""
+        return delay + timedelta(milliseconds=500) if delay is not None else None
 
     async def _reading(self, watch: StatsWatch) -> tuple[Optional[float], bool, Optional[timedelta]]:
         """The rate now, whether the watcher's ``max_seconds`` are up, and when to look again."""
@@ -70,64 +92,99 @@ class FakeCloud:
         wait = min(until + timedelta(seconds=1), deadline) - now
         return rps, now >= deadline, max(timedelta(seconds=1), wait)
 
-    def activities(self):
-        @activity.defn(name=names.PROVISION)
-        async def provision(inp: ReplicaInput) -> Provisioned:
-            rid = inp.job.replica_id
-            if any("crash" in c for c in inp.job.commands):
+    async def _down(self, inp: MonitorInput) -> list[Down]:
+        """Watched replicas whose instance crashed or whose workflow ended without tearing down."""
+        downs = []
+        for w in inp.replicas:
+            if self.crash.setdefault(w.replica_id, asyncio.Event()).is_set():
+                downs.append(Down(replica_num=w.replica_num, submission_num=w.submission_num, reason="exited (1)"))
+                continue
+            info = await activity.client().get_workflow_handle(w.workflow_id).describe()
+            if info.status in ORPHANED_BY:
+                downs.append(Down(replica_num=w.replica_num, submission_num=w.submission_num, workflow_closed=True,
+                                  reason=f"replica workflow {info.status.name.lower()}"))
+        for w in inp.replicas:
+            if any(d.replica_num == w.replica_num and d.submission_num == w.submission_num for d in downs):
+                self.routed.discard(w.replica_id)  # unrouted before the service hears of it
+                self.log.append(("unregister", w.replica_id))
+        return downs
+
+    def replica_activities(self):
+        """The replica's life on the fake backend (``local``): what ``<queue>-local`` runs."""
+
+        @implements(interface.launch_replica)
+        async def launch(inp: LaunchInput) -> Launched:
+            r, rid = inp.replica, inp.replica.job.replica_id
+            await report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
+            if any("crash" in c for c in r.job.commands):
                 self.log.append(("crash", rid))
-                raise ApplicationError("exited (1)", non_retryable=True)
+                raise ApplicationError("exited (1)", type="ReplicaExited", non_retryable=True)
             self.provisions[rid] = self.provisions.get(rid, 0) + 1
-            self.commands[rid] = list(inp.job.commands)
+            self.commands[rid] = list(r.job.commands)
             self.instances[rid] = "running"
             self.log.append(("provision", rid))
-            group = inp.job.group
-            alive = sum(1 for r, st in self.instances.items() if st == "running" and r.split("/")[1] == group)
+            group = r.job.group
+            alive = sum(1 for x, st in self.instances.items() if st == "running" and x.split("/")[1] == group)
             self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
-            return Provisioned(placement=Placement(backend="local", region="local", address=f"unix:/x/{rid}"),
-                               instance={"id": rid})
+            # Each instance its own address, as a cloud gives: a replacement has a new one.
+            self.addresses += 1
+            self.ips[rid] = f"10.0.{self.addresses // 250}.{self.addresses % 250 + 1}"
+            placement = Placement(backend="local", region="local", address=f"unix:/x/{rid}", ip=self.ips[rid])
+            instance = LocalInstance(replica_id=rid, pid=0, start_time=0, work_dir=f"/x/{rid}",
+                                     address=placement.address, isolated=False, log_path=f"/x/{rid}/log")
+            await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement, instance=instance)
+            self.log.append(("ready", rid))
+            if r.route:
+                self.routed.add(rid)
+                self.log.append(("register", rid))
+            await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
+                         placement=placement, instance=instance)
+            return Launched(placement=placement, instance=instance)
 
-        @activity.defn(name=names.WAIT_READY)
-        async def wait_ready(inp: ReadyInput) -> None:
-            self.log.append(("ready", inp.ref.job.replica_id))
+        @implements(interface.teardown_replica)
+        async def teardown(inp: TeardownInput) -> None:
+            rid = inp.job.replica_id
+            await report(inp.service_workflow_id, inp.job, TERMINATING, "terminating", reason=inp.reason)
+            if rid in self.routed:
+                self.routed.discard(rid)
+                self.log.append(("unregister", rid))
+            if rid in self.instances:
+                self.instances[rid] = "terminated"
+                self.log.append(("terminate", rid))
+            await report(inp.service_workflow_id, inp.job, FINISHED, inp.final, reason=inp.reason)
 
-        @activity.defn(name=names.REGISTER)
-        async def register(reg: Registration) -> None:
-            self.routed.add(reg.replica_id)
-            self.log.append(("register", reg.replica_id))
-
-        @activity.defn(name=names.UNREGISTER)
-        async def unregister(reg: Registration) -> None:
-            self.routed.discard(reg.replica_id)
-            self.log.append(("unregister", reg.replica_id))
-
-        @activity.defn(name=names.WATCH)
-        async def watch(ref: InstanceRef) -> str:
-            event = self.crash.setdefault(ref.job.replica_id, asyncio.Event())
-            if self.polling and not event.is_set():
-                raise self._poll_again("still running; poll again", self.poll_every)
-            while not event.is_set():
+        @implements(interface.monitor_replicas)
+        async def monitor(inp: MonitorInput) -> list[Down]:
+            while True:
+                downs = await self._down(inp)
+                if downs:
+                    return downs
+                if self.polling:
+                    raise self._poll_again("all serving; poll again", self._off_grid(self.poll_every))
                 activity.heartbeat()
-                try:
-                    await asyncio.wait_for(event.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-            return "exited (1)"
+                await asyncio.sleep(0.2)
 
-        @activity.defn(name=names.TERMINATE)
-        async def terminate(ref: InstanceRef) -> None:
-            self.instances[ref.job.replica_id] = "terminated"
-            self.log.append(("terminate", ref.job.replica_id))
+        return [launch, teardown, monitor]
 
-        @activity.defn(name=names.ENSURE_ROUTE)
+    def activities(self):
+        """The service's activities: what the main queue runs."""
+
+        @implements(interface.served_backends)
+        async def served_backends() -> list[str]:
+            return ["local"]
+
+        @implements(interface.ensure_route)
         async def ensure_route(inp: RouteInput) -> None:
+            if self.refuse_routes:
+                raise ApplicationError(self.refuse_routes, type="RouteRefused", non_retryable=True)
             self.log.append(("route", inp.service))
+            self.routes.append(inp)
 
-        @activity.defn(name=names.REMOVE_ROUTE)
+        @implements(interface.remove_route)
         async def remove_route(inp: RouteInput) -> None:
             self.log.append(("unroute", inp.service))
 
-        @activity.defn(name=names.WATCH_STATS)
+        @implements(interface.watch_stats)
         async def watch_stats(watch: StatsWatch) -> StatsSnapshot:
             while True:
                 rps, due, wait = await self._reading(watch)
@@ -140,25 +197,31 @@ class FakeCloud:
                 activity.heartbeat()
                 await asyncio.sleep(0.1)
 
-        @activity.defn(name=names.RECORD_SERVICE)
-        async def record(rec: ServiceRecord) -> None:
+        @implements(interface.record_service)
+        async def record(rec: ServiceRecord) -> Optional[RecordResult]:
+            self.record_calls += 1
+            if self.store_down:
+                raise ApplicationError("attempt to write a readonly database", type="StoreUnavailable")
             # Local activities run at least once: the store keys entries by seq.
+            first = min((e.seq for e in rec.events), default=0)
+            last_before = max((seq for seq in self.log_by_seq if seq < first), default=0)
             self.log_by_seq.update({e.seq: e for e in rec.events})
             self.rows[rec.service] = rec.status
+            return RecordResult(last_before=last_before)
 
-        return [provision, wait_ready, register, unregister, watch, terminate, ensure_route, remove_route,
-                watch_stats, record]
+        return [ensure_route, remove_route, watch_stats, record, served_backends, judge_signal]
 
     def running(self) -> set[str]:
         return {rid for rid, s in self.instances.items() if s == "running"}
 
 
-async def fake_cloud_worker(env) -> AsyncIterator[FakeCloud]:
+async def fake_cloud_worker(env, fake: Optional[FakeCloud] = None) -> AsyncIterator[FakeCloud]:
     """A FakeCloud and a worker running both workflows with it, on a task queue of their own."""
-    fake = FakeCloud()
+    fake = fake or FakeCloud()
     queue = f"tq-{uuid.uuid4()}"
     async with Worker(env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
-                      activities=fake.activities()):
+                      activities=fake.activities()), \
+            Worker(env.client, task_queue=backend_queue(queue, "local"), activities=fake.replica_activities()):
         fake.queue = queue
         yield fake
     for event in fake.crash.values():

@@ -42,10 +42,12 @@ class Fault:
     region: Optional[str] = None
     times: Optional[int] = None  # None: forever
     message: str = ""
+    zone: Optional[str] = None
 
     def matches(self, params: dict, region: str) -> bool:
         return (self.times is None or self.times > 0) and \
-            self.instance_type in (None, params.get("InstanceType")) and self.region in (None, region)
+            self.instance_type in (None, params.get("InstanceType")) and self.region in (None, region) and \
+            self.zone in (None, params.get("Placement.AvailabilityZone"))
 
 
 @dataclass
@@ -166,9 +168,9 @@ class EC2FaultServer(ServedInThread):
     # --- what tests use -----------------------------------------------------------------------------
 
     def fail(self, code: str, *, instance_type: Optional[str] = None, region: Optional[str] = None,
-             times: Optional[int] = None, message: str = "") -> None:
+             times: Optional[int] = None, message: str = "", zone: Optional[str] = None) -> None:
         with self.middleware.lock:
-            self.middleware.faults.append(Fault(code, instance_type, region, times, message))
+            self.middleware.faults.append(Fault(code, instance_type, region, times, message, zone))
 
     def lose_responses(self, n: int) -> None:
         with self.middleware.lock:

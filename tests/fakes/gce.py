@@ -1,7 +1,8 @@
 """A fake of the Compute Engine v1 REST API — just what durastack's GCP backend uses (cloud-testing.md 2.4).
 
 instances insert / get / list (label and status filter) / delete / aggregatedList, zone operations get and
-wait; requestId dedupe; 409 on a duplicate name in a zone; faults: capacity and quota in the operation,
+wait; firewall rules and their global operations; unknown zones, and machine or accelerator types a zone does
+not have (per the shipped catalog), refused as Compute refuses them (400 invalid); requestId dedupe; 409 on a duplicate name in a zone; faults: capacity and quota in the operation,
 synchronous quota (403) or any HTTP error, and "lost responses" (created, then answered 503). A stdlib
 ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it into a test module).
 """
@@ -23,6 +24,8 @@ from tests.fakes import ServedInThread
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/(?P<kind>instances|operations)"
                         r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
+_GLOBAL_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/global/(?P<kind>firewalls|operations)"
+                          r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
 _AGGREGATED = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/aggregated/instances$")
 _TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name)\s*(=|!=)\s*"?([^")\s]*)"?\s*\)?')
 _REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "alreadyExists",
@@ -61,6 +64,24 @@ def _matches(instance: dict, flt: str) -> bool:
     return True
 
 
+def _catalog_machines() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """{zone: machine types} and {zone: accelerator types} as Compute knows them, from the shipped catalog:
+    the fake refuses what Compute would refuse (an unknown zone, a type a zone does not have)."""
+    from activities.catalog import load_catalog
+    from activities.gcp import ACCELERATORS
+
+    machines: dict[str, set[str]] = {}
+    accelerators: dict[str, set[str]] = {}
+    for o in load_catalog():
+        if o.backend != "gcp":
+            continue
+        for zone in o.zones:
+            machines.setdefault(zone, set()).add(o.instance_type)
+            if o.instance_type.startswith("n1-") and o.gpu_name:
+                accelerators.setdefault(zone, set()).add(ACCELERATORS.get(o.gpu_name.lower(), o.gpu_name.lower()))
+    return machines, accelerators
+
+
 class FakeGCE(ServedInThread):
     def __init__(self):
         self.lock = threading.Lock()
@@ -87,7 +108,7 @@ class FakeGCE(ServedInThread):
                 self.end_headers()
                 self.wfile.write(out)
 
-            do_GET = do_POST = do_DELETE = _handle
+            do_GET = do_POST = do_DELETE = do_PATCH = _handle
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -105,6 +126,8 @@ class FakeGCE(ServedInThread):
             self.requests: list[dict] = []
             self.lose = 0
             self.op_polls = 1  # new operations report RUNNING for this many polls, then DONE
+            self.firewalls: dict[tuple[str, str], dict] = {}
+            self.machine_types, self.accelerator_types = _catalog_machines()
 
 
     # --- test controls ----------------------------------------------------------------------------
@@ -128,7 +151,14 @@ class FakeGCE(ServedInThread):
 
     # --- routes -----------------------------------------------------------------------------------
 
+    def firewall_rules(self) -> list[dict]:
+        with self.lock:
+            return list(self.firewalls.values())
+
     def route(self, method: str, path: str, query: dict, body: dict) -> tuple[int, dict]:
+        m = _GLOBAL_PATH.match(path)
+        if m:
+            return self._global(method, m["p"], m["kind"], m["name"], body)
         m = _AGGREGATED.match(path)
         if m and method == "GET":
             return self._aggregated(m["p"], query.get("filter", ""))
@@ -136,6 +166,9 @@ class FakeGCE(ServedInThread):
         if not m:
             return _http_error(404, f"no route {method} {path}")
         p, z, name = m["p"], m["z"], m["name"]
+        if z not in self.machine_types:
+            return _http_error(404 if method == "GET" else 400, f"Invalid value for field 'zone': '{z}'. "
+                                                                 "Unknown zone.", "invalid")
         if m["kind"] == "operations" and name:
             return self._operation(p, z, name, wait=bool(m["wait"]))
         if method == "POST" and not name:
@@ -161,6 +194,16 @@ class FakeGCE(ServedInThread):
         if (p, z, name) in self.instances:
             return _http_error(409, f"The resource 'projects/{p}/zones/{z}/instances/{name}' already exists")
         machine_type = body.get("machineType", "").rsplit("/", 1)[-1]
+        if machine_type not in self.machine_types.get(z, ()):
+            return _http_error(400, f"Invalid value for field 'resource.machineType': '{body.get('machineType')}'. "
+                                    f"Machine type with name '{machine_type}' does not exist in zone '{z}'.",
+                               "invalid")
+        for acc in body.get("guestAccelerators", []):
+            kind = acc.get("acceleratorType", "").rsplit("/", 1)[-1]
+            if kind not in self.accelerator_types.get(z, ()):
+                return _http_error(400, f"Invalid value for field 'resource.guestAccelerators[0].acceleratorType': "
+                                        f"'{acc.get('acceleratorType')}'. Accelerator type '{kind}' does not exist "
+                                        f"in zone '{z}'.", "invalid")
         for fault in self.faults:
             if fault.matches(z, machine_type):
                 if fault.times is not None:
@@ -226,6 +269,41 @@ class FakeGCE(ServedInThread):
         else:
             self.polls[name] -= 1
         return 200, op
+
+    def _global(self, method: str, p: str, kind: str, name: Optional[str], body: dict) -> tuple[int, dict]:
+        """Firewall rules (insert, get, patch, delete) and their global operations, done at once."""
+        if kind == "operations":
+            op = self.operations.get((p, "global", name or ""))
+            return (200, op) if op else _http_error(404, f"operation {name} not found")
+        if method == "POST" and not name:
+            rule_name = body.get("name", "")
+            if not _NAME.match(rule_name):
+                return _http_error(400, f"Invalid value for field 'resource.name': '{rule_name}'.", "invalid")
+            if (p, rule_name) in self.firewalls:
+                return _http_error(409, f"The resource 'projects/{p}/global/firewalls/{rule_name}' already exists")
+            self.firewalls[(p, rule_name)] = {**body, "selfLink": f"{self.url}/compute/v1/projects/{p}/global/"
+                                                                  f"firewalls/{rule_name}"}
+            return 200, self._global_op(p, "insert", rule_name)
+        if (p, name) not in self.firewalls:
+            return _http_error(404, f"The resource 'projects/{p}/global/firewalls/{name}' was not found")
+        if method == "GET":
+            return 200, self.firewalls[(p, name)]
+        if method == "PATCH":
+            self.firewalls[(p, name)].update(body)
+            return 200, self._global_op(p, "patch", name)
+        if method == "DELETE":
+            del self.firewalls[(p, name)]
+            return 200, self._global_op(p, "delete", name)
+        return _http_error(405, f"{method} not supported")
+
+    def _global_op(self, p: str, kind: str, target: str) -> dict:
+        name = f"operation-{next(self.ids)}-{kind}"
+        op = {"kind": "compute#operation", "id": str(next(self.ids)), "name": name, "operationType": kind,
+              "progress": 100, "status": "DONE",
+              "targetLink": f"{self.url}/compute/v1/projects/{p}/global/firewalls/{target}",
+              "selfLink": f"{self.url}/compute/v1/projects/{p}/global/operations/{name}"}
+        self.operations[(p, "global", name)] = op
+        return op
 
     def _list(self, p: str, z: str, flt: str) -> tuple[int, dict]:
         try:

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 from activities.cloud import make_backends, provision_cloud
-from activities.store import Store, StoreLedger
 from models.backends import BackendsConfig
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
+from store import Store, StoreLedger
 
 
 def _die() -> None:

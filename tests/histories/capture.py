@@ -8,11 +8,13 @@ Regenerate (about a minute; the time-skipping test server and the fakes of tests
 Each scenario runs a representative service life and saves ``(await handle.fetch_history()).to_json()``:
 
 * ``service_scale_crash_stop`` — start, scale a group up and down by hand, a replica crashes and is
-  replaced after the group's back-off, stop; with ``replica_crashed`` and ``replica_scaled_down``, the
+  replaced, stop; with ``replica_crashed`` and ``replica_scaled_down``, the
   ReplicaWorkflow histories of the crashed replica and of one the scale-down stopped;
 * ``service_rolling_rollback`` — a rolling update, a failed rollout (old replicas keep serving), rollback, stop;
 * ``service_autoscale_hop.run1`` / ``.last`` — autoscaling on a traffic curve with a manual override, the
-  first run (it ends in continue-as-new) and the last one (it ends with the stop).
+  first run (it ends in continue-as-new) and the last one (it ends with the stop);
+* ``service_signalled_apply`` — an `apply` and a `scale` sent as signals and judged by the local activity,
+  one refused signal, stop.
 
 When to re-capture: while the workflow code is still young, after any change (this session); once services
 run for real, only after an intentional change behind ``workflow.patched`` — and then with ``--tag``, keeping
@@ -124,7 +126,7 @@ async def scale_crash_stop(capture: Capture) -> None:
         scaled_down = next(rid for op, rid in cloud.log if op == "terminate")
         crashed = f"{name}/router/r0-s0"
         cloud.crash[crashed].set()
-        await env.sleep(timedelta(minutes=3))  # the watch's next poll, then the group's back-off (15 s)
+        await env.sleep(timedelta(minutes=3))  # the monitor's next poll; the first failure is replaced at once
         status = await settled(handle, {"router": 1, "decode": 1})
         assert status.groups[0].replicas[0].submission == 1, status
         await handle.signal(ServiceRunWorkflow.stop)
@@ -182,7 +184,28 @@ async def autoscale_hop(capture: Capture) -> None:
         await capture.save("service_autoscale_hop.last", runs[-1])
 
 
-SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop]
+async def signalled_apply(capture: Capture) -> None:
+    """A new configuration and a scale sent as signals (the Web UI's way), one refused signal, then stop."""
+    async with fake_cloud() as (env, cloud):
+        name = "hist-signals"
+        handle = await start(env, cloud, name, GROUPS)
+        await settled(handle, {"router": 1, "decode": 0})
+        new = load_config_text(GROUPS.format(name=name).replace("serve router", "serve router v2")).config
+        await handle.signal("apply", {"config": new.model_dump(mode="json")})
+        await handle.signal("scale", {"group": "decode", "count": 2})
+        await handle.signal("scale", {"group": "nope", "count": 2})
+
+        async def judged() -> bool:
+            events = await handle.query(ServiceRunWorkflow.events)
+            return any(e.kind == "rejected" for e in events) and any(e.kind == "scale" for e in events)
+        await eventually(judged)
+        await settled(handle, {"router": 1, "decode": 2})
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await capture.save("service_signalled_apply", await handle.fetch_history())
+
+
+SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply]
 
 
 async def main(argv: Optional[list[str]] = None) -> None:

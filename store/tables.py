@@ -2,7 +2,7 @@
 
 The same tables run on SQLite (the embedded default) and PostgreSQL (``DURASTACK_DATABASE_URL``), so the types
 are the portable ones: strings, integers, JSON (``json`` on PostgreSQL, text on SQLite) and time stamps with a
-time zone (``timestamptz`` on PostgreSQL; SQLite keeps no zone, so ``activities/store.py`` always writes UTC).
+time zone (``timestamptz`` on PostgreSQL; SQLite keeps no zone, so ``store/db.py`` always writes UTC).
 The schema is created by the Alembic revisions in ``migrations/``, never by ``create_all``; a test checks that
 the revisions produce exactly these tables.
 

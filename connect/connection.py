@@ -2,7 +2,7 @@
 
 ``Client.connect(**client_options(settings))`` is the one way in, for the CLI, the worker, the server
 supervisor, tests and benchmarks, so that all of them share the codec that encrypts secrets
-(models.codec) and the TLS settings (models.settings, ``DURASTACK_TEMPORAL_TLS*``, ``…_API_KEY``).
+(connect.codec) and the TLS settings (models.settings, ``DURASTACK_TEMPORAL_TLS*``, ``…_API_KEY``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 from temporalio.service import TLSConfig
 
-from models.codec import home_data_converter
+from connect.codec import home_data_converter
 from models.settings import TEMPORAL_TLS_ENV, Settings
 
 
@@ -21,7 +21,7 @@ class TemporalConfigError(ValueError):
 
 
 def client_options(settings: Settings, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """Keyword arguments of ``Client.connect`` from ``settings`` (the codec key: models.codec.load_keys, on need)."""
+    """Keyword arguments of ``Client.connect`` from ``settings`` (the codec key: connect.codec.load_keys, on need)."""
     options: dict[str, Any] = {"target_host": settings.address, "namespace": settings.namespace,
                                "data_converter": home_data_converter(settings.home, environ)}
     tls = tls_config(settings)

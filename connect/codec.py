@@ -36,7 +36,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter, PayloadCodec
 
-from models.files import write_once
+from connect.files import write_once
 from models.secrets import ENCRYPTED_MARK, SECRET_MARK
 
 KEY_ENV = "DURASTACK_CODEC_KEY"

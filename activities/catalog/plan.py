@@ -1,0 +1,85 @@
+"""The offers a service's groups are planned from: one list for ``durastack offers -f`` and ``durastack apply``.
+
+Candidates are the shipped catalog plus this machine. A cloud configured in ``config.yml`` with ``regions``
+contributes only those regions; a cloud that is not configured is still listed by ``offers`` (to compare prices)
+but cannot be used, so ``apply`` plans on the configured backends only and says so when the only fits are
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from activities.catalog import load_catalog, local_offer
+from models.backends import BackendsConfig
+from models.offers import InstanceOffer, describe_mismatch, match_offers, sort_key
+from models.resources import ResourcesSpec
+
+
+def candidate_offers(config: BackendsConfig, catalog: Optional[list[InstanceOffer]] = None,
+                     local: Optional[InstanceOffer] = None) -> list[InstanceOffer]:
+    """The catalog (configured clouds only in their configured regions) and this machine."""
+    offers = catalog if catalog is not None else load_catalog()
+    kept = [o for o in offers if getattr(config, o.backend, None) is None or config.allows(o)]
+    return kept + [local or local_offer()]
+
+
+@dataclass
+class GroupQuery:
+    """One group's requirement and the filters that apply to it (the CLI's flags win over the file's)."""
+
+    name: str
+    resources: ResourcesSpec
+    spot_policy: str
+    max_price: Optional[float]
+    backends: Optional[list[str]]
+    regions: Optional[list[str]]
+
+
+def group_queries(service, spot_policy: Optional[str] = None, max_price: Optional[float] = None,
+                  backends: Optional[list[str]] = None, regions: Optional[list[str]] = None) -> list[GroupQuery]:
+    """One query per replica group of a ``ServiceConfiguration``; a group's spot_policy wins over the service's,
+    as in the replica's input (workflows/jobs.py)."""
+    return [GroupQuery(name=g.name or "", resources=g.resources,
+                       spot_policy=spot_policy or g.spot_policy or service.spot_policy or "on-demand",
+                       max_price=max_price if max_price is not None else service.max_price,
+                       backends=backends or service.backends, regions=regions or service.regions)
+            for g in service.replica_groups]
+
+
+def match_query(candidates: list[InstanceOffer], q: GroupQuery) -> tuple[list[InstanceOffer], Optional[str]]:
+    """The offers that fit ``q``, cheapest first, and why none does. This machine has no spot market: the
+    spot policy does not apply to it (as when a replica is placed there)."""
+    clouds = [o for o in candidates if o.backend != "local"]
+    local = [o for o in candidates if o.backend == "local"]
+    filters = dict(max_price=q.max_price, backends=q.backends, regions=q.regions)
+    found = match_offers(clouds, q.resources, spot_policy=q.spot_policy, **filters) + \
+        match_offers(local, q.resources, spot_policy="auto", **filters)
+    found.sort(key=sort_key)
+    if found:
+        return found, None
+    return [], describe_mismatch(candidates, q.resources, spot_policy=q.spot_policy, **filters)
+
+
+def plan_query(candidates: list[InstanceOffer], q: GroupQuery, config: BackendsConfig
+               ) -> tuple[list[InstanceOffer], Optional[str]]:
+    """What ``apply`` may submit on: the fitting offers on configured backends (all of them when the service
+    names none). When only unconfigured clouds fit, the reason says which, so the user knows what to set up."""
+    usable = set(config.configured())
+    allowed = [b for b in (q.backends or usable) if b in usable]
+    if not allowed:
+        return [], (f"the service's backends ({', '.join(q.backends or [])}) are not configured in config.yml "
+                    f"(configured: {', '.join(sorted(usable))})")
+    found, reason = match_query(candidates, GroupQuery(**{**q.__dict__, "backends": allowed}))
+    if found:
+        return found, None
+    elsewhere, _ = match_query(candidates, GroupQuery(**{**q.__dict__, "backends": q.backends}))
+    if elsewhere:
+        names = sorted({o.backend for o in elsewhere} - usable)
+        return [], (f"only {', '.join(names)} offers fit, and config.yml does not configure "
+                    f"{'it' if len(names) == 1 else 'them'}")
+    return [], reason
+
+
+__all__ = ["GroupQuery", "candidate_offers", "group_queries", "match_query", "plan_query"]

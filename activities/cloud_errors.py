@@ -1,0 +1,99 @@
+"""How the offer walk (activities/cloud.py) reads a cloud's failure: capacity (try the next offer), quota
+(skip what the quota covers), transient (retry the same call, same key) or fatal (fail the replica).
+
+The AWS and GCP backends raise ``CloudError`` with a kind from ``classify_aws`` / ``classify_gcp``; only
+activities handle these, so they live beside them rather than with the models that travel through history.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from models.offers import InstanceOffer
+
+
+class ErrorKind(str, Enum):
+    CAPACITY = "capacity"    # no capacity for this offer (or zone): try the next offer
+    QUOTA = "quota"          # account quota: skip the offer's region and quota class
+    TRANSIENT = "transient"  # throttling, 5xx, network, lost response: retry the same call (same key)
+    FATAL = "fatal"          # credentials, permissions, bad configuration: fail the replica with the message
+
+
+AWS_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity",
+                "InsufficientHostCapacity", "SpotMaxPriceTooLow", "Unsupported", "InvalidInstanceType",
+                "InvalidInstanceType.NotFound",
+                # The launch under this key ran before and its instance is gone: that offer is spent.
+                "IdempotentInstanceTerminated"}
+AWS_QUOTA = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
+AWS_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
+                 "ServiceUnavailable", "Unavailable", "RequestTimeout", "RequestExpired"}
+
+
+def classify_aws(code: str, http_status: int = 400) -> ErrorKind:
+    """EC2 error code → kind (cloud-testing.md 4.2). Unknown 5xx are transient; unknown 4xx fatal (fail fast)."""
+    if code in AWS_CAPACITY:
+        return ErrorKind.CAPACITY
+    if code in AWS_QUOTA:
+        return ErrorKind.QUOTA
+    if code in AWS_TRANSIENT or http_status >= 500:
+        return ErrorKind.TRANSIENT
+    return ErrorKind.FATAL
+
+
+GCP_CAPACITY = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                "REGION_RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT", "insufficientCapacity", "UNSUPPORTED_OPERATION",
+                "RESOURCE_NOT_READY", "resourceNotReady"}
+GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
+GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
+                 "internalError"}
+
+
+def classify_gcp(codes: list[str], http_status: int) -> ErrorKind:
+    """GCE error codes/reasons (by string, not exception class) → kind; then the HTTP status decides."""
+    if any(c in GCP_CAPACITY for c in codes):
+        return ErrorKind.CAPACITY
+    if any(c in GCP_QUOTA for c in codes):
+        return ErrorKind.QUOTA
+    if any(c in GCP_TRANSIENT for c in codes) or http_status >= 500 or http_status in (408, 429):
+        return ErrorKind.TRANSIENT
+    return ErrorKind.FATAL
+
+
+def aws_quota_class(offer: InstanceOffer) -> str:
+    """EC2 vCPU quota class of an offer: P, G (G and VT) or standard — spot and on-demand quotas are separate."""
+    family = offer.instance_type.split(".")[0].lower()
+    cls = "P" if family.startswith("p") else "G" if family.startswith(("g", "vt")) else "standard"
+    return f"{'spot' if offer.spot else 'on-demand'}:{cls}"
+
+
+class QuotaScope(BaseModel):
+    """Offers a quota error rules out for the rest of one walk."""
+
+    model_config = ConfigDict(frozen=True)
+
+    backend: str = Field(description="aws or gcp.")
+    region: Optional[str] = Field(None, description="The region; None means every region (a global quota).")
+    quota_class: Optional[str] = Field(None, description="aws_quota_class value; None means every class.")
+    spot_only: bool = Field(False, description="Only spot offers (MaxSpotInstanceCountExceeded).")
+
+    def covers(self, offer: InstanceOffer) -> bool:
+        return (offer.backend == self.backend and (self.region is None or offer.region == self.region)
+                and (self.quota_class is None or aws_quota_class(offer) == self.quota_class)
+                and (not self.spot_only or offer.spot))
+
+    def __str__(self) -> str:
+        what = "spot" if self.spot_only else (self.quota_class or "all")
+        return f"{self.backend} {self.region or 'all regions'} ({what})"
+
+
+class CloudError(Exception):
+    """A classified cloud failure. ``message`` is safe to show and to keep in history (no secrets)."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, code: str = "", scope: Optional[QuotaScope] = None):
+        super().__init__(message)
+        self.kind, self.message, self.code, self.scope = kind, message, code, scope
+
+__all__ = ["CloudError", "ErrorKind", "QuotaScope", "aws_quota_class", "classify_aws", "classify_gcp"]

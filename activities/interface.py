@@ -1,0 +1,115 @@
+"""The activities the workflows call, by reference: typed stubs that import nothing but models.
+
+Workflows schedule ``workflow.execute_activity(interface.launch_replica, LaunchInput(...))`` and never
+spell an activity's name; the worker registers the implementations (``activities/replica.py`` and the
+others), each bound to its stub with ``@implements(stub)``, which gives it the stub's name. A test
+checks that every stub has exactly one implementation with the same signature. Keeping the stubs
+here keeps the workflow sandbox and the CLI free of boto3, google-cloud and the gateway client.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from models.run import (
+    Down,
+    Launched,
+    LaunchInput,
+    MonitorInput,
+    NoCapacity,
+    RouteInput,
+    RecordResult,
+    ServiceRecord,
+    SignalInput,
+    StatsSnapshot,
+    StatsWatch,
+    TeardownInput,
+    Verdict,
+)
+
+F = TypeVar("F", bound=Callable)
+
+
+def implements(stub: Callable) -> Callable[[F], F]:
+    """Register the decorated function or method as the implementation of ``stub`` (its name)."""
+    name = activity._Definition.must_from_callable(stub).name
+
+    def bind(fn: F) -> F:
+        return activity.defn(name=name)(fn)
+
+    return bind
+
+
+def no_capacity(details: NoCapacity) -> ApplicationError:
+    """The error ``launch_replica`` raises when its backend cannot place the replica. The workflow reads
+    ``NoCapacity.model_validate(error.details[0])`` (never the message, which is for people) and tries the next
+    backend; non-retryable, because nothing was made and asking the same backend again gives the same answer."""
+    what = "every offer failed" if details.tried else "nothing fits"
+    message = f"{details.backend}: {what}" + (f": {'; '.join(details.reasons)}" if details.reasons else "")
+    return ApplicationError(message, details.model_dump(mode="json"), type="NoCapacity", non_retryable=True)
+
+
+@activity.defn
+async def launch_replica(inp: LaunchInput) -> Launched:
+    """Provision on ``inp.backend`` (exactly once, by the job's key), wait until the probes pass, register
+    with the gateway. Reports `provisioning`, `running` and ready to the service by signal as it goes.
+    Raises a non-retryable ``NoCapacity`` ApplicationError (details: ``models.run.NoCapacity``) when the
+    backend cannot place it, ``ReplicaExited`` when the app exits before it is ready."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def teardown_replica(inp: TeardownInput) -> None:
+    """Unregister and drain, terminate the instance (or whatever a launch made for this job), then report
+    ``inp.final`` to the service. Idempotent: retried until it succeeds."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def monitor_replicas(inp: MonitorInput) -> list[Down]:
+    """Heartbeat while every watched replica serves; return those that stopped (their process, container or
+    instance died, or their workflow closed), each already unrouted."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def watch_stats(watch: StatsWatch) -> StatsSnapshot:
+    """Return the service's request rates once some group's wanted count changes (or after a long while)."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def ensure_route(inp: RouteInput) -> None:
+    """Create or update the service's gateway route."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def remove_route(inp: RouteInput) -> None:
+    """Remove the service's gateway route."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def record_service(record: ServiceRecord) -> Optional[RecordResult]:
+    """Write new decision-log entries and the `ps` row to the store (a local activity); says whether the store
+    misses entries just before them (None from an older worker: unknown)."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def served_backends() -> list[str]:
+    """The backends this deployment launches replicas on, in the order to try them: ``local`` when this
+    machine runs replicas, then each configured cloud (served by this worker or by a worker of its own on
+    ``<queue>-<backend>``). A local activity: the answer is recorded, so replay never asks again."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def judge_signal(inp: SignalInput) -> Verdict:
+    """Validate a `scale` or `apply` signal's raw payload as the updates' validators would. A local
+    activity: its verdict is recorded, so replay never judges the signal again with newer rules."""
+    raise NotImplementedError

@@ -1,0 +1,40 @@
+"""Reports from a replica's activities to its service: fire-and-forget signals, one per lifecycle milestone.
+
+The launch and teardown activities tell the service run (``ServiceRunWorkflow.replica_changed``) as they go,
+so the replica's own workflow spends no events relaying them. Each milestone has a fixed ``seq``: a retried
+attempt sends the same seq again and the service drops any report not newer than the last it applied, so
+retries and late signals never move a replica backwards. A report that cannot be sent (the service run is
+gone, Temporal is briefly away) is logged and dropped: it must never fail the work it reports on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from temporalio import activity
+
+from models.replica import JobSpec
+from models.run import Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
+
+log = logging.getLogger("durastack.report")
+PROVISIONING, PROVISIONED, SERVING, TERMINATING, FINISHED = (Step.PROVISIONING, Step.PROVISIONED, Step.SERVING,
+                                                              Step.TERMINATING, Step.FINISHED)
+
+
+async def report(service_workflow_id: str, job: JobSpec, seq: int, status: ReplicaStatus, *, ready: bool = False,
+                 registered: bool = False, placement: Placement | None = None, instance: Instance | None = None,
+                 reason: str = "") -> None:
+    """Signal ``status`` to the service run ``service_workflow_id``, from inside an activity."""
+    # Imported here, not at the top: the workflow modules import the activity interface, so a top-level import
+    # would make activity and workflow modules import each other.
+    from workflows.service import ServiceRunWorkflow
+
+    update = ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=status,
+                           ready=ready, registered=registered, placement=placement, instance=instance,
+                           reason=reason, seq=seq)
+    try:
+        await activity.client().get_workflow_handle(service_workflow_id).signal(
+            ServiceRunWorkflow.replica_changed, update)
+    except Exception as e:  # noqa: BLE001 — see the module doc: a report never fails its activity
+        log.warning("%s: could not report %s (seq %d) to %s: %s", job.replica_id, status, seq,
+                    service_workflow_id, e)

@@ -1,0 +1,364 @@
+"""Changing what runs: ``durastack apply``, ``rollback``, ``stop``, ``scale``, and ``config`` (what an apply set).
+
+Exit codes: 0 ok, 1 user error, 2 control plane down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.live import Live
+from temporalio.client import (Client, WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowUpdateFailedError,
+                               WorkflowUpdateRPCTimeoutOrCancelledError)
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
+
+from cli.client import ControlPlaneDown, connect, run
+from cli.console import FileOption, err, out, print_errors, user_error
+from cli.control import RPC, ask, live_status, running, service_url, ui_link
+from cli.render import ps_table
+from models.loader import load_config_file
+from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, ServiceStatus
+from models.secrets import REVEAL
+from models.service import SERVICE_NAME_RE, ServiceConfiguration
+from models.settings import Settings
+from workflows.addresses import NO_NETWORK
+from workflows.changes import classify
+from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
+
+
+def _config_or_exit(file: Path) -> ServiceConfiguration:
+    result = load_config_file(file)
+    if not result.valid:
+        print_errors(result, file)
+        raise typer.Exit(1)
+    for w in result.warnings:
+        err.print(f"[yellow]warning:[/yellow] {w}")
+    assert result.config is not None
+    return result.config
+
+
+def _resolve(config: ServiceConfiguration, file: Path, environ: dict) -> ServiceConfiguration:
+    """Fill the service name (from the file name) and `env` entries taken from the caller's environment."""
+    name = config.name or file.stem
+    if not SERVICE_NAME_RE.match(name):
+        raise user_error(f"{file}: set `name:` (the file name {file.stem!r} is not a valid service name)")
+    missing = [k for k, v in config.env.items() if v is None and k not in environ]
+    if missing:
+        raise user_error("env: " + ", ".join(missing) + " not set in your environment (`env` takes them from it)")
+    env = {k: (environ[k] if v is None else v) for k, v in config.env.items()}
+    # Values from your environment are secret (models.secrets): their names join `secrets`.
+    secrets = [*config.secrets, *(k for k, v in config.env.items() if v is None and k not in config.secrets)]
+    return config.model_copy(update={"name": name, "env": env, "secrets": secrets})
+
+
+def _print_plan(config: ServiceConfiguration) -> list[str]:
+    """Print each group's count, resources and best offer; return the groups that have no offer.
+
+    Planned from the offers ``durastack offers -f`` lists (activities/catalog/plan.py), on the backends
+    config.yml configures: a GPU service can be submitted to a cloud from a machine without a GPU."""
+    from activities.catalog.plan import candidate_offers, group_queries, plan_query
+    from activities.runtime import group_runtime_fields, local_limits
+    from models.backends import load_backends_config
+
+    out.print(f"[bold]Service[/bold] {config.name}  port {config.port.container_port}  "
+              f"auth {'on' if config.auth else 'off'}")
+    try:
+        backends = load_backends_config(os.environ)
+    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        raise user_error(f"config.yml: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    candidates, problems = candidate_offers(backends), []
+    for i, (g, q) in enumerate(zip(config.replica_groups, group_queries(config))):
+        found, reason = plan_query(candidates, q, backends)
+        # This machine runs commands without containers: what it cannot honour is said now, by field path.
+        cannot, notes = local_limits(group_runtime_fields(config, i))
+        if any(o.backend == "local" for o in found):
+            for note in notes:
+                err.print(f"[yellow]warning:[/yellow] {note}", markup=True, highlight=False)
+            if cannot:
+                found = [o for o in found if o.backend != "local"]
+                reason = "local: " + "; ".join(cannot)
+        if found:
+            best = f"{found[0].backend} {found[0].instance_type} ({found[0].region}) ${found[0].price:g}/h"
+        else:
+            best = "[red]no offers[/red]"
+            problems.append(f"group {g.name}: no offers ({reason})")
+        scaling = f", rps target {g.scaling.target:g}" if g.scaling else ""
+        out.print(f"  group={g.name} replicas={g.count}{scaling}  {g.resources.summary()}  → {best}")
+    return problems
+
+
+def _all_ready(status: ServiceStatus) -> bool:
+    """Every group has its replicas ready, and the gateway has the route (so a first request is not a 404,
+    also for a group at zero). A route the gateway refused is in `events`: following stops there too."""
+    return status.routed is not None and all(sum(1 for r in g.replicas if r.ready and r.status == "running" and r.deployment == status.deployment)
+               >= g.desired and not g.rollout for g in status.groups)
+
+
+def _failed_rollout(status: ServiceStatus) -> Optional[str]:
+    failed = [f"group {g.name}: {g.rollout}" for g in status.groups if g.rollout.startswith("failed")]
+    return "; ".join(failed) or None
+
+
+def apply(
+    file: Path = FileOption,
+    yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the service is submitted or updated."),
+    force: bool = typer.Option(False, "--force", help="With -y: stop and re-create a service whose change "
+                                                      "cannot be applied in place."),
+) -> None:
+    """Submit a service, or update a running one (in place or by rolling deployment), and follow it."""
+    settings = Settings.from_env()
+    config = _resolve(_config_or_exit(file), file, dict(os.environ))
+    problems = _print_plan(config)
+    if problems:
+        raise user_error("nothing was submitted: " + "; ".join(problems))
+    run(_apply(settings, config, yes, detach, force))
+
+
+def _confirm(question: str, yes: bool) -> None:
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise user_error(f"{question} — no terminal to confirm on: pass -y")
+    if not typer.confirm(question):
+        raise typer.Exit(1)
+
+
+async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, detach: bool, force: bool) -> None:
+    """Ask what to confirm from what runs now, then one update-with-start: it starts the service if no run is
+    open and applies the configuration to whichever run is, so concurrent applies cannot race between a check
+    and a start. What the update answers, not what was seen before, says what happened."""
+    client = await connect(settings)
+    name = config.name or ""
+    status = await live_status(client, name)
+    seen = None if status is None else status.deployment
+    if status is not None:
+        handle = client.get_workflow_handle(service_workflow_id(name))
+        changes = classify(await ask(handle, ServiceRunWorkflow.config), config)
+        if changes.not_updatable:
+            out.print(f"Active run {name} already exists. Detected changes that cannot be updated in-place:")
+            out.print("- Configuration properties:\n" + "\n".join(f"  - {f}" for f in changes.not_updatable),
+                      markup=False)
+            if yes and not force:
+                raise user_error("Use --force to stop and re-create it.")
+            _confirm("Stop and override the run?", yes)
+            await _stop(settings, name, detach=False)
+            seen = None
+        elif changes.any:
+            _print_changes(name, changes)
+            _confirm("Update the run?", yes)
+    else:
+        _confirm(f"Submit the service {name}?", yes)
+    result = await _apply_with_start(client, settings, config, seen)
+    if not result.changed and (seen is not None or result.deployment > 0):
+        other = "" if result.deployment == seen else ", from another apply"
+        out.print(f"Active run {name} already exists. Detected no changes (deployment {result.deployment}{other}).")
+        return
+    if not result.changed:  # this update started the run, so it found its own configuration there
+        out.print(f"Submitted [bold]{name}[/bold]; Web UI: {ui_link(settings, name)}")
+    else:
+        _print_result(name, result, expected=0 if seen is None else seen + 1)
+    if not detach:
+        await _follow(client, name)
+    _print_access(settings, config)
+
+
+def apply_update_id(config: ServiceConfiguration, seen: Optional[int]) -> str:
+    """The id of the `apply` update: the configuration's hash and the deployment it was applied over.
+
+    The same file applied over the same deployment (a retry, or two people applying it at once) is one update,
+    which Temporal runs once. The deployment is part of it because a run remembers the ids of its past updates:
+    with the hash alone, applying A, then B, then A again would get back the answer of the first A and change
+    nothing. Secret values count (a new token is a change), hashed as the workflow hashes replica specs."""
+    payload = config.model_dump(mode="json", context=REVEAL)
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return f"apply-{digest}-" + ("new" if seen is None else f"d{seen}")
+
+
+async def _apply_with_start(client: Client, settings: Settings, config: ServiceConfiguration,
+                            seen: Optional[int]) -> ApplyResult:
+    name = config.name or ""
+    # USE_EXISTING: two concurrent applies never make two runs of one service; the workflow runs their updates
+    # one at a time, so each gets its own deployment number.
+    start = WithStartWorkflowOperation(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
+        id=service_workflow_id(name), id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        task_queue=settings.task_queue, static_summary=f"service **{name}**")
+    try:
+        return await client.execute_update_with_start_workflow(
+            ServiceRunWorkflow.apply, ApplyRequest(config=config), start_workflow_operation=start,
+            id=apply_update_id(config, seen), rpc_timeout=RPC)
+    except WorkflowUpdateFailedError as e:
+        raise user_error(f"update refused: {getattr(e.cause, 'message', e.cause)}")
+    except WorkflowUpdateRPCTimeoutOrCancelledError as e:
+        raise ControlPlaneDown(f"the worker does not answer the apply of {name}; is `durastack server` up? "
+                               "Applying the same file again is safe: it is the same update") from e
+    except RPCError as e:
+        raise ControlPlaneDown(f"control plane error: {e.message}") from e
+
+
+def _print_access(settings: Settings, config: ServiceConfiguration) -> None:
+    out.print(f"URL:   {service_url(settings, config.name or '')}")
+    if config.auth:
+        out.print("Auth:  header `Authorization: Bearer <token>`, with a gateway token (`durastack token list`; "
+                  "`durastack token add NAME` creates one)", markup=False)
+
+
+def _print_changes(name: str, changes) -> None:
+    """The seed's update prompt: one sub-item per top-level field; what changed inside the groups follows it."""
+    out.print(f"Active run {name} already exists. Detected changes that can be updated in-place:")
+    fields: dict[str, list[str]] = {}
+    for f in changes.in_place + changes.rolling:
+        top, _, inner = f.partition(".")
+        fields.setdefault(top, []).append(inner)
+    lines = [f"  - {top}" + (": " + ", ".join(i for i in inner if i) if any(inner) else "")
+             for top, inner in fields.items()]
+    out.print("- Configuration properties:\n" + "\n".join(lines), markup=False)
+
+
+def _print_result(name: str, result: ApplyResult, expected: Optional[int] = None) -> None:
+    """What an apply or rollback did; ``expected``: the deployment it would get if nobody else applied meanwhile."""
+    after = ""
+    if expected is not None and result.deployment > expected:
+        after = f" (applied after deployment {result.deployment - 1} from another apply)"
+    out.print(f"{name}: deployment {result.deployment}{after}: {result.kept} replica(s) kept in place, "
+              f"{result.replacing} to replace one at a time per group")
+
+
+def rollback(
+    name: str = typer.Argument(..., help="Service name."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the rollback is accepted."),
+) -> None:
+    """Return a service to the configuration it had before the last apply."""
+    settings = Settings.from_env()
+    run(_rollback(settings, name, detach))
+
+
+async def _rollback(settings: Settings, name: str, detach: bool) -> None:
+    client, handle = await running(settings, name)
+    try:
+        result = await handle.execute_update(ServiceRunWorkflow.rollback, rpc_timeout=RPC)
+    except WorkflowUpdateFailedError as e:
+        raise user_error(f"update refused: {getattr(e.cause, 'message', e.cause)}")
+    _print_result(name, result)
+    if not detach:
+        await _follow(client, name)
+
+
+async def _follow(client: Client, name: str) -> None:
+    """Redraw the ps table until every group has its desired replicas ready (Ctrl-C detaches)."""
+    try:
+        with Live(console=out, refresh_per_second=4) as live:
+            while True:
+                status = await live_status(client, name)
+                if status is None:
+                    raise user_error(f"service {name} ended (stopped, failed or past its max_duration: "
+                                     f"`durastack events {name}` says why)")
+                live.update(ps_table([status]))
+                if _all_ready(status):
+                    break
+                stuck = [f"group {g.name} waits: {g.waiting}" for g in status.groups if NO_NETWORK in g.waiting]
+                if stuck:
+                    live.stop()
+                    raise user_error("; ".join(stuck) + f". The service keeps running; its workers start once "
+                                     f"replicas can reach each other (or `durastack stop {name}`)")
+                failure = _failed_rollout(status)
+                if failure:
+                    live.stop()
+                    raise user_error(f"rollout stopped ({failure}); the previous replicas keep serving. "
+                                      f"`durastack rollback {name}` returns to the previous configuration")
+                await asyncio.sleep(0.5)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        out.print("detached; the service keeps running")
+    out.print()
+
+
+def stop(
+    name: str = typer.Argument(..., help="Service name."),
+    yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once the stop is requested."),
+) -> None:
+    """Stop a service: every replica leaves the gateway and is terminated, then the run ends."""
+    settings = Settings.from_env()
+    if not yes and sys.stdin.isatty() and not typer.confirm(f"Stop the service {name}?"):
+        raise typer.Exit(1)
+    run(_stop(settings, name, detach))
+
+
+async def _stop(settings: Settings, name: str, detach: bool) -> None:
+    _, handle = await running(settings, name)
+    await handle.signal(ServiceRunWorkflow.stop, rpc_timeout=RPC)
+    if detach:
+        out.print(f"stopping {name}")
+        return
+    deadline = time.monotonic() + 3600
+    while time.monotonic() < deadline:
+        description = await handle.describe(rpc_timeout=RPC)
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            out.print(f"{name} stopped")
+            return
+        await asyncio.sleep(0.5)
+
+
+def scale(
+    name: str = typer.Argument(..., help="Service name."),
+    group: str = typer.Argument(..., help="Replica group name."),
+    count: int = typer.Argument(..., help="Desired replica count, within the group's range."),
+) -> None:
+    """Set a group's desired replica count now (refused when outside the group's range)."""
+    settings = Settings.from_env()
+    run(_scale(settings, name, group, count))
+
+
+async def _scale(settings: Settings, name: str, group: str, count: int) -> None:
+    _, handle = await running(settings, name)
+    try:
+        desired = await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group=group, count=count),
+                                              rpc_timeout=RPC)
+    except WorkflowUpdateFailedError as e:
+        raise user_error(f"scale refused: {getattr(e.cause, 'message', e.cause)}")
+    out.print(f"{name}: group={group} desired={desired}")
+
+
+def config_(
+    name: str = typer.Argument(..., help="Service name."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Print the configuration a service runs; secret env values show as *** (models.secrets)."""
+    settings = Settings.from_env()
+    run(_config(settings, name, as_json))
+
+
+async def _config(settings: Settings, name: str, as_json: bool) -> None:
+    from models.secrets import REDACT
+
+    _, handle = await running(settings, name)
+    config = await handle.query(ServiceRunWorkflow.config, rpc_timeout=RPC)
+    data = config.model_dump(mode="json", context=REDACT, exclude_none=True)
+    if as_json:
+        out.print_json(json.dumps(data))
+        return
+    from io import StringIO
+
+    from ruamel.yaml import YAML
+
+    text = StringIO()
+    YAML().dump(data, text)
+    out.print(text.getvalue().rstrip(), markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(apply)
+    app.command()(rollback)
+    app.command()(stop)
+    app.command()(scale)
+    app.command(name="config")(config_)

@@ -1,0 +1,90 @@
+"""What a replica's activities use of the world, faked for activity-level tests (``ActivityEnvironment``):
+a Temporal client that records signals and answers ``describe``, and a gateway that records (un)registrations."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import ActivityEnvironment
+
+from models.run import NoCapacity
+
+
+class FakeHandle:
+    def __init__(self, client: "FakeClient", workflow_id: str):
+        self.client, self.id = client, workflow_id
+
+    async def signal(self, method: Any, arg: Any) -> None:
+        if self.client.signals_fail:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        self.client.signals.append((self.id, getattr(method, "__name__", method), arg))
+
+    async def describe(self) -> Any:
+        status = self.client.statuses.get(self.id, WorkflowExecutionStatus.RUNNING)
+        if status is None:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        return SimpleNamespace(status=status)
+
+
+class FakeClient:
+    """What the activities use of a Temporal client: signal the service, describe a replica's workflow."""
+
+    def __init__(self) -> None:
+        self.signals: list[tuple[str, str, Any]] = []
+        self.statuses: dict[str, Optional[WorkflowExecutionStatus]] = {}
+        self.signals_fail = False
+
+    def get_workflow_handle(self, workflow_id: str) -> FakeHandle:
+        return FakeHandle(self, workflow_id)
+
+    def reports(self) -> list[tuple[int, str, bool, bool]]:
+        return [(u.seq, u.status, u.ready, u.registered) for _, _, u in self.signals]
+
+
+class FakeGateway:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.routed: dict[str, str] = {}
+
+    async def register(self, service: str, replica_id: str, group: str, address: str) -> None:
+        self.calls.append(("register", replica_id, time.monotonic()))
+        self.routed[replica_id] = address
+
+    async def unregister(self, service: str, replica_id: str) -> None:
+        self.calls.append(("unregister", replica_id, time.monotonic()))
+        self.routed.pop(replica_id, None)
+
+    async def drained(self) -> bool:
+        return True
+
+
+def activity_env(client: FakeClient, heartbeat_timeout: float = 30.0) -> ActivityEnvironment:
+    env = ActivityEnvironment(client=client)
+    env.info = dataclasses.replace(env.info, heartbeat_timeout=timedelta(seconds=heartbeat_timeout))
+    return env
+
+
+def no_capacity_of(error: ApplicationError) -> NoCapacity:
+    """The typed details of a launch's NoCapacity error (as the workflow reads them)."""
+    assert error.type == "NoCapacity" and error.non_retryable
+    return NoCapacity.model_validate(error.details[0])
+
+
+async def app_server():
+    """A stand-in for a cloud instance's app (the fake clouds run no user-data): 200 to any request; and its address."""
+    async def answer(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"

@@ -1,0 +1,174 @@
+"""A stand-in for the Docker CLI on a simulated cloud host: ``run -d``, ``rm -f``, ``inspect``, ``logs``, ``exec``,
+``kill`` — enough for what durastack sends over SSH (activities/userdata.py, activities/ssh.py).
+
+A "container" is the group's commands run by a supervisor process in the host's network namespace, with the
+env of ``--env-file``/``-e``, the working dir of ``-w``, and its ``-v SRC:/durastack`` mount seen at SRC (the
+job file is copied with that path rewritten: there is no mount namespace here). It listens on the host's
+loopback, as ``-p 127.0.0.1:PORT:PORT`` publishes it. State lives under ``$FAKE_DOCKER_DIR/<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STATE = Path(os.environ.get("FAKE_DOCKER_DIR", "/tmp/fake-docker"))
+VALUE_OPTS = {"--name", "--restart", "--label", "--gpus", "--env-file", "-e", "-u", "-w", "-p", "-v", "--entrypoint"}
+
+
+def _dir(name: str) -> Path:
+    return STATE / name
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return status != "Z"
+
+
+def _run(args: list[str]) -> int:
+    opts: dict[str, list[str]] = {}
+    flags: set[str] = set()
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        if args[i] in VALUE_OPTS:
+            opts.setdefault(args[i], []).append(args[i + 1])
+            i += 2
+        else:
+            flags.add(args[i])
+            i += 1
+    image, rest = args[i], args[i + 1:]
+    name = opts["--name"][0]
+    d = _dir(name)
+    if d.exists() and (d / "pid").exists() and _alive(int((d / "pid").read_text())):
+        print(f"Conflict. The container name \"/{name}\" is already in use", file=sys.stderr)
+        return 125
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in ("exit", "pid"):
+        (d / stale).unlink(missing_ok=True)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(d), "HOSTNAME": name}
+    for path in opts.get("--env-file", []):
+        for line in Path(path).read_text().splitlines():
+            if line and not line.startswith("#"):
+                k, _, v = line.partition("=")
+                env[k] = v
+    for kv in opts.get("-e", []):
+        k, _, v = kv.partition("=")
+        env[k] = v
+    mount = next((v.split(":")[0] for v in opts.get("-v", []) if ":/durastack" in v), None)
+    argv = rest
+    if mount and rest[:1] == ["-c"]:
+        job = (Path(mount) / "job.sh").read_text().replace("/durastack/", f"{mount}/")
+        (d / "job.sh").write_text(job)
+        argv = ["-c", rest[1].replace("/durastack/job.sh", str(d / "job.sh"))]
+    spec = {"image": image, "argv": argv, "env": env, "cwd": opts.get("-w", [str(d)])[0], "flags": sorted(flags),
+            "opts": {k: v for k, v in opts.items() if k != "--env-file"}}
+    (d / "spec.json").write_text(json.dumps(spec))
+    workdir = Path(spec["cwd"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = open(d / "log", "ab")
+    # The supervisor outlives this command (the SSH session that ran it ends at once), as dockerd does.
+    sup = subprocess.Popen([sys.executable, __file__, "_supervise", name], stdin=subprocess.DEVNULL, stdout=log,
+                           stderr=log, start_new_session=True, env={**os.environ, "FAKE_DOCKER_DIR": str(STATE)})
+    deadline = time.monotonic() + 10
+    while not (d / "pid").exists() and time.monotonic() < deadline and sup.poll() is None:
+        time.sleep(0.01)
+    print(name)
+    return 0
+
+
+def _supervise(name: str) -> int:
+    d = _dir(name)
+    spec = json.loads((d / "spec.json").read_text())
+    shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+    proc = subprocess.Popen([shell, *spec["argv"]], env=spec["env"], cwd=spec["cwd"], stdin=subprocess.DEVNULL)
+    (d / "pid").write_text(str(proc.pid))
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    code = proc.wait()
+    (d / "exit").write_text(str(code if code >= 0 else 128 - code))
+    return 0
+
+
+def _state(name: str) -> tuple[str, int]:
+    d = _dir(name)
+    if not (d / "spec.json").exists():
+        return "missing", 0
+    if (d / "exit").exists():
+        return "exited", int((d / "exit").read_text() or 0)
+    if (d / "pid").exists() and _alive(int((d / "pid").read_text())):
+        return "running", 0
+    return "exited", 137
+
+
+def _kill(name: str, sig: int = signal.SIGKILL) -> None:
+    d = _dir(name)
+    if (d / "pid").exists():
+        pid = int((d / "pid").read_text())
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    cmd, args = argv[0], argv[1:]
+    if cmd == "run":
+        return _run(args)
+    if cmd == "_supervise":
+        return _supervise(args[0])
+    if cmd == "rm":
+        name = args[-1]
+        _kill(name)
+        d = _dir(name)
+        if d.exists():
+            for f in d.iterdir():
+                f.unlink() if f.is_file() else None
+        return 0
+    if cmd == "kill":
+        _kill(args[-1])
+        return 0
+    if cmd == "inspect":
+        name = args[-1]
+        state, code = _state(name)
+        if state == "missing":
+            print(f"Error: No such object: {name}", file=sys.stderr)
+            return 1
+        print(f"{state} {code}")
+        return 0
+    if cmd == "logs":
+        name, follow = args[-1], "-f" in args
+        path = _dir(name) / "log"
+        if not path.exists():
+            print(f"Error: No such container: {name}", file=sys.stderr)
+            return 1
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(65536)
+                if chunk:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                    continue
+                if not follow or _state(name)[0] != "running":
+                    return 0
+                time.sleep(0.1)
+    if cmd == "exec":
+        rest = [a for a in args if a not in ("-i", "-t", "-it")]
+        name, command = rest[0], rest[1:]
+        spec = json.loads((_dir(name) / "spec.json").read_text())
+        return subprocess.call(command, env=spec["env"], cwd=spec["cwd"])
+    if cmd == "info":
+        return 0
+    print(f"fake docker: {cmd} is not simulated", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,165 @@
+"""Cloud replicas that really serve: the replica activities on moto's EC2 and on the fake Compute server, each
+instance booted as a simulated host (tests/fakes/vpc.py) from the user data durastack gave it, reached over SSH
+only: launched, routed at the tunnel's Unix socket, checked over SSH by the monitor, rerouted after a lost
+tunnel, torn down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from activities.aws import AWSBackend
+from activities.gcp import GCPBackend
+from activities.replica import ReplicaActivities
+from activities.replica_cloud import CloudReplicas
+from activities.ssh import SSHClient
+from connect.ssh_keys import SSHKeys
+from models.backends import AWSConfig, BackendsConfig, GCPConfig
+from models.failures import retry_event
+from models.offers import InstanceOffer
+from models.replica import JobSpec
+from models.resources import ResourcesSpec
+from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
+from store import Store, StoreLedger
+from tests.fakes import vpc as vpcs
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env
+from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
+from tests.fakes.gce import gce  # noqa: F401  (fixture)
+from tests.test_ssh_path import APP, SECRET
+
+pytestmark = pytest.mark.skipif(vpcs.available() is not None, reason=str(vpcs.available()))
+
+CPU = ResourcesSpec.model_validate({"cpu": "2..", "memory": "4GB.."})
+AWS_M5 = InstanceOffer(backend="aws", instance_type="m5.large", region="us-east-1", zones=["us-east-1a"], cpus=2,
+                       memory_gb=8.0, price=0.096)
+GCP_N2 = InstanceOffer(backend="gcp", instance_type="n2-standard-2", region="us-central1", zones=["us-central1-a"],
+                       cpus=2, memory_gb=8.0, price=0.097)
+
+
+def job(replica: int = 0) -> JobSpec:
+    return JobSpec(service="svc", group="web", replica_num=replica, submission_num=0, port=8000,
+                   commands=[APP], env={"HF_TOKEN": SECRET, "MODEL": "tiny"}, secrets=["HF_TOKEN"])
+
+
+@pytest_asyncio.fixture
+async def vpc(tmp_path):
+    v = vpcs.SimulatedVPC(tmp_path / "vpc")
+    yield v
+    await asyncio.to_thread(v.close)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    return StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))
+
+
+def _cloud(name, backend, config, ledger, vpc, home) -> ReplicaActivities:
+    keys = SSHKeys.of_home(home)  # the session's DURASTACK_SSH_DIR: the backends put its public half in user data
+    cloud = CloudReplicas(config, {name: backend}, ledger, catalog=[AWS_M5, GCP_N2], poll_seconds=0.2,
+                          boot_timeout=60, ssh=SSHClient.from_keys(keys, socket_factory=vpc.socket_factory),
+                          ssh_keys=keys, home=home)
+    return ReplicaActivities(None, FakeGateway(), cloud=cloud)
+
+
+async def _get(address: str) -> httpx.Response:
+    assert address.startswith("unix:")
+    async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=address[5:]), timeout=5) as c:
+        return await c.get("http://replica/")
+
+
+async def _until(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _lifecycle(acts: ReplicaActivities, backend: str, vpc, booter) -> None:
+    client, gateway = FakeClient(), acts.gateway
+    inp = ReplicaInput(service_workflow_id="service/svc", job=job(), resources=CPU, backends=[backend])
+    launched = await activity_env(client).run(acts.launch, LaunchInput(backend=backend, replica=inp))
+    assert not booter.errors, booter.errors
+    address = launched.placement.address
+    assert address.startswith("unix:") and "/tunnels/" in address  # the tunnel's local end, as nginx's upstream
+    assert gateway.routed == {job().replica_id: address}
+    response = await _get(address)
+    assert response.status_code == 200 and response.text == f"tiny {len(SECRET)}"
+    host = vpc.hosts[launched.instance.instance_id]
+    # Nothing of the instance but SSH answers, even from inside its VPC.
+    with pytest.raises(OSError):
+        await asyncio.to_thread(vpc.connect, host.address, 8000, 2.0)
+
+    # A lost tunnel: unrouted, reconnected, routed again at the same socket.
+    cloud = acts.cloud
+    cloud.tunnels[launched.instance.instance_id].connection.abort()
+    await _until(lambda: [c[0] for c in gateway.calls][-2:] == ["unregister", "register"], what="rerouting")
+    assert gateway.routed == {job().replica_id: address} and (await _get(address)).status_code == 200
+
+    # A container that exits: the monitor sees it over SSH within seconds, and unroutes it.
+    watched = [Watched(replica_num=0, submission_num=0, group="web", workflow_id="service/svc/web/r0-s0",
+                       replica_id=job().replica_id, instance=launched.instance)]
+    monitor = asyncio.ensure_future(activity_env(client).run(acts.monitor, MonitorInput(
+        service="svc", backend=backend, replicas=watched, poll_seconds=0.5, workflow_check_seconds=60)))
+    await asyncio.sleep(0.5)
+    killed = time.monotonic()
+    os.kill(host.container_pid(), signal.SIGKILL)
+    down = await asyncio.wait_for(monitor, 20)
+    assert [(d.replica_num, d.reason) for d in down] == [(0, "container exited (137)")]
+    assert time.monotonic() - killed < 5 and gateway.routed == {}
+
+    await activity_env(client).run(acts.teardown, TeardownInput(
+        service_workflow_id="service/svc", job=job(), backend=backend, instance=launched.instance,
+        reason="exited", drain_seconds=0))
+    assert not Path(address[5:]).exists() and cloud.tunnels == {}
+
+
+async def test_aws_replica_serves_over_ssh(fake_ec2, vpc, ledger, tmp_path):
+    fake_ec2.seed_amis("us-east-1")
+    config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
+    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home")
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        await _lifecycle(acts, "aws", vpc, booter)
+
+
+async def test_gcp_replica_serves_over_ssh(gce, vpc, ledger, tmp_path):
+    config = GCPConfig(project_id="proj", regions=["us-central1"], endpoint=gce.url, public_ip=False)
+    acts = _cloud("gcp", GCPBackend(config), BackendsConfig(gcp=config), ledger, vpc, tmp_path / "home")
+    with vpcs.Booter(vpc, lambda: vpcs.gce_instances(gce)) as booter:
+        await _lifecycle(acts, "gcp", vpc, booter)
+    assert gce.firewall_rules() == []  # its last instance gone, the SSH rule went with it
+
+
+async def test_a_spot_interruption_is_named_as_such(fake_ec2, vpc, ledger, tmp_path):
+    import boto3
+
+    fake_ec2.seed_amis("us-east-1")
+    config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
+    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home")
+    acts.cloud._catalog = [AWS_M5.model_copy(update={"spot": True, "price": 0.03})]
+    client = FakeClient()
+    inp = ReplicaInput(service_workflow_id="service/svc", job=job(), resources=CPU, backends=["aws"],
+                       spot_policy="spot")
+    with vpcs.Booter(vpc, vpcs.moto_instances):
+        launched = await activity_env(client).run(acts.launch, LaunchInput(backend="aws", replica=inp))
+    assert launched.instance.spot
+    watched = [Watched(replica_num=0, submission_num=0, group="web", workflow_id="service/svc/web/r0-s0",
+                       replica_id=job().replica_id, instance=launched.instance)]
+    monitor = asyncio.ensure_future(activity_env(client).run(acts.monitor, MonitorInput(
+        service="svc", backend="aws", replicas=watched, poll_seconds=0.2, workflow_check_seconds=60)))
+    await asyncio.sleep(0.3)
+    boto3.client("ec2", region_name="us-east-1").terminate_instances(InstanceIds=[launched.instance.instance_id])
+    down = await asyncio.wait_for(monitor, 20)
+    assert [d.reason for d in down] == ["spot interruption (instance terminated)"]
+    assert retry_event(down[0].reason) == "interruption"  # what `retry.on_events` calls it
+    await activity_env(client).run(acts.teardown, TeardownInput(
+        service_workflow_id="service/svc", job=job(), backend="aws", instance=launched.instance,
+        reason=down[0].reason, drain_seconds=0))

@@ -1,0 +1,43 @@
+"""`durastack ps` rendering: what a person reads about groups and replicas."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from rich.console import Console
+
+from cli.render import ps_table, status_json
+from models.run import GroupView, ReplicaView, ServiceStatus
+
+AT = datetime(2026, 12, 1, 1, 30, tzinfo=timezone.utc)
+
+
+def status(retry_after=None) -> ServiceStatus:
+    replica = ReplicaView(replica=0, submission=3, deployment=1, group="web", status="failed", ready=False,
+                          submitted_at=AT, reason="exited (1)")
+    return ServiceStatus(name="svc", status="pending", deployment=1, auth=True, submitted_at=AT, groups=[
+        GroupView(name="web", desired=1, min=1, max=1, retry_after=retry_after, replicas=[replica])])
+
+
+def rendered(s: ServiceStatus) -> str:
+    console = Console(record=True, width=200)
+    console.print(ps_table([s]))
+    return console.export_text()
+
+
+def test_a_group_waiting_on_a_back_off_says_until_when():
+    waiting = datetime(2026, 12, 1, 1, 40, 5, tzinfo=timezone.utc)
+    assert "group=web waits on a back-off until 01:40:05 UTC" in rendered(status(waiting))
+    assert "back-off" not in rendered(status())
+    assert status_json(status(waiting), "u")["groups"][0]["retry_after"] == "2026-12-01T01:40:05+00:00"
+
+
+def test_a_router_service_says_which_group_routes_and_what_a_worker_waits_for():
+    s = status()
+    s.groups = [s.groups[0].model_copy(update={"name": "router", "role": "router"}),
+                GroupView(name="decode", desired=1, min=1, max=2, role="worker", replicas=[],
+                          waiting="groups[router].replicas[0] waits for replica 0 to have an address")]
+    text = rendered(s)
+    assert "group=router (router) replica=0" in text and "group=decode (worker) (no replicas)" in text
+    assert "group=decode (worker) waits: groups[router].replicas[0] waits for replica 0" in text
+    assert [g["role"] for g in status_json(s, "u")["groups"]] == ["router", "worker"]

@@ -1,0 +1,149 @@
+"""Router services (PD disaggregation) on the time-skipping server with the fake cloud: only the router group
+is registered with the gateway, workers roll as spec 6.5 says, and replica addresses in commands wait, are
+substituted, and roll their referrers when they move."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from models.loader import load_config_text
+from models.run import ApplyRequest, ServiceState
+from tests.conftest import eventually
+from tests.fakes.cloud import fake_cloud_worker
+from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ROUTER = "${{ groups[router].replicas[0].IP_ADDRESS }}:${{ groups[router].replicas[0].PORT }}"
+PD = """
+type: service
+name: {name}
+port: 8000
+groups:
+  - name: router
+    replicas: 1
+    router: {{type: sglang}}
+    commands: ["route {version}"]
+  - name: prefill
+    replicas: 1
+    commands: [{prefill}]
+  - name: decode
+    replicas: 1..2
+    scaling: {{metric: rps, target: 2}}
+    commands: [{decode}]
+"""
+
+
+def pd_config(name: str, version: str = "v1", decode: str = "decode v1", prefill: str = "prefill") -> dict:
+    text = PD.format(name=name, version=version, decode=json.dumps(decode), prefill=json.dumps(prefill))
+    result = load_config_text(text)
+    assert result.valid, [str(e) for e in result.errors]
+    return result.config.model_dump(mode="json")
+
+
+@pytest.fixture
+async def cloud(ts_env):
+    async for fake in fake_cloud_worker(ts_env):
+        yield fake
+
+
+async def start(env, cloud, name: str, **kw):
+    config = load_config_text(PD.format(name=name, version="v1", decode=json.dumps(kw.get("decode", "decode v1")),
+                                        prefill=json.dumps(kw.get("prefill", "prefill")))).config
+    return await env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+
+
+async def status_of(handle):
+    return await handle.query(ServiceRunWorkflow.status)
+
+
+async def ready(handle, expected: dict[str, list[int]]):
+    async def check():
+        status = await status_of(handle)
+        got = {g.name: sorted(r.replica for r in g.replicas if r.ready and r.status == "running")
+               for g in status.groups}
+        return status if got == expected else None
+    return await eventually(check)
+
+
+async def events(handle, kind: str = "") -> list[str]:
+    return [e.message for e in await handle.query(ServiceRunWorkflow.events) if not kind or e.kind == kind]
+
+
+async def test_only_the_router_group_is_registered_and_ps_says_which_routes(ts_env, cloud):
+    handle = await start(ts_env, cloud, "pd-route")
+    status = await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    assert [g.role for g in status.groups] == ["router", "worker", "worker"]
+    assert cloud.routed == {"pd-route/router/r0-s0"}
+    assert [op for op, rid in cloud.log if rid == "pd-route/decode/r2-s0"] == ["provision", "ready"]
+    # Workers are watched as the router is: a dead worker is replaced (and never registered).
+    cloud.crash.setdefault("pd-route/decode/r2-s0", asyncio.Event()).set()
+    await eventually(lambda: _true("pd-route/decode/r2-s1" in cloud.provisions))
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    assert cloud.routed == {"pd-route/router/r0-s0"}
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_workers_roll_one_at_a_time_behind_the_router(ts_env, cloud):
+    handle = await start(ts_env, cloud, "pd-roll")
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    result = await handle.execute_update(ServiceRunWorkflow.apply,
+                                         ApplyRequest(config=pd_config("pd-roll", decode="decode v2")))
+    assert result.rolling == ["groups.decode.commands"] and (result.kept, result.replacing) == (2, 1)
+    await eventually(lambda: _true(cloud.instances.get("pd-roll/decode/r2-s0") == "terminated"))
+    status = await ready(handle, {"router": [0], "prefill": [1], "decode": [3]})
+    assert cloud.max_alive["decode"] == 2  # desired 1 + surge 1
+    # The ready old worker kept working until its replacement was ready, and no worker was ever registered.
+    log = [(op, rid) for op, rid in cloud.log if "/decode/" in rid]
+    assert log.index(("ready", "pd-roll/decode/r3-s0")) < log.index(("terminate", "pd-roll/decode/r2-s0"))
+    assert cloud.routed == {"pd-roll/router/r0-s0"} and not any(g.rollout for g in status.groups)
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_a_reference_waits_for_an_address_and_is_substituted(ts_env, cloud):
+    handle = await start(ts_env, cloud, "pd-refs", prefill=f"prefill --router {ROUTER}")
+    await ready(handle, {"router": [0], "prefill": [2], "decode": [1]})
+    # The prefill worker started only after the router had an address, with it in its commands (decode, which
+    # names nobody, started in the first pass and took the next number).
+    router_ip = cloud.ips["pd-refs/router/r0-s0"]
+    assert cloud.commands["pd-refs/prefill/r2-s0"] == [f"prefill --router {router_ip}:8000"]
+    assert cloud.log.index(("provision", "pd-refs/router/r0-s0")) < \
+        cloud.log.index(("provision", "pd-refs/prefill/r2-s0"))
+    waits = await events(handle, "wait")
+    assert waits and waits[0].startswith("a replica cannot start yet: groups[router].replicas[0] ")
+    assert any(m == f"replica 2 starts with groups[router].replicas[0].IP_ADDRESS = {router_ip}, "
+                    "groups[router].replicas[0].PORT = 8000" for m in await events(handle, "replica"))
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(ts_env, cloud):
+    handle = await start(ts_env, cloud, "pd-move", prefill=f"prefill --router {ROUTER}")
+    await ready(handle, {"router": [0], "prefill": [2], "decode": [1]})
+    # The router's configuration changes: it rolls, gets a new address, and the prefill worker follows it.
+    await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=pd_config(
+        "pd-move", version="v2", prefill=f"prefill --router {ROUTER}")))
+    await eventually(lambda: _true(cloud.instances.get("pd-move/prefill/r2-s0") == "terminated"))
+    status = await ready(handle, {"router": [3], "prefill": [4], "decode": [1]})
+    assert status.groups[1].rollout == "" and status.groups[1].waiting == ""
+    old_ip, new_ip = cloud.ips["pd-move/router/r0-s0"], cloud.ips["pd-move/router/r3-s0"]
+    assert old_ip != new_ip and cloud.commands["pd-move/prefill/r4-s0"] == [f"prefill --router {new_ip}:8000"]
+    rolls = [m for m in await events(handle, "rollout") if "replica their commands reference" in m]
+    assert rolls == ["replicas roll: a replica their commands reference was replaced "
+                     f"(groups[router].replicas[0].IP_ADDRESS {old_ip} → {new_ip})"]
+    # The old worker kept working until the new one was ready (surge rules).
+    assert cloud.log.index(("ready", "pd-move/prefill/r4-s0")) < cloud.log.index(("terminate", "pd-move/prefill/r2-s0"))
+    assert cloud.provisions.get("pd-move/decode/r1-s0") == 1  # decode names nobody: untouched
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -1,0 +1,108 @@
+"""Replica addresses in commands, resolved from the service's own state (pure).
+
+``groups[g].replicas[j]`` is the j-th active replica of group g, in replica-number order: validation
+keeps j below the group's minimum, so it normally exists. Its ``IP_ADDRESS`` is the address its placement
+gives other replicas of the service (``Placement.ip``, else the host part of the gateway address); a
+replica without a placement yet has none, and a replica whose commands need it waits (``resolve``).
+
+A replica records the values it started with (``Replica.refs``). When one of them moves (the
+referenced replica was replaced) the replica is ``readdressed``: the planner rolls it like an
+out-of-date one, surge rules and all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from models.interpolation import find, group_name, substitute
+from models.run import Placement, Replica, ServiceState
+from models.service import ServiceConfiguration
+
+
+# Why a reference cannot resolve until the backend changes: the replica runs, but nobody else can reach it.
+NO_NETWORK = "isolated with no service network"
+
+
+@dataclass
+class Resolution:
+    values: dict[str, str] = field(default_factory=dict)  # key → value, for the references that resolve
+    missing: dict[str, str] = field(default_factory=dict)  # key → why it does not resolve yet
+
+    def why_waiting(self) -> str:
+        # IP_ADDRESS and PORT of one replica wait for the same thing: said once, of the replica.
+        by_replica = {key.rsplit(".", 1)[0]: why for key, why in self.missing.items()}
+        return "; ".join(f"{replica} {why}" for replica, why in sorted(by_replica.items()))
+
+
+def keys(config: ServiceConfiguration, group: str) -> list[str]:
+    """The references the commands of ``group`` make, by group name, in order, without repeats."""
+    spec = config.group(group)
+    if spec is None:
+        return []
+    names = [g.name or "" for g in config.replica_groups]
+    out: dict[str, None] = {}
+    for command in spec.commands:
+        for f in find(command):
+            name = group_name(names, f.ref.group) if f.ref is not None else None
+            if f.ref is not None and name is not None:
+                out[f.ref.key(name)] = None
+    return list(out)
+
+
+def peer_ip(placement: Placement) -> str:
+    """Where other replicas of the service reach this one: its ``ip``, else the host of an ``ip:port`` address."""
+    if placement.ip:
+        return placement.ip
+    host, sep, port = placement.address.rpartition(":")
+    return host if sep and port.isdigit() and host and "/" not in host else ""
+
+
+def _port(placement: Placement, service_port: int) -> str:
+    host, sep, port = placement.address.rpartition(":")
+    if sep and port.isdigit() and host and "/" not in host:
+        return port  # reached at host:port (e.g. its own port on a shared host: a local replica without isolation)
+    return str(service_port)  # reached through a socket: the app listens on the service's port
+
+
+def resolve(state: ServiceState, group: str) -> Resolution:
+    """The values of the references ``group``'s commands make, now."""
+    out = Resolution()
+    wanted = keys(state.config, group)
+    if not wanted:
+        return out
+    active: dict[str, list[Replica]] = {}
+    for r in state.latest():
+        if r.active:
+            active.setdefault(r.group, []).append(r)
+    for key in wanted:
+        name, rest = key[len("groups["):].split("].replicas[", 1)
+        index, attr = rest.split("].", 1)
+        replicas = active.get(name, [])
+        if int(index) >= len(replicas):
+            out.missing[key] = f"has no replica yet (group '{name}' has {len(replicas)} active)"
+            continue
+        target = replicas[int(index)]
+        ip = peer_ip(target.placement) if target.placement is not None else ""
+        if not ip:
+            out.missing[key] = (f"waits for replica {target.replica_num} to have an address "
+                                f"({target.status}{', ' + NO_NETWORK if target.placement else ''})")
+            continue
+        assert target.placement is not None
+        out.values[key] = ip if attr == "IP_ADDRESS" else _port(target.placement, state.config.port.container_port)
+    return out
+
+
+def readdressed(replica: Replica, now: Resolution) -> Optional[str]:
+    """Why ``replica`` must roll because an address it started with moved, or None."""
+    moved = [f"{key} {old} → {now.values[key]}" for key, old in sorted(replica.refs.items())
+             if key in now.values and now.values[key] != old]
+    return "; ".join(moved) or None
+
+
+def commands(config: ServiceConfiguration, group: str, values: dict[str, str]) -> list[str]:
+    """The group's commands with the references replaced by ``values`` (all of them resolved)."""
+    spec = config.group(group)
+    assert spec is not None, group
+    names = [g.name or "" for g in config.replica_groups]
+    return [substitute(c, names, lambda key: values[key]) for c in spec.commands]

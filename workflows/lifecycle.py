@@ -1,0 +1,276 @@
+"""How a service's state answers what happens to it (pure): a new deployment, a manual scale, a
+replica's report, a replica seen dead. Each returns the notes for the decision log.
+
+The ServiceRunWorkflow calls these from its handlers and its loop; no Temporal, no I/O here, so each
+rule is tested on plain models (tests/test_lifecycle.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Optional
+
+from models.common import format_duration
+from models.failures import retry_event
+from models.gateway import RouteRateLimit
+from models.run import (ApplyResult, Down, Event, GroupState, Replica, ReplicaUpdate, RouteInput,
+                        ServiceState)
+from models.service import ServiceConfiguration
+from workflows.autoscaler import decide, next_check
+from workflows.changes import classify, spec_hash
+from workflows.planner import Plan, count_failure, sync_groups
+
+MAX_EVENTS = 200  # the latest decisions kept in state; the store's decision log keeps them all
+MAX_UNRECORDED = 2000  # while the store is unreachable; older ones are then dropped from the log
+
+
+@dataclass(frozen=True)
+class Note:
+    """One entry for the decision log (`durastack events`)."""
+
+    kind: str
+    message: str
+    group: Optional[str] = None
+
+
+def deploy(state: ServiceState, new: ServiceConfiguration) -> tuple[ApplyResult, list[Note]]:
+    """A new configuration: counts apply at once, changed jobs roll out replica by replica (spec 6).
+
+    Groups it changes forget their back-off and failed rollout: a fix must take effect at once."""
+    changes = classify(state.config, new)
+    if not changes.any:
+        return ApplyResult(deployment=state.deployment_num, changed=False), []
+    changed = {g.name for g in new.replica_groups
+               if state.config.group(g.name) != g or spec_hash(state.config, g.name) != spec_hash(new, g.name)}
+    state.previous_config, state.config = state.config, new
+    state.deployment_num += 1
+    state.groups = sync_groups(new, state.groups)
+    for group in state.groups.values():
+        group.rollout_failed = ""
+        if group.name in changed:
+            _forgive(group)
+    kept = _keep_unchanged(state)
+    what = ", ".join(changes.in_place + changes.rolling)
+    replacing = sum(1 for r in state.replicas if r.active and r.deployment_num < state.deployment_num)
+    note = Note("apply", f"deployment {state.deployment_num}: changed {what}; {kept} replica(s) kept, "
+                         f"{replacing} roll")
+    return ApplyResult(deployment=state.deployment_num, in_place=changes.in_place, rolling=changes.rolling,
+                       kept=kept, replacing=replacing), [note]
+
+
+def _keep_unchanged(state: ServiceState) -> int:
+    """Replicas whose job does not change join the new deployment without a restart (spec 6.4)."""
+    hashes = {g.name: spec_hash(state.config, g.name) for g in state.config.replica_groups}
+    kept = 0
+    for r in state.replicas:
+        if not r.finished and r.deployment_num < state.deployment_num and hashes.get(r.group) == r.spec_hash:
+            r.deployment_num = state.deployment_num
+            kept += 1
+    return kept
+
+
+def rescale(state: ServiceState, group_name: str, count: int, now: datetime) -> list[Note]:
+    """A manual scale: the count holds until the group's scaling delay, and the group's back-off ends."""
+    group = state.groups[group_name]
+    notes = [Note("scale", f"{group.desired} → {count} (manual scale)", group_name)] if group.desired != count else []
+    group.desired, group.last_scaled_at = count, now
+    _forgive(group)
+    return notes
+
+
+def _forgive(group: GroupState) -> None:
+    """A new deployment or a manual scale of the group: its next replica starts now, not after a back-off, and
+    `retry.duration` counts afresh."""
+    group.failures, group.retry_after, group.last_failed_at, group.failing_since = 0, None, None, None
+
+
+def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime) -> list[Note]:
+    """A replica's report. Reports are fire-and-forget and may repeat or arrive late: one not newer than
+    the last applied (``seq``) is dropped."""
+    replica = state.find(update.replica_num, update.submission_num)
+    if replica is None or replica.finished or update.seq <= replica.seq:
+        return []
+    replica.seq = update.seq
+    replica.status, replica.ready, replica.registered = update.status, update.ready, update.registered
+    replica.placement = update.placement or replica.placement
+    replica.instance = update.instance or replica.instance
+    replica.reason = update.reason or replica.reason
+    group = state.groups.get(replica.group)
+    notes: list[Note] = []
+    if update.status in ("terminating", "failed") and not replica.stop_requested and group is not None:
+        replica.stop_requested = True  # counted once: a later report of the same failure finds it stopping
+        notes += _failed(state, group, replica, update.reason or "failed", now)
+    if replica.finished:
+        replica.finished_at = now
+        notes.append(Note("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}",
+                          replica.group))
+    return notes
+
+
+def on_down(state: ServiceState, down: Down, now: datetime) -> tuple[Optional[Replica], list[Note]]:
+    """The monitor saw a serving replica die (already unrouted): it counts as a failure and is replaced.
+    Returns the replica to stop, or None when it was already leaving."""
+    replica = state.find(down.replica_num, down.submission_num)
+    if replica is None or replica.finished or replica.stop_requested:
+        return None, []
+    replica.stop_requested, replica.registered, replica.reason = True, False, down.reason
+    group = state.groups.get(replica.group)
+    failed = _failed(state, group, replica, down.reason, now) if group is not None else []
+    then = "not replaced" if state.failure else "replacing"
+    return replica, [Note("replica", f"replica {replica.replica_num} down: {down.reason}; unrouted, {then}",
+                          replica.group)] + failed
+
+
+def _failed(state: ServiceState, group: GroupState, replica: Replica, reason: str, now: datetime) -> list[Note]:
+    """A replica failed: back off before the group's next one, and stop a rollout whose new replica failed.
+    A failure the configuration's `retry` does not cover fails the service instead (but never a rollout's
+    new replica: the old replicas keep serving)."""
+    count_failure(group, now)
+    rollout = state.rolling(group.name) and replica.deployment_num == state.deployment_num
+    if not rollout and not state.stopping:
+        why = not_retried(state.config, group, reason, now)
+        if why:
+            state.stopping, state.failure = True, f"replica {replica.replica_num} {reason}; not retried: {why}"
+            return [Note("stop", f"service failed: {state.failure}", group.name)]
+    notes = []
+    if group.retry_after is not None:
+        notes.append(Note("backoff", f"{group.failures} failures in a row: next replica after "
+                                     f"{group.retry_after:%H:%M:%S} UTC", group.name))
+    if rollout:
+        group.rollout_failed = reason
+        notes.append(Note("rollout", f"rollout to deployment {state.deployment_num} stopped: replica "
+                                     f"{replica.replica_num} {reason}; old replicas keep serving "
+                                     "(apply the previous file or `durastack rollback`)", group.name))
+    return notes
+
+
+def not_retried(config: ServiceConfiguration, group: GroupState, reason: str, now: datetime) -> str:
+    """Why the configuration's `retry` does not replace a replica that failed for ``reason`` (the group's
+    failure already counted); '' when it does. Without `retry` every failure is replaced."""
+    retry = config.retry
+    if retry is None:
+        return ""
+    event = retry_event(reason)
+    if event not in retry.on_events:
+        return f"'{event}' is not in retry.on_events"
+    since = group.failing_since or now
+    if retry.duration is not None and now - since > timedelta(seconds=retry.duration):
+        return f"failing for longer than retry.duration {format_duration(retry.duration)}"
+    return ""
+
+
+def autoscale(state: ServiceState, now: datetime, fresh: bool) -> list[Note]:
+    """The autoscaler applied to every group with `scaling`, each decision noted with the rate it used.
+    ``fresh``: a new snapshot arrived, so a decision held by a delay is worth noting once."""
+    notes, snap = [], state.stats
+    for spec in state.config.replica_groups:
+        if spec.scaling is None:
+            continue
+        group, scaling = state.groups[spec.name], spec.scaling
+        rate = snap.rate(scaling.window) if snap is not None else None
+        d = decide(group.desired, rate, scaling, spec.count.min or 0, spec.count.max or 0, group.last_scaled_at, now)
+        seen = f"rps {rate:.2f} over {scaling.window}s, target {scaling.target:g}" if rate is not None else ""
+        if seen and not state.config.routed(spec.name):  # the gateway never sees a worker's own rate
+            seen += f" (the service's rate: all its traffic enters through router group '{state.config.router_group}')"
+        if d.new != group.desired:
+            notes.append(Note("scale", f"{group.desired} → {d.new}: {d.reason}; {seen}", group.name))
+            group.desired, group.last_scaled_at = d.new, now
+        elif fresh and "delay" in d.reason:
+            notes.append(Note("hold", f"stays at {group.desired}: {d.reason}; {seen}", group.name))
+    return notes
+
+
+def add_replicas(state: ServiceState, plan: Plan, now: datetime) -> tuple[list[Replica], list[Note]]:
+    """The replicas the plan starts, added to the state: each with the addresses its commands use and
+    whether the gateway routes to it (not to workers behind a router group)."""
+    added, notes = [], []
+    for s in plan.start:
+        refs = dict(plan.refs.get(s.group, {}))  # the planner starts a group only once all of them resolve
+        replica = Replica(replica_num=s.replica_num, submission_num=s.submission_num, group=s.group,
+                          deployment_num=state.deployment_num, submitted_at=now,
+                          spec_hash=spec_hash(state.config, s.group), routed=state.config.routed(s.group), refs=refs)
+        state.replicas.append(replica)
+        state.next_replica_num = max(state.next_replica_num, s.replica_num + 1)
+        added.append(replica)
+        if refs:
+            notes.append(Note("replica", f"replica {s.replica_num} starts with " +
+                              ", ".join(f"{k} = {v}" for k, v in sorted(refs.items())), s.group))
+    return added, notes
+
+
+def remember_waits(state: ServiceState, plan: Plan) -> list[Note]:
+    """Note, once each, a group that cannot start a replica for want of an address, and a group whose replicas
+    roll because an address they use moved."""
+    notes = []
+    for name, group in state.groups.items():
+        wait, moved = plan.waits.get(name, ""), plan.readdressed.get(name, "")
+        if wait and wait != group.waiting:
+            notes.append(Note("wait", f"a replica cannot start yet: {wait}", name))
+        if moved and moved != group.readdressed:
+            notes.append(Note("rollout", f"replicas roll: a replica their commands reference was replaced ({moved})",
+                              name))
+        group.waiting, group.readdressed = wait, moved
+    return notes
+
+
+def end_backoffs(state: ServiceState, now: datetime) -> None:
+    """Back-offs that have run out are forgotten, so `ps` shows only the ones a group still waits on."""
+    for group in state.groups.values():
+        if group.retry_after is not None and group.retry_after <= now:
+            group.retry_after = None
+
+
+def deadline(state: ServiceState) -> Optional[datetime]:
+    """When the service stops itself: `max_duration` after it was submitted (an apply that changes it counts
+    from the same submission); None without one."""
+    if state.config.max_duration is None or state.submitted_at is None:
+        return None
+    return state.submitted_at + timedelta(seconds=state.config.max_duration)
+
+
+def expire(state: ServiceState, now: datetime) -> list[Note]:
+    """`max_duration` reached: the service stops, as if asked to (the run ends as stopped)."""
+    due, limit = deadline(state), state.config.max_duration or 0
+    if state.stopping or due is None or now < due:
+        return []
+    state.stopping = True
+    return [Note("stop", f"max_duration {format_duration(limit)} reached: stopping the service")]
+
+
+def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
+    """When a back-off, a scaling decision held by its delay or the service's `max_duration` ends, whichever is
+    first; None if none."""
+    dues = [g.retry_after for g in state.groups.values() if g.retry_after is not None]
+    if (due := deadline(state)) is not None:
+        dues.append(due)
+    snap = state.stats
+    for spec in state.config.replica_groups:
+        group = state.groups[spec.name]
+        if spec.scaling is None or snap is None or group.last_scaled_at is None:
+            continue
+        delay = next_check(group.desired, snap.rate(spec.scaling.window), spec.scaling, spec.count.min or 0,
+                           spec.count.max or 0, group.last_scaled_at)
+        if delay is not None:
+            dues.append(group.last_scaled_at + timedelta(seconds=delay))
+    return min((d for d in dues if d > now), default=None)
+
+
+def route(state: ServiceState) -> RouteInput:
+    """The gateway route the configuration asks for. The service puts it at start and again whenever an
+    apply changes it (rate limits, prefix, Authorization header, cold-start timeout)."""
+    cfg = state.config
+    limits = [RouteRateLimit(prefix=lim.prefix, key=lim.key.type, header=lim.key.header, rps=lim.rps,
+                             burst=lim.burst) for lim in cfg.rate_limits]
+    return RouteInput(service=state.name, auth=cfg.auth, cold_start_timeout=cfg.cold_start_timeout,
+                      pass_authorization=cfg.pass_authorization, strip_prefix=cfg.strip_prefix, rate_limits=limits)
+
+
+def log(state: ServiceState, event: Event) -> None:
+    """Append to the decision log: numbered, the latest kept in state, the unrecorded kept for the store."""
+    state.last_seq += 1
+    event.seq = state.last_seq
+    state.events.append(event)
+    del state.events[:-MAX_EVENTS]
+    state.unrecorded.append(event)
+    del state.unrecorded[:-MAX_UNRECORDED]

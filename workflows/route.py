@@ -1,0 +1,46 @@
+"""A service's gateway route: put when the service starts and whenever an apply changes its settings,
+removed when the service stops."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from activities import interface
+    from models.run import RouteInput, ServiceState
+    from workflows import lifecycle
+
+RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
+
+
+class Route:
+    def __init__(self) -> None:
+        self.routed: Optional[RouteInput] = None  # the route last put on the gateway by this run
+
+    async def sync(self, state: ServiceState) -> list[lifecycle.Note]:
+        """Put the route if it is not on the gateway as the configuration wants it (its replicas stay routed).
+        A gateway that refuses it (a 4xx: asking again changes nothing) is noted, not retried, and the service
+        goes on with the route as it was."""
+        route = lifecycle.route(state)
+        if route == self.routed:
+            return []
+        self.routed = route
+        try:
+            await workflow.execute_activity(interface.ensure_route, route, retry_policy=RETRY,
+                                            start_to_close_timeout=timedelta(seconds=60), summary="gateway route")
+        except ActivityError as e:
+            state.routed = state.routed or False
+            return [lifecycle.Note("rejected", f"the gateway refused the route: {e.cause or e}")]
+        state.routed = True
+        return []
+
+    @staticmethod
+    async def remove(state: ServiceState) -> None:
+        await workflow.execute_activity(
+            interface.remove_route, RouteInput(service=state.name), start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRY, summary="remove gateway route")

@@ -1,0 +1,123 @@
+"""The long activities a service keeps running while it serves: one stats watcher while some group
+autoscales, and one replica monitor per backend that has serving replicas.
+
+Each returns only when something changed (a group's wanted count, a replica that died), so an idle
+service writes no history. Each is restarted when what it watches changes, with a cancel request the
+workflow does not wait for; at a continue-as-new none is cancelled: a watcher of a closed run learns it
+at its next heartbeat and ends.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.workflow import ActivityCancellationType, ActivityHandle
+
+with workflow.unsafe.imports_passed_through():
+    from activities import interface
+    from models.replica import replica_id
+    from models.run import Down, GroupWatch, MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched
+    from workflows.autoscaler import wanted
+    from workflows.jobs import replica_workflow_id
+    from workflows.names import backend_queue
+
+RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
+
+
+class Watchers:
+    def __init__(self, heartbeat: timedelta) -> None:
+        self.heartbeat = heartbeat
+        self.running: dict[str, tuple[Any, ActivityHandle]] = {}  # "stats" or a backend → (what it watches, handle)
+
+    def done(self) -> bool:
+        return any(handle.done() for _, handle in self.running.values())
+
+    def take(self) -> tuple[Optional[StatsSnapshot], list[Down]]:
+        """What the finished watchers saw; each is started again by the next ``refresh``."""
+        snapshot, downs = None, []
+        for key, (_, handle) in list(self.running.items()):
+            if not handle.done():
+                continue
+            del self.running[key]
+            try:
+                result = handle.result()
+            except BaseException as e:  # noqa: BLE001 — cancelled, or failed for good: started again
+                workflow.logger.warning("%s watcher ended: %s", key, e)
+                continue
+            if key == "stats":
+                snapshot = result
+            else:
+                downs += result
+        return snapshot, downs
+
+    def refresh(self, state: ServiceState) -> None:
+        """Start, restart or stop each watcher so that it watches what the state has now."""
+        wanted_now = {} if state.stopping else _wanted(state)
+        for key in set(self.running) - set(wanted_now):
+            self._cancel(key)
+        for key, what in wanted_now.items():
+            if key in self.running and self.running[key][0] == what:
+                continue
+            self._cancel(key)
+            self.running[key] = (what, self._start(key, what))
+
+    def stop(self) -> None:
+        for key in list(self.running):
+            self._cancel(key)
+
+    def _cancel(self, key: str) -> None:
+        entry = self.running.pop(key, None)
+        if entry is not None and not entry[1].done():
+            entry[1].cancel()
+            entry[1].add_done_callback(_forget)
+
+    def _start(self, key: str, what: Any) -> ActivityHandle:
+        if key == "stats":
+            return workflow.start_activity(
+                interface.watch_stats, what, start_to_close_timeout=timedelta(hours=1),
+                heartbeat_timeout=self.heartbeat, retry_policy=RETRY,
+                cancellation_type=ActivityCancellationType.TRY_CANCEL, summary="watch gateway stats")
+        return workflow.start_activity(
+            interface.monitor_replicas, what, task_queue=backend_queue(workflow.info().task_queue, key),
+            start_to_close_timeout=timedelta(days=3650), heartbeat_timeout=self.heartbeat, retry_policy=RETRY,
+            cancellation_type=ActivityCancellationType.TRY_CANCEL, summary=f"watch replicas on {key}")
+
+
+def _wanted(state: ServiceState) -> dict[str, Any]:
+    """What each watcher should watch now: keys are "stats" and the backends with serving replicas."""
+    out: dict[str, Any] = {}
+    stats = _stats_watch(state)
+    if stats is not None:
+        out["stats"] = stats
+    by_backend: dict[str, list[Watched]] = {}
+    for r in state.replicas:
+        if r.serves and r.instance is not None and r.placement is not None:
+            by_backend.setdefault(r.placement.backend, []).append(Watched(
+                replica_num=r.replica_num, submission_num=r.submission_num, group=r.group,
+                workflow_id=replica_workflow_id(state.name, r.group, r.replica_num, r.submission_num),
+                replica_id=replica_id(state.name, r.group, r.replica_num, r.submission_num), instance=r.instance))
+    for backend, watched in by_backend.items():
+        out[backend] = MonitorInput(service=state.name, backend=backend, replicas=watched)
+    return out
+
+
+def _stats_watch(state: ServiceState) -> Optional[StatsWatch]:
+    snap = state.stats
+    groups = []
+    for g in state.config.replica_groups:
+        if g.scaling is None:
+            continue
+        lo, hi = g.count.min or 0, g.count.max or 0
+        now = wanted(snap.rate(g.scaling.window), g.scaling.target, lo, hi)[0] if snap is not None else -1
+        groups.append(GroupWatch(name=g.name, target=g.scaling.target, window=g.scaling.window, lo=lo, hi=hi,
+                                 wanted=now))
+    return StatsWatch(service=state.name, groups=groups) if groups else None
+
+
+def _forget(handle: ActivityHandle) -> None:
+    """A cancelled watcher's outcome is of no interest; reading it keeps asyncio from reporting it."""
+    if not handle.cancelled():
+        handle.exception()
