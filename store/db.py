@@ -16,7 +16,9 @@ import fcntl
 import json
 import logging
 import os
+import sqlite3
 import threading
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -62,9 +64,23 @@ def _utc(at: datetime) -> datetime:
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {BUSY_SECONDS * 1000}")
-    cursor.execute("PRAGMA journal_mode = WAL")
+    _wal(cursor)
     cursor.execute("PRAGMA synchronous = FULL")  # in WAL mode, NORMAL could lose the last commits on power loss
     cursor.close()
+
+
+def _wal(cursor) -> None:
+    """Switch the file to WAL (it stays so). Processes opening a new file together all switch it, and SQLite answers
+    "database is locked" to all but one at once, without waiting its busy timeout: try again until it is done."""
+    deadline = time.monotonic() + BUSY_SECONDS
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def make_engine(url: str) -> Engine:
