@@ -151,8 +151,10 @@ class AWSBackend:
         return f"durastack-{self.installation}-{service}" if self.installation else f"durastack-{service}"
 
     def release(self, service: str) -> None:
-        """Delete the service's security groups in the regions where none of its instances is left. A group
-        still held by a terminating instance (DependencyViolation) is left for the next stop or the reaper."""
+        """Delete the service's security groups in the regions where none of its instances is left. A group still
+        held by an instance that is shutting down (real EC2 keeps its interface, and answers DependencyViolation,
+        for up to a few minutes after TerminateInstances) raises TRANSIENT: the teardown is retried until it goes,
+        since nothing else (neither the reaper nor a later stop) would delete it."""
         for region in self.regions:
             if self.list_tagged([region], service=service):
                 continue
@@ -165,7 +167,10 @@ class AWSBackend:
                     with _errors(f"DeleteSecurityGroup {group['GroupId']}"):
                         ec2.delete_security_group(GroupId=group["GroupId"])
                 except CloudError as e:
-                    if e.code not in ("InvalidGroup.NotFound", "DependencyViolation"):
+                    if e.code == "DependencyViolation":
+                        raise CloudError(ErrorKind.TRANSIENT, f"{e.message} (an instance still shutting down; "
+                                         "retried)", code=e.code) from e
+                    if e.code != "InvalidGroup.NotFound":
                         raise
             self._groups = {k: v for k, v in self._groups.items() if not (k[0] == region and k[1] == service)}
 

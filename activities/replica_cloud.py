@@ -329,8 +329,8 @@ class CloudReplicas:
 
     async def _release(self, service: str, backend: str) -> None:
         """Once the service has no instance left there: its security groups (AWS), the SSH firewall rule if no
-        instance of this control plane is left (GCP). Best effort: a group still held by a terminating instance
-        is deleted by a later teardown or stop."""
+        instance of this control plane is left (GCP). Best effort, but a group still held by an instance that is
+        shutting down fails the teardown retryably: it is retried until the group goes."""
         cloud = self.backends.get(backend)
         release = getattr(cloud, "release", None)
         if release is None:
@@ -338,6 +338,8 @@ class CloudReplicas:
         try:
             await asyncio.to_thread(release, service)
         except CloudError as e:
+            if e.kind is ErrorKind.TRANSIENT and e.code == "DependencyViolation":
+                raise activity_error(e, teardown=True) from e  # retried until the group can go
             log.info("releasing %s's network rules on %s: %s (left for later)", service, backend, e.message)
 
     # --- helpers ---------------------------------------------------------------------------------

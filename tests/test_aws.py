@@ -370,6 +370,36 @@ def test_stopping_the_service_leaves_no_instance_tagged_for_it(aws, ledger):
     assert running == []
 
 
+def test_a_group_held_by_an_instance_shutting_down_is_retried_not_left(aws, ledger, monkeypatch):
+    """Real EC2 keeps a terminated instance's interface (and so its security group) for a while: DeleteSecurityGroup
+    answers DependencyViolation. moto terminates at once, so the error is injected; release must not swallow it
+    (nothing else would delete the group), but raise it as retryable for the teardown to try again."""
+    from botocore.exceptions import ClientError
+
+    inst = walk(aws, ledger, [G5], j=job(0))
+    terminate_service({"aws": aws}, "svc", ledger=ledger)  # moto: terminated at once, the group deleted
+    walk(aws, ledger, [G5], j=job(1))
+    aws.terminate(aws.list_tagged(service="svc")[0])
+    client = aws._client("us-east-1")
+    real = client.delete_security_group
+    calls = []
+
+    def held(**kw):
+        calls.append(kw)
+        if len(calls) == 1:
+            raise ClientError({"Error": {"Code": "DependencyViolation", "Message": "resource has a dependent object"},
+                               "ResponseMetadata": {"HTTPStatusCode": 400}}, "DeleteSecurityGroup")
+        return real(**kw)
+
+    monkeypatch.setattr(client, "delete_security_group", held)
+    with pytest.raises(CloudError) as raised:
+        aws.release("svc")
+    assert raised.value.kind is ErrorKind.TRANSIENT and raised.value.code == "DependencyViolation"
+    aws.release("svc")  # the teardown's retry, once the instance is gone
+    groups = ec2().describe_security_groups(Filters=[{"Name": "group-name", "Values": ["durastack-svc"]}])
+    assert groups["SecurityGroups"] == [] and inst
+
+
 def test_two_control_planes_share_an_account_without_touching_each_other(aws, ledger, fake_ec2):
     """A laptop and a cluster on one AWS account, each with a service `svc`: keys, adoption, listing (the
     reaper's view), stop and replica teardown each see only their own instances — and untagged old ones."""
