@@ -297,7 +297,7 @@ class LocalBackend:
             if net is not None:
                 try:
                     local_net.wait_unshared(inst.pid)
-                    net.link(job.replica_id, inst.pid)  # idempotent, like the rest
+                    net.link(job.replica_id, inst.pid, inst.ip)  # idempotent, like the rest
                     net.link_gateway(job.replica_id, inst.pid, inst.ip)
                     net.serve()
                 except local_net.NetworkError as e:

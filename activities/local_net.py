@@ -69,6 +69,12 @@ class NetworkError(RuntimeError):
     pass
 
 
+def mac_for(ip: str) -> str:
+    """A replica's MAC on its service's bridge, from its address (as Docker does): locally administered,
+    unicast, unique on the bridge because addresses are, and the same for whoever holds the address."""
+    return "02:64:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(ip).packed)
+
+
 def _tag(text: str, n: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
@@ -365,8 +371,13 @@ class ServiceNetwork:
     def veth_name(replica_id: str) -> str:
         return "v" + _tag(replica_id, 12)  # interface names are at most 15 bytes
 
-    def link(self, replica_id: str, pid: int) -> None:
+    def link(self, replica_id: str, pid: int, ip: Optional[str] = None) -> None:
         """Link the replica (whose network namespace ``pid`` is in) to the bridge. Idempotent.
+
+        Its ``eth0`` gets a MAC derived from ``ip`` (:func:`mac_for`): a replacement that gets the address of
+        the replica it replaces gets its MAC too, so the neighbour caches of the bridge (the stream proxy) and of
+        the other replicas stay right. With a random MAC they kept sending to the dead replica's until their
+        entry aged out (15-45 s and then a probe: a killed router was unreachable for its workers ~30 s).
 
         Needs a live lease and the namespace, not :meth:`locked`: the veth is the replica's own, and a live lease
         keeps the namespace from being torn down. So replicas starting together link in parallel (each replica's
@@ -374,7 +385,7 @@ class ServiceNetwork:
         veth = self.veth_name(replica_id)
         if _run([self.ip, "-n", self.ns, "link", "show", veth], check=False).returncode != 0:
             _run([self.ip, "-n", self.ns, "link", "add", veth, "type", "veth", "peer", "name", REPLICA_DEV,
-                  "netns", str(pid)])
+                  *(["address", mac_for(ip)] if ip else []), "netns", str(pid)])
             _run([self.ip, "-n", self.ns, "link", "set", veth, "master", BRIDGE, "up"])
 
     def serve(self) -> None:

@@ -6,9 +6,8 @@ the workers finding the router through its interpolated address), sends requests
 shows which workers served them, kills a decode worker and shows the router serving from its replacement,
 puts load on the service so that the decode group scales on the service's rate, then stops everything.
 
-The workers reach the router at its replica address. Replicas run without isolation here (on the host's
-loopback, each with its own PORT) unless `--isolated` is given: isolated local replicas need a private
-network per service to reach each other.
+The workers reach the router at its replica address: on the service's private network when replicas are
+isolated (as root), or on the host's loopback, each with its own PORT, with `--no-isolation`.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def load(client: httpx.Client, url: str, rps: float, seconds: float) -> Counter:
 
 def main() -> None:
     os.environ["PD_EXAMPLE"] = str(EXAMPLE)  # the stand-in's `env: [PD_EXAMPLE]`
-    if "--isolated" not in sys.argv:
+    if "--no-isolation" in sys.argv:
         os.environ["DURASTACK_LOCAL_ISOLATION"] = "off"
     with BenchStack(log=lambda line: print(line, flush=True)) as stack:
         print(f"Web UI: {stack.settings.ui_url}   gateway: {stack.gateway}")

@@ -3,8 +3,8 @@ every request through the gateway enters the router, which reaches workers of bo
 worker is replaced and served from; the decode group scales on the service's rate.
 
 The workers reach the router at its replica address, so replicas must reach each other. Without isolation
-they all share the host's loopback (each with its own PORT): that runs now. Isolated replicas need a
-private network per service; until the local backend has one, that variant skips and says why.
+they all share the host's loopback (each with its own PORT); isolated (as root) they share their service's
+private network. Isolated without a service network (no root), the workers wait: that variant skips and says why.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_isolated_replicas_need_a_service_network(tmp_path_factory):
                 return "isolated"
             return "ready" if all(ready(status).values()) and len(ready(status)) == 3 else None
         if until(outcome, 120, 0.5, "the workers start or wait for a network") == "isolated":
-            pytest.skip("replicas are isolated and the local backend has no service network yet: the workers "
+            pytest.skip("replicas are isolated without a service network (not root): the workers "
                         "cannot reach the router's address (run with DURASTACK_LOCAL_ISOLATION=off)")
         until(lambda: serving(stack), 30, 0.5, "the router reaches both groups")
     finally:

@@ -167,6 +167,25 @@ def test_a_replica_cannot_reach_the_hosts_loopback_nor_the_gateway(net, tmp_path
         gw.wait(30)
 
 
+def test_a_replacement_at_the_same_address_is_reached_at_once(net):
+    """A killed replica's replacement gets its address back: its peers (and the stream proxy) reach it at once,
+    not once their neighbour entry for the dead one has aged out (a router's workers waited ~30 s)."""
+    backend, start = net
+    a, b = start(job("alpha", 0)), start(job("alpha", 1))
+    for inst in (a, b):
+        wait_until(lambda: backend.probe(inst, "/", timeout=2) == 200, what=f"{inst.replica_id} through its socket")
+    assert connect_from(backend, b, a.ip, 8000).startswith("connected HTTP/1.0 200")  # b's cache knows a
+    os.kill(a.pid, 9)
+    wait_until(lambda: backend.status(a).state != "running", what="a gone")
+    backend.stop(a, grace_seconds=2)
+    a2 = start(JobSpec(service="alpha", group="g", replica_num=0, submission_num=1, port=8000, commands=[SERVE]))
+    assert a2.ip == a.ip
+    t0 = time.monotonic()
+    wait_until(lambda: backend.probe(a2, "/", timeout=2) == 200, 10, "the replacement through its socket")
+    assert connect_from(backend, b, a2.ip, 8000).startswith("connected HTTP/1.0 200")
+    assert time.monotonic() - t0 < 5
+
+
 def test_the_last_replica_takes_the_network_and_a_crash_is_reaped(net):
     backend, start = net
     a, b = start(job("alpha", 0)), start(job("alpha", 1))

@@ -360,3 +360,12 @@ def test_a_group_that_fails_at_every_attempt_stays_in_one_row():
     quiet = group.last_failed_at + FAILURE_MEMORY + timedelta(minutes=10, seconds=1)  # past its back-off, too
     count_failure(group, quiet)
     assert group.failing_since == quiet
+
+
+def test_ps_and_the_web_ui_say_which_group_routes():
+    from workflows import views
+    view = views.status_view(pd_state([replica(0, "router", placement=placed("10.0.0.1")), worker(1)], next_num=2))
+    assert [g.role for g in view.groups] == ["router", "worker"]
+    text = views.details(view)
+    assert "group=router (router: the gateway routes here)" in text
+    assert "group=decode (worker behind the router)" in text
