@@ -4,8 +4,9 @@ Layout of a replica's work dir ``<home>/replicas/<service>/<group>/r<N>-s<M>/``:
 (stdout+stderr), ``tmp/`` (the replica's /tmp when isolated) and ``.durastack/`` (the instance
 record, the launch file, ``exit_code`` written by the wrapper when the commands end,
 ``replica.sock`` served by the bridge when isolated, python wrappers, the bridge's log, a lock).
-``.durastack`` is root's and only walkable by the replica: a confined replica owns its work dir, and
-must not be able to plant a symlink where root (or nginx, connecting to the socket) later follows it.
+``.durastack`` is root's and only walkable by the replica: a confined replica writes in its work dir (root's,
+sticky, its group's to write), and must not be able to plant a symlink where root (or nginx, connecting to the
+socket) later follows it, nor rename ``.durastack`` or ``tmp`` away and put its own in their place.
 
 When isolation is available every replica runs under ``unshare`` in new network, mount and PID
 namespaces, so the seeds' "every replica binds port 8000 and writes /tmp/version.txt" runs unchanged.
@@ -162,9 +163,12 @@ def _remove(path: Path) -> None:
 
 
 def _root_dir(path: Path, mode: int, owner: Optional[Account] = None) -> None:
-    """A directory at ``path`` (not a symlink planted there), with ``mode`` and ``owner``."""
+    """A directory at ``path`` (not a symlink planted there), with ``mode`` and ``owner`` (else ours). One of
+    ours found owned by someone else was made by a replica (whatever is in it is its doing): made anew."""
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         path.unlink()
+    elif owner is None and path.is_dir() and path.stat().st_uid != os.geteuid():
+        shutil.rmtree(path)  # does not follow the links in it
     path.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -177,7 +181,8 @@ def _root_dir(path: Path, mode: int, owner: Optional[Account] = None) -> None:
 
 def _write_private(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold the job's secrets
+    # may hold the job's secrets; O_NOFOLLOW: never write through a link, whoever planted it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -376,7 +381,10 @@ class LocalBackend:
         (wd / "exit_code").unlink(missing_ok=True)
         (meta / "ns_ready").unlink(missing_ok=True)
         if self.confined:
-            _root_dir(wd, 0o700, account)  # the commands' own
+            # The commands' own to write in, but root's, sticky: its user may rename or remove only what it made.
+            # Owning it, it could rename root's .durastack away and put a directory of its own there, whose
+            # links root would then write through (exit_code, the launch file's scrub).
+            _root_dir(wd, 0o1770, Account("root", os.geteuid(), account.gid))
             _root_dir(meta, 0o711)  # root's; the replica may only walk through it (python wrappers)
         _root_dir(wd / "tmp", 0o1777)  # it becomes the replica's /tmp
         port = job.port if self.isolated else free_port()

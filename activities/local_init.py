@@ -187,7 +187,8 @@ def _write_exit_code(code: int) -> None:
     # In .durastack, which the replica's user cannot write: in the work dir, it could plant a
     # symlink there for root to write through.
     path = os.path.join(".durastack", "exit_code")
-    with open(path + ".tmp", "w") as f:
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
         f.write(f"{code}\n")
     os.replace(path + ".tmp", path)  # atomic: readers never see a half-written file
 
@@ -198,7 +199,7 @@ def _scrub_launch(launch: str) -> None:
         with open(launch) as f:
             cfg = json.load(f)
         cfg["env"] = {}
-        fd = os.open(launch + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(launch + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(cfg, f)
         os.replace(launch + ".tmp", launch)

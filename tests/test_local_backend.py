@@ -501,6 +501,46 @@ def test_confined_replica_cannot_plant_a_link_for_root_to_write_through(replicas
     assert not Path(again.log_path).is_symlink() and "second" in backend.logs(again)
 
 
+@needs_confinement
+def test_confined_replica_cannot_swap_roots_meta_dir_for_one_of_its_own(replicas):
+    """The replica may write in its work dir, but not rename root's .durastack away and put a directory of its own
+    there: root would write exit_code and the scrubbed launch file through the links in it (a file root alone may
+    write, e.g. /etc/ld.so.preload, with contents the replica chose), and `exec` would trust its launch file."""
+    import shutil
+    import tempfile
+    backend = replicas.backend(None)
+    # Root-only files where both the replica's namespace (a private /tmp, the home hidden) and the host see them.
+    victims = Path(tempfile.mkdtemp(prefix="durastack-test-", dir="/var/lib"))
+    for name in ("exit", "launch", "again"):
+        (victims / name).write_text("untouched\n")
+    try:
+        _swap_roots_meta_dir(replicas, backend, victims)
+    finally:
+        shutil.rmtree(victims)
+
+
+def _swap_roots_meta_dir(replicas, backend, victims: Path) -> None:
+    swap = ("mv .durastack .old; mkdir .durastack && cd .durastack && touch ns_ready && "
+            f"echo '{{\"env\": {{\"A\": \"x\"}}, \"drop\": []}}' > launch.json && "
+            f"ln -s {victims}/exit exit_code.tmp && ln -s {victims}/launch launch.json.tmp; "
+            f"cd .. && mv tmp tmp.old; ln -s {victims} tmp; rm -rf replica.log; ln -s {victims}/again replica.log")
+    job = seed_job(1, 0, env={"API_TOKEN": "s3cret"}, commands=[f"({swap}) > tried.txt 2>&1 || true", "exit 3"])
+    inst = replicas.start(backend, job)
+    wait_until(lambda: (Path(inst.work_dir) / "tried.txt").exists() and not replica_pids(inst.work_dir),
+               what="the commands to end")
+    assert {p.name: p.read_text() for p in victims.iterdir()} == {n: "untouched\n" for n in ("exit", "launch", "again")}
+    tried = (Path(inst.work_dir) / "tried.txt").read_text()
+    assert "Operation not permitted" in tried or "Permission denied" in tried, tried
+    backend.stop(inst, grace_seconds=2)
+    again = backend.start(job)  # the same work dir again: root makes .durastack and writes the launch file anew
+    replicas.started.append((backend, again))
+    wait_until(lambda: backend.status(again).state == "exited", what="exit")
+    assert {p.name: p.read_text() for p in victims.iterdir()} == {n: "untouched\n" for n in ("exit", "launch", "again")}
+    meta = Path(inst.work_dir) / ".durastack"
+    assert not meta.is_symlink() and meta.stat().st_uid == os.geteuid() and backend.status(again).exit_code == 3
+    assert json.loads((meta / "launch.json").read_text())["env"] == {}
+
+
 # ---- working_dir, user -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isolation", MODES)
