@@ -115,11 +115,12 @@ def network_reason() -> str:
 
 def private_home(home: Union[Path, str]) -> Path:
     """Make the home (if needed) and keep it mode 700: it holds the codec key, the gateway's token
-    hashes, the store, the logs and every replica's work dir."""
+    hashes, the store, the logs and every replica's work dir. 710 stays: the gateway opens it to the group
+    of nginx's unprivileged workers for search only (gateway/workers.py)."""
     path = Path(home)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
-    if st.st_mode & 0o777 != 0o700 and st.st_uid == os.geteuid():  # another user's home is not ours to fix
+    if (st.st_mode & 0o700 != 0o700 or st.st_mode & 0o067) and st.st_uid == os.geteuid():  # not ours to fix else
         path.chmod(0o700)
     return path
 

@@ -71,7 +71,7 @@ class GatewayServer:
         self.netns = local_net.NETNS_DIR / local_net.gateway_nsname(self.runtime_dir.parent) if netns else None
         self.upstreams = upstreams or UpstreamPolicy.default(
             self.runtime_dir, loopback=_loopback(host), service_networks=str(local_net.POOL) if netns else None)
-        self.workers = worker_identity(self.upstreams.unix_dirs)
+        self.workers = worker_identity(self.upstreams.unix_dirs, home=self.runtime_dir.parent)
         self.listen_port, self.control_port = listen_port, control_port
         self.worker_processes, self.rotate_bytes, self.tick = worker_processes, rotate_bytes, tick
         self.access_log = self.runtime_dir / "access.log"

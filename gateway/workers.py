@@ -9,9 +9,10 @@ opens for it (listening sockets, log files, the configuration):
   (traverse only: its files stay 600 or hold nothing secret);
 * every replica socket: connect(2) needs write permission on the socket and search permission on each
   directory above it. The gateway gives the socket to the workers' group (:meth:`WorkerIdentity.grant`) when it
-  is registered. It does not open directories it does not own: when a socket directory's ancestor is closed to
-  the worker user (``/root`` is 0700, and so is a home under it), the workers stay root and the log says which
-  directory blocks and what to change.
+  is registered. The home (mode 700) and the directories in it are opened to the workers' group for search only
+  (710: others still get nothing). It does not open directories outside the home: when a socket directory's
+  ancestor is closed to the worker user (``/root`` is 0700, and so is a home under it), the workers stay root and
+  the log says which directory blocks and what to change.
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ class WorkerIdentity:
         except OSError as e:  # not there yet, or gone: nginx will say it cannot connect
             log.warning("could not open %s to nginx's workers (%s): %s", real, self.user, e)
 
+    def open_to(self, directory: Path, home: Path) -> bool:
+        """Let the workers' group search ``directory`` (not list or read it) if it is ``home`` or in it and ours;
+        False if it is not ours to open."""
+        home = Path(os.path.realpath(home))
+        if self.privileged or not (directory == home or directory.is_relative_to(home)):
+            return False
+        st = directory.stat()
+        if st.st_uid != os.geteuid() or (st.st_gid != self.gid and st.st_mode & 0o070):
+            return False  # a group of someone else's choosing: not ours to change
+        os.chown(directory, -1, self.gid)
+        os.chmod(directory, stat.S_IMODE(st.st_mode) | stat.S_IXGRP)
+        log.info("%s opened to nginx's workers (group %s) for search only", directory, self.group)
+        return True
+
     def _may(self, st: os.stat_result, u: int, g: int, o: int) -> bool:
         if st.st_uid == self.uid:
             return bool(st.st_mode & u)
@@ -92,8 +107,10 @@ def _identity(user: str, group: Optional[str]) -> WorkerIdentity:
     return WorkerIdentity(user, group, pw.pw_uid, gid)
 
 
-def worker_identity(socket_dirs: Iterable[Path], environ: Optional[Mapping[str, str]] = None) -> Optional[WorkerIdentity]:
-    """Who nginx's workers run as: None when we are not root (they run as us; nginx ignores ``user`` then)."""
+def worker_identity(socket_dirs: Iterable[Path], environ: Optional[Mapping[str, str]] = None,
+                    home: Optional[Path] = None) -> Optional[WorkerIdentity]:
+    """Who nginx's workers run as: None when we are not root (they run as us; nginx ignores ``user`` then).
+    Directories in ``home`` that stand in their way are opened to their group for search (:meth:`open_to`)."""
     if os.geteuid() != 0:
         return None
     env = os.environ if environ is None else environ
@@ -114,6 +131,8 @@ def worker_identity(socket_dirs: Iterable[Path], environ: Optional[Mapping[str, 
             return _identity("root", None)
     for d in socket_dirs:
         blocked = ident.blocked_at(d)
+        while blocked is not None and home is not None and ident.open_to(blocked, home):
+            blocked = ident.blocked_at(d)
         if blocked is not None:
             log.warning("nginx's workers run as root: %s (user %s) cannot reach replica sockets under %s, since "
                         "%s is closed to it. Put DURASTACK_HOME where others may traverse (e.g. /var/lib/durastack), "

@@ -68,3 +68,23 @@ def test_workers_stay_root_only_where_nobody_cannot_reach_the_sockets(tmp_path, 
     assert worker_identity([private / "replicas"], environ={ENV_USER: "nobody:nogroup"}).uid == 65534
     with pytest.raises(ValueError, match=ENV_USER):
         worker_identity([], environ={ENV_USER: "no-such-user-here"})
+
+
+@root_only
+def test_a_private_home_is_opened_to_the_workers_group_for_search_only(tmpdir_short, caplog):
+    above = Path(tmpdir_short)
+    os.chmod(above, 0o711)
+    home = above / "home"  # the server keeps its home 700: nginx's workers still run as nobody
+    (home / "gateway").mkdir(parents=True)
+    (home / "tunnels").mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    ident = worker_identity([home / "tunnels", home / "gateway"], environ={}, home=home)
+    assert ident.user == "nobody" and "cannot reach" not in caplog.text
+    for d in (home, home / "tunnels"):
+        st = d.stat()
+        assert st.st_mode & 0o777 == 0o710 and st.st_gid == ident.gid, d  # others still get nothing
+    assert ident.blocked_at(home / "tunnels") is None
+    # A directory above the home is not the gateway's to open: the workers stay root, and the log says why.
+    os.chmod(above, 0o700)
+    assert worker_identity([home / "tunnels"], environ={}, home=home).uid == 0
+    assert above.stat().st_mode & 0o777 == 0o700 and "cannot reach replica sockets" in caplog.text
