@@ -113,6 +113,29 @@ def stored_events(settings: Settings, name: str, since: Optional[datetime] = Non
         store.close()
 
 
+def silent_statuses(settings: Settings, silent: dict[str, Exception], warn: bool) -> list[ServiceStatus]:
+    """The store's last view of running services whose workflows do not answer, their status "not answering";
+    with ``warn``, each said on stderr with why and as of when."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    store = _store(settings)
+    try:
+        rows = {s.name: (s, at) for s, at in store.statuses()} if _exists(store) else {}
+    except SQLAlchemyError:
+        rows = {}
+    finally:
+        store.close()
+    shown = []
+    for name, why in silent.items():
+        row = rows.get(name)
+        if warn:
+            seen = f"shown as the store saw it at {row[1]:%Y-%m-%d %H:%M:%S} UTC" if row else "not in the store"
+            err.print(f"{name}: not answering ({why}); {seen}", style="yellow", markup=False)
+        if row:
+            shown.append(row[0].model_copy(update={"status": "not answering"}))
+    return shown
+
+
 def print_stale_ps(settings: Settings, name: Optional[str], verbose: bool, as_json: bool,
                    url: Callable[[str], str]) -> bool:
     """The read model as ``ps`` shows it, marked stale with when each service last wrote it; False if empty.

@@ -64,11 +64,24 @@ async def _live_ps(settings: Settings, name: Optional[str], verbose: bool, as_js
     client = await connect(settings)
 
     async def collect() -> list[ServiceStatus]:
+        """Every service asked at once: one that does not answer (its workflow stuck, its worker gone) is shown as
+        the store last saw it, marked, and never holds up the others; none answering is the control plane down."""
         names = [name] if name else await _running_services(client)
-        statuses = [s for s in [await live_status(client, n) for n in names] if s is not None]
+        answers = await asyncio.gather(*[live_status(client, n) for n in names], return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, ControlPlaneDown):
+                raise answer
+        silent = {n: a for n, a in zip(names, answers) if isinstance(a, ControlPlaneDown)}
+        statuses = [a for a in answers if isinstance(a, ServiceStatus)]
+        if silent and not statuses:
+            raise next(iter(silent.values()))
         if name and not statuses:
             raise user_error(f"no running service named {name!r}")
-        return statuses
+        if silent:
+            from cli.db import silent_statuses
+
+            statuses += await asyncio.to_thread(silent_statuses, settings, silent, not watch)
+        return sorted(statuses, key=lambda s: s.name)
 
     if as_json:
         statuses = await collect()

@@ -25,3 +25,47 @@ def test_a_command_imports_its_own_group_alone():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == ["cli.service"]  # no codec server (aiohttp), no store, …
+
+
+def test_ps_shows_a_service_that_does_not_answer_as_the_store_saw_it_and_the_others_live(tmp_path, monkeypatch,
+                                                                                        capsys):
+    import asyncio
+
+    from cli import inspect
+    from cli.client import ControlPlaneDown
+    from models.run import ServiceRecord
+    from models.settings import Settings
+    from store import Store
+    from tests.test_store import status
+
+    monkeypatch.setenv("DURASTACK_HOME", str(tmp_path))
+    settings = Settings.from_env()
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    store.record_service(ServiceRecord(service="stuck", status=status("stuck", deployment=3)))
+    store.close()
+
+    async def live_status(_client, name):
+        if name == "stuck":
+            raise ControlPlaneDown("the worker does not answer (query failed)")
+        return status(name)
+
+    async def no_client(_settings):
+        return None
+
+    async def names(_client):
+        return ["live", "stuck"]
+
+    monkeypatch.setattr(inspect, "connect", no_client)
+    monkeypatch.setattr(inspect, "_running_services", names)
+    monkeypatch.setattr(inspect, "live_status", live_status)
+    asyncio.run(inspect._ps(settings, None, False, True, False))
+    shown = {s["name"]: s for s in json.loads(capsys.readouterr().out)}
+    assert shown["live"]["status"] == "running"
+    assert shown["stuck"]["status"] == "not answering" and shown["stuck"]["deployment"] == 3
+
+    async def down(_client, name):  # nothing answers: the control plane is down, ps says so (exit 2)
+        raise ControlPlaneDown("control plane error")
+
+    monkeypatch.setattr(inspect, "live_status", down)
+    with pytest.raises(ControlPlaneDown):
+        asyncio.run(inspect._ps(settings, None, False, True, False))
