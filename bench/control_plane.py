@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from bench.stack import (BASE_PATH, BenchStack, code_note, free_port, load_avg, load_note, median,
-                         ready_replicas, replica_python)
+from bench.stack import (BASE_PATH, BenchStack, code_note, cpu_spent, free_port, load_avg, load_note, median,
+                         ready_replicas, replica_python, stack_cpu)
 from activities.report import PROVISIONED, SERVING
 from workflows import names
 
@@ -116,6 +116,7 @@ class Run:
     t_ready: float  # apply invoked -> service workflow has all n ready (what ps shows)
     phases: dict[str, float] = field(default_factory=dict)  # seconds after apply invoked
     t_stop: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds each part of the stack spent on the apply
 
 
 def _events(history) -> list[tuple[int, float, str, object]]:
@@ -171,9 +172,11 @@ async def phases(stack: BenchStack, name: str, n: int, t0: float) -> dict[str, f
 def run_once(stack: BenchStack, n: int, i: int) -> Run:
     name = f"cp-n{n}-{i}"
     path = stack.write(f"{name}.yml", SERVICE.format(name=name, n=n))
+    cpu0 = stack_cpu(stack.home)
     t0 = time.time()
     result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
     t_apply = time.time() - t0
+    cpu = cpu_spent(cpu0, stack_cpu(stack.home))
     if result.returncode != 0:
         raise RuntimeError(f"apply {name} exited {result.returncode}:\n{result.stdout}{result.stderr}")
     status = stack.ps(name)
@@ -182,7 +185,7 @@ def run_once(stack: BenchStack, n: int, i: int) -> Run:
     ph = asyncio.run(phases(stack, name, n, t0))
     t = time.time()
     stack.stop_service(name)
-    return Run(n=n, name=name, t_apply=t_apply, t_ready=ph["ready"], phases=ph, t_stop=time.time() - t)
+    return Run(n=n, name=name, t_apply=t_apply, t_ready=ph["ready"], phases=ph, t_stop=time.time() - t, cpu=cpu)
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -244,6 +247,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         rs = [r for r in runs if r.n == n]
         print(f"{n:>3} " + " ".join(f"{median([r.phases[k] for r in rs]):>10.2f}" for k in keys)
               + f" {median([r.t_stop for r in rs]):>10.2f}")
+    print(f"\nCPU seconds the stack spent on one apply (median; the blocking CLI, until all ready; {os.cpu_count()} "
+          "CPUs: at best wall = total / CPUs)")
+    for n in counts:
+        rs = [r for r in runs if r.n == n]
+        spent = {k: median([r.cpu[k] for r in rs]) for k in rs[0].cpu}
+        print(f"N={n}: total {median([sum(r.cpu.values()) for r in rs]):.2f} s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])))
     return 0
 
 

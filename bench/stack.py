@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -268,6 +269,51 @@ def load_avg() -> str:
         return f"{os.getloadavg()[0]:.2f}"
     except OSError:
         return "?"
+
+
+# What each process of a stack is, by its command line (first match).
+PARTS = (("replica apps", "http.server"), ("temporal", "temporal"), ("worker", "-m worker"),
+         ("gateway", "-m gateway"), ("nginx", "nginx"), ("server", " server"), ("replica wrappers", ""))
+
+
+def stack_cpu(home: Path) -> dict[str, float]:
+    """CPU seconds (user + system) each part of the stack of ``home`` has spent so far, with its reaped children
+    (e.g. the `ip` runs of the worker), plus "cli": the benchmark's own reaped children (the CLI runs). The
+    difference of two readings is what a step cost, whatever else the machine ran meanwhile. A process is the
+    stack's if it names the home in its environment or command line, or its parent is the stack's (nginx's
+    workers: nginx empties their environment)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    mark = str(home).encode()
+    procs: dict[int, tuple[int, str, bool, float]] = {}  # pid: (ppid, command line, marked, cpu)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or entry.name == str(os.getpid()):
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+            marked = mark in raw or mark in (entry / "environ").read_bytes()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+        procs[int(entry.name)] = (int(fields[1]), raw.replace(b"\0", b" ").decode(errors="replace"), marked, cpu)
+    ours = {pid for pid, p in procs.items() if p[2]}
+    while True:
+        more = {pid for pid, p in procs.items() if pid not in ours and p[0] in ours}
+        if not more:
+            break
+        ours |= more
+    parts = {name: 0.0 for name, _ in PARTS}
+    for pid in ours:
+        _, cmd, _, cpu = procs[pid]
+        parts[next(name for name, pattern in PARTS if pattern in cmd)] += cpu
+    own = resource.getrusage(resource.RUSAGE_CHILDREN)
+    parts["cli"] = own.ru_utime + own.ru_stime
+    return parts
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each part spent between two readings (a process that ended meanwhile counts from 0 in the first)."""
+    return {k: max(0.0, after[k] - before.get(k, 0.0)) for k in after}
 
 
 def load_note() -> str:
