@@ -157,20 +157,27 @@ async def _unrecorded(settings: Settings, name: str, stored: list) -> list:
     return [e for e in live if (e.seq, e.kind, e.message) not in seen]
 
 
-def _replica(status: ServiceStatus, replica: Optional[int]):
-    candidates = [r for g in status.groups for r in g.replicas if r.status == "running"]
+def _replica(status: ServiceStatus, replica: Optional[int], running: bool = False):
+    """The replica's latest submission (default: the first running replica); with ``running``, only a running one
+    (`exec`; `logs` also reads a replica that has ended)."""
+    live = [r for g in status.groups for r in g.replicas if r.status == "running"]
+    candidates = live
     if replica is not None:
         candidates = [r for g in status.groups for r in g.replicas if r.replica == replica]
     if not candidates:
         raise user_error(f"{status.name}: no running replica" + (f" {replica}" if replica is not None else ""))
-    return max(candidates, key=lambda r: r.submission)
+    view = max(candidates, key=lambda r: r.submission)
+    if running and view.status != "running":
+        raise user_error(f"{status.name}: replica {view.replica} is {view.status}; running replicas: "
+                         + (", ".join(str(r.replica) for r in sorted(live, key=lambda r: r.replica)) or "none"))
+    return view
 
 
-def _local_instance(settings: Settings, name: str, replica: Optional[int]):
+def _local_instance(settings: Settings, name: str, replica: Optional[int], running: bool = False):
     from activities.local import LocalBackend
 
     status = run(running_status(settings, name))
-    view = _replica(status, replica)
+    view = _replica(status, replica, running)
     if view.backend != "local":
         raise user_error(f"replica {view.replica} runs on {view.backend}; exec and logs reach local replicas")
     backend = LocalBackend(settings.home)
@@ -180,10 +187,10 @@ def _local_instance(settings: Settings, name: str, replica: Optional[int]):
     return backend, instance
 
 
-def _cloud_replica(settings: Settings, name: str, replica: Optional[int]):
+def _cloud_replica(settings: Settings, name: str, replica: Optional[int], running: bool = False):
     """(status view, SSH client, target) of a cloud replica, or None for a local one."""
     status = run(running_status(settings, name))
-    view = _replica(status, replica)
+    view = _replica(status, replica, running)
     if view.backend in ("", "local"):
         return None
     if not (view.ssh_host and view.instance_key):
@@ -242,11 +249,16 @@ def exec_(
     if not argv:
         raise user_error("give the command after --, e.g. durastack exec NAME -- cat /tmp/version.txt")
     settings = Settings.from_env()
-    cloud = _cloud_replica(settings, name, replica)
+    cloud = _cloud_replica(settings, name, replica, running=True)
     if cloud is not None:  # over SSH, into its container
         raise typer.Exit(run(cloud_exec(*cloud, argv)))
-    backend, instance = _local_instance(settings, name, replica)
-    code, output = backend.exec(instance, argv)
+    from activities.local import LocalBackendError
+
+    backend, instance = _local_instance(settings, name, replica, running=True)
+    try:
+        code, output = backend.exec(instance, argv)
+    except LocalBackendError as e:  # it ended since `ps` saw it running
+        raise user_error(f"{name}: {e}")
     sys.stdout.write(output)
     raise typer.Exit(code)
 

@@ -69,3 +69,21 @@ def test_ps_shows_a_service_that_does_not_answer_as_the_store_saw_it_and_the_oth
     monkeypatch.setattr(inspect, "live_status", down)
     with pytest.raises(ControlPlaneDown):
         asyncio.run(inspect._ps(settings, None, False, True, False))
+
+
+def test_exec_names_the_running_replicas_when_the_one_asked_for_has_ended(capfd):
+    import typer
+
+    from cli.inspect import _replica
+    from tests.test_store import status
+
+    svc = status("svc")
+    old = svc.groups[0].replicas[0]
+    svc.groups[0].replicas = [old.model_copy(update={"replica": 1, "status": "terminated"}),
+                              old.model_copy(update={"replica": 2}), old.model_copy(update={"replica": 3})]
+    assert _replica(svc, 1).replica == 1  # `logs` still reads an ended replica
+    assert _replica(svc, None, running=True).replica == 2  # the first running one
+    with pytest.raises(typer.Exit) as refused:
+        _replica(svc, 1, running=True)
+    assert refused.value.exit_code == 1
+    assert "svc: replica 1 is terminated; running replicas: 2, 3" in capfd.readouterr().err
