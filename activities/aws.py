@@ -10,6 +10,7 @@ endpoint from ``AWS_ENDPOINT_URL_EC2`` when set (tests point it at moto).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -28,6 +29,7 @@ from models.offers import InstanceOffer
 from models.replica import JobSpec
 
 TAGS = TAG_NAMES["aws"]
+log = logging.getLogger(__name__)
 AMI_TTL = 600.0  # dstack caches AMI lookups for 10 minutes too
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 _STATES = {"pending": "pending", "running": "running", "stopping": "stopping", "shutting-down": "stopping",
@@ -73,6 +75,7 @@ class AWSBackend:
         self._clients: dict[tuple[str, bool], Any] = {}
         self._amis: dict[tuple[str, str], tuple[float, dict]] = {}
         self._groups: dict[tuple[str, str, int], str] = {}
+        self._vpcs: dict[str, dict] = {}
 
     # --- clients, AMIs, security groups -----------------------------------------------------------
 
@@ -110,20 +113,59 @@ class AWSBackend:
         self._amis[(region, cache_key)] = (time.monotonic() + AMI_TTL, image)
         return image
 
-    def _security_group(self, region: str, job: JobSpec) -> str:
-        """The service's group: SSH (22) from the gateway's CIDRs, and nothing else — never the service port,
-        which the gateway reaches through an SSH tunnel. Created once, per control plane: another one's gateway
-        must not be let in to a service of the same name."""
+    def _vpc(self, region: str) -> dict:
+        """The region's VPC: ``backends.aws.vpc_id``'s, else the default one; none is a FATAL error naming the
+        setting (a retry cannot make a VPC appear)."""
+        if region in self._vpcs:
+            return self._vpcs[region]
+        ec2 = self._client(region)
+        configured = self.config.vpc_for(region)
+        try:
+            with _errors("DescribeVpcs"):
+                vpcs = ec2.describe_vpcs(**({"VpcIds": [configured]} if configured else
+                                            {"Filters": [{"Name": "isDefault", "Values": ["true"]}]}))["Vpcs"]
+        except CloudError as e:
+            if not configured or not e.code.startswith("InvalidVpcID"):
+                raise
+            vpcs = []
+        if not vpcs:
+            if configured:
+                raise CloudError(ErrorKind.FATAL, f"VPC {configured} not found in {region}: fix backends.aws.vpc_id "
+                                 f"in {_config_file()}", code="NoVpc")
+            raise CloudError(ErrorKind.FATAL, f"no default VPC in {region}: set backends.aws.vpc_id in "
+                             f"{_config_file()} (an id with one region, else a mapping region → VPC id), or drop "
+                             f"{region} from backends.aws.regions", code="NoDefaultVpc")
+        self._vpcs[region] = vpcs[0]
+        return vpcs[0]
+
+    def ssh_sources(self, vpc: dict) -> list[str]:
+        """Where SSH (22) is admitted from: ``gateway_cidrs`` (and ``ssh_cidrs``); with neither narrowing it and a
+        public IP, anywhere, as dstack does: the gateway reaches the public address from wherever it runs (key-only
+        login, host keys pinned); without a public IP, the VPC's own range."""
+        if self.config.gateway_cidrs:
+            base = list(self.config.gateway_cidrs)
+        elif self.config.public_ip:
+            base = ["0.0.0.0/0"]
+        else:
+            base = [vpc["CidrBlock"]]
+        return sorted(set(base) | set(self.config.ssh_cidrs))
+
+    def _security_group(self, region: str, vpc: dict, job: JobSpec) -> str:
+        """The service's group: SSH (22) from ``ssh_sources``, everything from the group itself (the service's
+        instances reach each other on their private IPs, on any port: one network per service), and nothing
+        else — never the service port from outside, which the gateway reaches through an SSH tunnel. Created
+        once, per control plane: another one's gateway must not be let in to a service of the same name."""
         cache_key = (region, job.service, 22)
         if cache_key in self._groups:
             return self._groups[cache_key]
         ec2 = self._client(region)
         name = self._group_name(job.service)
+        sources = self.ssh_sources(vpc)
+        if "0.0.0.0/0" in sources:
+            log.warning("AWS %s: SSH (22) to %s's instances is open to 0.0.0.0/0 (key-only login, host keys "
+                        "pinned); set backends.aws.gateway_cidrs to the gateway's address to narrow it",
+                        region, job.service)
         with _errors("security group"):
-            vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
-            if not vpcs:
-                raise CloudError(ErrorKind.FATAL, f"no default VPC in {region}", code="NoDefaultVpc")
-            vpc = vpcs[0]
             group_id = self._find_group(ec2, name, vpc["VpcId"])
             if group_id is None:
                 try:
@@ -135,12 +177,11 @@ class AWSBackend:
                     if e.response["Error"]["Code"] != "InvalidGroup.Duplicate":
                         raise
                     group_id = self._find_group(ec2, name, vpc["VpcId"])
-            sources = self.config.gateway_cidrs or [vpc["CidrBlock"]]
-            for port, cidrs in [(22, sorted(set(sources) | set(self.config.ssh_cidrs)))]:
+            for permission in [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
+                                "IpRanges": [{"CidrIp": cidr} for cidr in sources]},
+                               {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group_id}]}]:
                 try:
-                    ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[{
-                        "IpProtocol": "tcp", "FromPort": port, "ToPort": port,
-                        "IpRanges": [{"CidrIp": cidr} for cidr in cidrs]}])
+                    ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[permission])
                 except ClientError as e:
                     if e.response["Error"]["Code"] != "InvalidPermission.Duplicate":
                         raise
@@ -190,8 +231,9 @@ class AWSBackend:
         the zones in the same order, so it meets the zone whose launch it repeats before any other."""
         region = offer.region
         image = self._ami(region, offer)
-        group_id = self._security_group(region, job)
-        zones = self._subnets(region, offer.zones)
+        vpc = self._vpc(region)
+        group_id = self._security_group(region, vpc, job)
+        zones = self._subnets(region, vpc, offer.zones)
         exhausted = []
         for zone, subnet in zones or [(None, None)]:
             try:
@@ -206,16 +248,36 @@ class AWSBackend:
                                                     f"({'; '.join(exhausted)})"),
                          code=exhausted[-1].split(": ", 1)[-1] if exhausted else "NoZones")
 
-    def _subnets(self, region: str, zones: list[str]) -> list[tuple[str, str]]:
-        """(zone, default subnet) for the offer's zones that have one, in the offer's order."""
-        if not zones:
+    def _subnets(self, region: str, vpc: dict, zones: list[str]) -> list[tuple[str, str]]:
+        """(zone, subnet) to try, one subnet per zone (RunInstances' idempotency is zonal), in the offer's zone
+        order (or, for an offer without zones, by zone): the configured ``subnet_ids`` of the VPC; else its
+        subnets — in the default VPC the default subnet of each zone. Empty, in the default VPC without
+        ``subnet_ids``: launch without a subnet (EC2 picks). A configured VPC or subnets with none in these zones
+        raise CAPACITY (``NoSubnet``): the walk moves to an offer elsewhere."""
+        configured = bool(self.config.subnet_ids) or not vpc.get("IsDefault", False)
+        if not zones and not configured:
             return []
+        filters = [{"Name": "vpc-id", "Values": [vpc["VpcId"]]}]
+        if zones:
+            filters.append({"Name": "availability-zone", "Values": list(zones)})
+        if not configured:
+            filters.append({"Name": "default-for-az", "Values": ["true"]})
         with _errors("DescribeSubnets"):
-            subnets = self._client(region).describe_subnets(Filters=[
-                {"Name": "availability-zone", "Values": list(zones)},
-                {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
-        by_zone = {s["AvailabilityZone"]: s["SubnetId"] for s in subnets}
-        return [(z, by_zone[z]) for z in zones if z in by_zone]
+            subnets = self._client(region).describe_subnets(Filters=filters)["Subnets"]
+        if self.config.subnet_ids:
+            rank = {s: n for n, s in enumerate(self.config.subnet_ids)}
+            subnets = sorted((s for s in subnets if s["SubnetId"] in rank), key=lambda s: rank[s["SubnetId"]])
+        else:
+            subnets = sorted(subnets, key=lambda s: s["SubnetId"])
+        by_zone: dict[str, str] = {}
+        for subnet in subnets:
+            by_zone.setdefault(subnet["AvailabilityZone"], subnet["SubnetId"])
+        found = [(z, by_zone[z]) for z in (zones or sorted(by_zone)) if z in by_zone]
+        if configured and not found:
+            setting = "backends.aws.subnet_ids" if self.config.subnet_ids else "backends.aws.vpc_id"
+            raise CloudError(ErrorKind.CAPACITY, f"no subnet of {vpc['VpcId']} ({setting}) in "
+                             f"{', '.join(zones) if zones else region}", code="NoSubnet")
+        return found
 
     def _create_in(self, job: JobSpec, offer: InstanceOffer, key: str, image: dict, group_id: str,
                    zone: Optional[str], subnet: Optional[str]) -> CloudInstance:
@@ -345,6 +407,13 @@ class AWSBackend:
 def _home():
     from activities.catalog import durastack_home
     return durastack_home()
+
+
+def _config_file() -> str:
+    import os
+
+    from models.backends import config_path
+    return str(config_path(os.environ))
 
 
 __all__ = ["AWSBackend", "AMI_TTL"]

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.offers import InstanceOffer
 
@@ -48,10 +48,33 @@ class AWSConfig(BaseModel):
                                   description="Owners searched for AMIs (Amazon's DLAMI account, Canonical).")
     gateway_cidrs: list[str] = Field(default_factory=list, description=(
         "Where the gateway connects from (its SSH tunnels): SSH (22) is open to these only, and the service port "
-        "to nobody. Empty: the VPC's own CIDR (a gateway inside the VPC); a gateway elsewhere, e.g. a laptop, "
-        "sets its public address, `[203.0.113.7/32]`."))
+        "to nobody. Empty: with `public_ip` (the default) SSH is open to 0.0.0.0/0, as dstack does (key-only "
+        "login, host keys pinned), since the gateway reaches the public address from wherever it runs; set its "
+        "public address, `[203.0.113.7/32]`, to narrow that. Empty with `public_ip: false`: the VPC's own CIDR "
+        "(a gateway inside the VPC)."))
     ssh_cidrs: list[str] = Field(default_factory=list, description="Also admit SSH (22) from these (operators).")
     public_ip: bool = Field(True, description="Address replicas by public IP (else private IP).")
+    vpc_id: Optional[str | dict[str, str]] = Field(None, description=(
+        "The VPC to launch in: an id (`vpc-0abc…`) when one region is configured, else a mapping region → id. "
+        "Unset (or a region it does not name): the region's default VPC, and an error naming this setting in a "
+        "region without one."))
+    subnet_ids: list[str] = Field(default_factory=list, description=(
+        "Subnets to launch in (ids of any configured region; each region uses those of its VPC), one zone after "
+        "another on a capacity error. Empty: the default subnet of each zone in the default VPC, or every subnet "
+        "of a configured `vpc_id`. With `public_ip`, their route table needs an internet gateway."))
+
+    @model_validator(mode="after")
+    def _one_region_for_a_bare_vpc_id(self) -> "AWSConfig":
+        if isinstance(self.vpc_id, str) and len(self.regions) != 1:
+            raise ValueError("backends.aws.vpc_id: a VPC id belongs to one region; configure exactly one region "
+                             "in `regions`, or give a mapping region → VPC id")
+        return self
+
+    def vpc_for(self, region: str) -> Optional[str]:
+        """The configured VPC of ``region``; None: its default VPC."""
+        if isinstance(self.vpc_id, dict):
+            return self.vpc_id.get(region)
+        return self.vpc_id if self.vpc_id and region in self.regions else None
 
 
 class GCPConfig(BaseModel):
@@ -68,7 +91,10 @@ class GCPConfig(BaseModel):
     network: str = Field("global/networks/default", description="VPC network of the instances.")
     gateway_cidrs: list[str] = Field(default_factory=list, description=(
         "Where the gateway connects from: the firewall rule for durastack's network tag opens SSH (22) to these "
-        "only, and the service port to nobody. Empty: the private ranges of the VPC (10.0.0.0/8)."))
+        "only, and the service port to nobody. Empty: with `public_ip` (the default) 0.0.0.0/0, as dstack does "
+        "(key-only login, host keys pinned), since the gateway reaches the external address from wherever it "
+        "runs; set its public address, `[203.0.113.7/32]`, to narrow that. Empty with `public_ip: false`: the "
+        "private ranges of the VPC (10.0.0.0/8)."))
     public_ip: bool = Field(True, description="Give instances an external IP and address replicas by it.")
     operation_timeout: float = Field(300.0, gt=0, description="Seconds to wait for an insert/delete operation.")
 

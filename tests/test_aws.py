@@ -117,32 +117,132 @@ def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_e
     assert "hf_x" not in json.dumps(ledger.entries())  # env values (secrets) never reach the ledger
 
 
-def test_security_group_opens_ssh_to_the_gateway_only(aws, fake_ec2):
-    inst = aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
-    (raw,) = all_instances()
+def sg_rules(group_id: str, region: str = "us-east-1") -> set[tuple]:
+    """(protocol, port, CIDRs, source groups) of each ingress rule of a group."""
+    (sg,) = ec2(region).describe_security_groups(GroupIds=[group_id])["SecurityGroups"]
+    return {(p["IpProtocol"], p.get("FromPort"), tuple(sorted(r["CidrIp"] for r in p.get("IpRanges", []))),
+             tuple(g["GroupId"] for g in p.get("UserIdGroupPairs", []))) for p in sg["IpPermissions"]}
+
+
+def group_of(raw: dict) -> dict:
     # The groups are the primary interface's (moto does not copy them to the instance's own list).
     (sg_ref,) = raw["SecurityGroups"] or raw["NetworkInterfaces"][0]["Groups"]
+    return sg_ref
+
+
+def test_security_group_opens_ssh_to_the_gateway_and_everything_to_the_service_itself(aws, fake_ec2):
+    inst = aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    (raw,) = all_instances()
+    sg_ref = group_of(raw)
     assert sg_ref["GroupName"] == "durastack-svc"
-    sg = ec2().describe_security_groups(GroupIds=[sg_ref["GroupId"]])["SecurityGroups"][0]
-    rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"])) for p in sg["IpPermissions"]}
-    assert rules == {(22, ("203.0.113.7/32",))}  # SSH from the gateway; never the service port
+    # SSH from the gateway; never the service port from outside; any port from the service's own instances
+    # (one network per service: a router reaches its workers on their private IPs).
+    assert sg_rules(sg_ref["GroupId"]) == {("tcp", 22, ("203.0.113.7/32",), ()),
+                                           ("-1", None, (), (sg_ref["GroupId"],))}
     # In the zone's default subnet, with a public IP as configured (the default: yes).
     run = fake_ec2.run_requests[-1]
     assert run["Placement.AvailabilityZone"] == "us-east-1a" and run["NetworkInterface.1.SubnetId"]
     assert run["NetworkInterface.1.AssociatePublicIpAddress"] == "true"
     aws.create(job(replica=1), G5, provisioning_key("svc", "llm", 1, 0, G5))  # reused, not duplicated
     assert fake_ec2.count("CreateSecurityGroup") == 1 and inst
+    assert {group_of(r)["GroupId"] for r in all_instances()} == {sg_ref["GroupId"]}
 
 
-def test_ssh_cidrs_join_the_gateway_and_the_default_gateway_source_is_the_vpc(fake_ec2):
+def test_default_config_admits_ssh_from_anywhere_since_the_gateway_dials_the_public_ip(fake_ec2, caplog):
+    """public_ip (the default) and no gateway_cidrs: the worker connects to the instance's PUBLIC address from
+    wherever it runs, so the VPC's range would shut it out; SSH is open to all (key-only, host keys pinned), and
+    the log says gateway_cidrs narrows it."""
     fake_ec2.seed_amis("us-east-1")
     backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], ssh_cidrs=["198.51.100.0/24"]))
     backend.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
-    sg = ec2().describe_security_groups(Filters=[{"Name": "group-name", "Values": ["durastack-svc"]}])
+    group_id = group_of(all_instances()[0])["GroupId"]
+    assert ("tcp", 22, ("0.0.0.0/0", "198.51.100.0/24"), ()) in sg_rules(group_id)
+    assert "backends.aws.gateway_cidrs" in caplog.text and "0.0.0.0/0" in caplog.text
+
+
+def test_private_addresses_admit_ssh_from_the_vpc_only(fake_ec2):
+    fake_ec2.seed_amis("us-east-1")
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], ssh_cidrs=["198.51.100.0/24"],
+                                   public_ip=False))
+    backend.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    group_id = group_of(all_instances()[0])["GroupId"]
     vpc = ec2().describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"][0]
-    perms = sg["SecurityGroups"][0]["IpPermissions"]
-    rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"])) for p in perms}
-    assert rules == {(22, tuple(sorted([vpc["CidrBlock"], "198.51.100.0/24"])))}
+    assert ("tcp", 22, tuple(sorted([vpc["CidrBlock"], "198.51.100.0/24"])), ()) in sg_rules(group_id)
+    assert fake_ec2.run_requests[-1]["NetworkInterface.1.AssociatePublicIpAddress"] == "false"
+
+
+# --- the VPC and its subnets ----------------------------------------------------------------------
+
+def drop_default_vpc(region: str) -> None:
+    client = ec2(region)
+    (vpc,) = client.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
+    for subnet in client.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc["VpcId"]]}])["Subnets"]:
+        client.delete_subnet(SubnetId=subnet["SubnetId"])
+    client.delete_vpc(VpcId=vpc["VpcId"])
+
+
+def own_vpc(region: str, zones: list[str]) -> tuple[str, list[str]]:
+    client = ec2(region)
+    vpc_id = client.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
+    subnets = [client.create_subnet(VpcId=vpc_id, CidrBlock=f"10.20.{n}.0/24", AvailabilityZone=z)["Subnet"]["SubnetId"]
+               for n, z in enumerate(zones)]
+    return vpc_id, subnets
+
+
+def test_a_region_without_a_default_vpc_fails_naming_the_setting(fake_ec2, ledger):
+    fake_ec2.seed_amis("us-east-1")
+    drop_default_vpc("us-east-1")
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"]))
+    with pytest.raises(CloudError) as raised:
+        backend.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    assert raised.value.kind is ErrorKind.FATAL and raised.value.code == "NoDefaultVpc"  # not retried
+    assert "backends.aws.vpc_id" in raised.value.message and "config.yml" in raised.value.message
+    assert all_instances() == [] and fake_ec2.run_requests == []
+
+
+def test_a_configured_vpc_is_used_and_its_subnets_walked_across_zones(fake_ec2, ledger):
+    fake_ec2.seed_amis("us-east-1")
+    drop_default_vpc("us-east-1")
+    vpc_id, (sub_a, sub_b) = own_vpc("us-east-1", ["us-east-1a", "us-east-1b"])
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], vpc_id=vpc_id))
+    fake_ec2.fail("InsufficientInstanceCapacity", zone="us-east-1a")
+    two_zones = G5.model_copy(update={"zones": ["us-east-1a", "us-east-1b"]})
+    chosen, inst = walk(backend, ledger, [two_zones])
+    assert [(r["Placement.AvailabilityZone"], r["NetworkInterface.1.SubnetId"]) for r in fake_ec2.run_requests] == \
+        [("us-east-1a", sub_a), ("us-east-1b", sub_b)]
+    (raw,) = all_instances()
+    assert raw["VpcId"] == vpc_id and inst.zone == "us-east-1b"
+    (sg,) = ec2().describe_security_groups(GroupIds=[group_of(raw)["GroupId"]])["SecurityGroups"]
+    assert sg["VpcId"] == vpc_id
+    # An offer without zones walks the VPC's subnets by zone.
+    fake_ec2.middleware.faults.clear()
+    backend.create(job(1), G5.model_copy(update={"zones": []}), provisioning_key("svc", "llm", 1, 0, G5))
+    assert fake_ec2.run_requests[-1]["NetworkInterface.1.SubnetId"] == sub_a
+
+
+def test_configured_subnets_are_the_only_ones_tried(fake_ec2, ledger):
+    fake_ec2.seed_amis("us-east-1")
+    vpc_id, (sub_a, sub_b, sub_c) = own_vpc("us-east-1", ["us-east-1a", "us-east-1b", "us-east-1c"])
+    backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], vpc_id={"us-east-1": vpc_id},
+                                   subnet_ids=[sub_c, sub_b]))
+    three = G5.model_copy(update={"zones": ["us-east-1a", "us-east-1b", "us-east-1c"]})
+    fake_ec2.fail("InsufficientInstanceCapacity", zone="us-east-1b")
+    walk(backend, ledger, [three])
+    assert [r["NetworkInterface.1.SubnetId"] for r in fake_ec2.run_requests] == [sub_b, sub_c]
+    # An offer in a zone none of them is in moves on (capacity), saying which setting.
+    with pytest.raises(CloudError) as raised:
+        backend.create(job(1), G5, provisioning_key("svc", "llm", 1, 0, G5))  # us-east-1a
+    assert raised.value.kind is ErrorKind.CAPACITY and "backends.aws.subnet_ids" in raised.value.message
+
+
+def test_a_bare_vpc_id_needs_exactly_one_region():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="backends.aws.vpc_id"):
+        AWSConfig(regions=["us-east-1", "us-west-2"], vpc_id="vpc-1")
+    assert AWSConfig(regions=["us-east-1"], vpc_id="vpc-1").vpc_for("us-east-1") == "vpc-1"
+    mapped = AWSConfig(vpc_id={"us-west-2": "vpc-2"})
+    assert mapped.vpc_for("us-west-2") == "vpc-2" and mapped.vpc_for("us-east-1") is None
 
 
 def test_capacity_in_one_zone_moves_to_the_next_zone_before_the_next_offer(aws, ledger, fake_ec2):
