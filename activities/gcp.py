@@ -9,6 +9,8 @@ compute.googleapis.com whatever endpoint was configured (cloud-testing.md 2.1).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import math
 import threading
 import time
@@ -32,6 +34,7 @@ from models.offers import InstanceOffer
 from models.replica import JobSpec
 
 LABELS = TAG_NAMES["gcp"]
+log = logging.getLogger(__name__)
 REQUEST_NS = uuid.UUID("5b0c8a52-8a5e-4d0e-9a3c-6f1f1d2c7a10")  # durastack's uuid5 namespace for requestIds
 # N1 takes attachable GPUs; A2, A3 and G2 machine types come with theirs.
 ACCELERATORS = {"t4": "nvidia-tesla-t4", "v100": "nvidia-tesla-v100", "p100": "nvidia-tesla-p100",
@@ -94,6 +97,7 @@ class GCPBackend:
         self.installation = installation
         self.ssh_keys = ssh_keys
         self._firewall_ready = False
+        self._service_rules: set[str] = set()
         self.project = config.project_id
         self.regions = list(config.regions or regions or [])
         self._credentials = credentials
@@ -134,45 +138,84 @@ class GCPBackend:
         return slug(f"{self.network_tag}-ssh", 63)
 
     def gateway_sources(self) -> list[str]:
-        return sorted(set(self.config.gateway_cidrs or ["10.0.0.0/8"]))
+        """Where SSH (22) is admitted from: ``gateway_cidrs``; without them and with an external IP, anywhere, as
+        dstack does (the gateway dials the external address from wherever it runs; key-only login, host keys
+        pinned); without an external IP, the VPC's private ranges."""
+        if self.config.gateway_cidrs:
+            return sorted(set(self.config.gateway_cidrs))
+        return ["0.0.0.0/0"] if self.config.public_ip else ["10.0.0.0/8"]
+
+    def service_tag(self, service: str) -> str:
+        """The network tag of ``service``'s instances, also the name of the rule that lets them reach each other:
+        ``<network_tag>-<service>-<hash>``, at most 63 chars of [a-z0-9-] (GCE's rule for both), the hash telling
+        apart services whose names slug alike or are cut."""
+        digest = hashlib.sha256(service.encode()).hexdigest()[:8]
+        return f"{slug(f'{self.network_tag}-{service}', 54)}-{digest}"
+
+    def _put_rule(self, rule: compute_v1.Firewall) -> None:
+        """Insert the rule, or bring an existing one to it."""
+        self._clients()
+        try:
+            with _errors(f"firewall {rule.name}"):
+                op = self._firewalls.insert_unary(project=self.project, firewall_resource=rule)
+        except CloudError as e:
+            if e.code != "alreadyExists":
+                raise
+            with _errors(f"firewall {rule.name}"):
+                op = self._firewalls.patch_unary(project=self.project, firewall=rule.name, firewall_resource=rule)
+        self._wait_global(op, f"firewall {rule.name}")
+
+    def _delete_rule(self, name: str) -> None:
+        """Delete the rule; one already gone is success."""
+        self._clients()
+        try:
+            with _errors(f"delete firewall {name}"):
+                op = self._firewalls.delete_unary(project=self.project, firewall=name)
+        except CloudError as e:
+            if e.code == "notFound":
+                return
+            raise
+        self._wait_global(op, f"delete firewall {name}")
 
     def ensure_firewall(self) -> None:
         """The rule that lets the gateway's SSH (22) in to durastack's instances — and nothing else: the
         service port is reached through the tunnel. Made once; an existing rule is brought to these sources."""
         if self._firewall_ready:
             return
-        self._clients()
-        rule = compute_v1.Firewall(
+        sources = self.gateway_sources()
+        if "0.0.0.0/0" in sources:
+            log.warning("GCP: SSH (22) to durastack's instances is open to 0.0.0.0/0 (key-only login, host keys "
+                        "pinned); set backends.gcp.gateway_cidrs to the gateway's address to narrow it")
+        self._put_rule(compute_v1.Firewall(
             name=self.firewall_name, network=self.config.network, direction="INGRESS", priority=1000,
             description="durastack: SSH from the gateway to its replicas",
-            target_tags=[self.network_tag], source_ranges=self.gateway_sources(),
-            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])])
-        try:
-            with _errors(f"firewall {self.firewall_name}"):
-                op = self._firewalls.insert_unary(project=self.project, firewall_resource=rule)
-        except CloudError as e:
-            if e.code != "alreadyExists":
-                raise
-            with _errors(f"firewall {self.firewall_name}"):
-                op = self._firewalls.patch_unary(project=self.project, firewall=self.firewall_name,
-                                                 firewall_resource=rule)
-        self._wait_global(op, f"firewall {self.firewall_name}")
+            target_tags=[self.network_tag], source_ranges=sources,
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])]))
         self._firewall_ready = True
 
+    def ensure_service_firewall(self, service: str) -> None:
+        """The rule that lets ``service``'s instances reach each other on their private IPs, on any TCP/UDP port
+        (one network per service), and no one else: from its tag to its tag. Made with its first instance."""
+        if service in self._service_rules:
+            return
+        tag = self.service_tag(service)
+        self._put_rule(compute_v1.Firewall(
+            name=tag, network=self.config.network, direction="INGRESS", priority=1000,
+            description=f"durastack: service {service}'s instances to each other",
+            source_tags=[tag], target_tags=[tag],
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp"), compute_v1.Allowed(I_p_protocol="udp")]))
+        self._service_rules.add(service)
+
     def release(self, service: str) -> None:
-        """Remove the firewall rule once no durastack instance of this control plane is left."""
+        """Remove the service's rule once none of its instances is left, and the SSH rule once no durastack
+        instance of this control plane is left."""
+        if self.list_tagged(service=service):
+            return
+        self._delete_rule(self.service_tag(service))
+        self._service_rules.discard(service)
         if self.list_tagged():
             return
-        self._clients()
-        try:
-            with _errors(f"delete firewall {self.firewall_name}"):
-                op = self._firewalls.delete_unary(project=self.project, firewall=self.firewall_name)
-        except CloudError as e:
-            if e.code == "notFound":
-                self._firewall_ready = False
-                return
-            raise
-        self._wait_global(op, f"delete firewall {self.firewall_name}")
+        self._delete_rule(self.firewall_name)
         self._firewall_ready = False
 
     def _wait_global(self, op: compute_v1.Operation, what: str) -> None:
@@ -193,6 +236,7 @@ class GCPBackend:
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
         """Insert in each of the offer's zones until one has capacity; raises CloudError."""
         self.ensure_firewall()
+        self.ensure_service_firewall(job.service)
         zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
         exhausted = []
         for zone in zones:
@@ -309,8 +353,8 @@ class GCPBackend:
             name=key, machine_type=f"zones/{zone}/machineTypes/{offer.instance_type}", labels=labels,
             guest_accelerators=accelerators, scheduling=scheduling, network_interfaces=[nic],
             metadata=compute_v1.Metadata(items=metadata),
-            # Network tags ≤ 63; the first is what the SSH firewall rule targets.
-            tags=compute_v1.Tags(items=[self.network_tag, f"durastack-{slug(job.service, 52)}"]),
+            # Network tags ≤ 63: the SSH rule targets the first, the service's own rule the second.
+            tags=compute_v1.Tags(items=[self.network_tag, self.service_tag(job.service)]),
             disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=boot)])
 
     def _wait(self, zone: str, op: compute_v1.Operation, what: str) -> None:

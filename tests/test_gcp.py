@@ -7,6 +7,7 @@ Google (insert_unary + our own ZoneOperationsClient, so even operation polling s
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -105,10 +106,16 @@ def test_gpu_group_comes_up_with_accelerators_spot_labels_and_startup_script(gcp
     for value in job().env.values():
         assert value not in json.dumps(body)
     assert not any(c in json.dumps(body) for c in job().commands)
-    assert body["tags"]["items"][0] == gcp.network_tag
-    (rule,) = gce.firewall_rules()
-    assert rule["targetTags"] == [gcp.network_tag] and rule["sourceRanges"] == ["10.0.0.0/8"]
+    assert body["tags"]["items"] == [gcp.network_tag, gcp.service_tag("Svc.One")]
+    rules = {r["name"]: r for r in gce.firewall_rules()}
+    assert set(rules) == {gcp.firewall_name, gcp.service_tag("Svc.One")}
+    rule = rules[gcp.firewall_name]
+    # The default config: an external IP and no gateway_cidrs, so the gateway dials from anywhere.
+    assert rule["targetTags"] == [gcp.network_tag] and rule["sourceRanges"] == ["0.0.0.0/0"]
     assert rule["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]  # SSH only, never the service port
+    own = rules[gcp.service_tag("Svc.One")]  # the service's instances reach each other, on any port
+    assert own["sourceTags"] == own["targetTags"] == [gcp.service_tag("Svc.One")] and "sourceRanges" not in own
+    assert own["allowed"] == [{"IPProtocol": "tcp"}, {"IPProtocol": "udp"}]
     assert inst.address == "34.1.{}.2:8000".format(inst.public_ip.split(".")[2]) and inst.price == 0.18
     assert [e["phase"] for e in ledger.entries(key)] == ["intent", "created"]
     assert inst.owner == owner("gcp", "Svc.One", "llm", 0, 0)
@@ -268,9 +275,36 @@ def test_stopping_the_service_leaves_no_instance_labelled_for_it(gcp, ledger, gc
     assert terminate_service({"gcp": gcp}, "Svc.One", ledger=ledger) == 3
     assert gcp.list_tagged(service="Svc.One") == []
     assert [i["labels"]["durastack-service"] for i in gce.all_instances()] == ["keep"]
-    assert len(gce.firewall_rules()) == 1  # "keep" still runs: its SSH rule stays
+    # "keep" still runs: the SSH rule and its own rule stay; Svc.One's went with its last instance.
+    assert sorted(r["name"] for r in gce.firewall_rules()) == sorted([gcp.firewall_name, gcp.service_tag("keep")])
     assert terminate_service({"gcp": gcp}, "keep", ledger=ledger) == 1
-    assert gce.firewall_rules() == []  # no durastack instance left: the rule goes too
+    assert gce.firewall_rules() == []  # no durastack instance left: the rules go too
+
+
+def test_ssh_sources_follow_gateway_cidrs_and_the_address_replicas_are_dialled_at(gce, caplog):
+    def sources(**config):
+        backend = GCPBackend(GCPConfig(project_id="proj", endpoint=gce.url, **config))
+        backend.ensure_firewall()
+        (rule,) = [r for r in gce.firewall_rules() if r["name"] == backend.firewall_name]
+        return rule["sourceRanges"]
+
+    assert sources() == ["0.0.0.0/0"]  # external IPs, dialled from wherever the gateway runs
+    assert "backends.gcp.gateway_cidrs" in caplog.text
+    assert sources(public_ip=False) == ["10.0.0.0/8"]  # brought to the new sources (patched)
+    assert sources(gateway_cidrs=["203.0.113.7/32"]) == ["203.0.113.7/32"]
+
+
+def test_service_tags_keep_gce_rules_and_tell_services_apart(gce):
+    backend = GCPBackend(GCPConfig(project_id="proj", endpoint=gce.url), installation="h" + "x" * 30)
+    long, alike = "A" * 80 + ".Service", ["a.b", "a-b"]
+    for name in [long, "x", *alike]:
+        tag = backend.service_tag(name)
+        assert len(tag) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", tag) and backend.installation in tag
+    assert backend.service_tag(alike[0]) != backend.service_tag(alike[1])
+    assert backend.service_tag(long) != backend.service_tag(long + "2")
+    assert backend.service_tag("x") != backend.network_tag and backend.service_tag("ssh") != backend.firewall_name
+    backend.ensure_service_firewall(long)  # the fake refuses names and tags GCE would
+    assert [r["name"] for r in gce.firewall_rules()] == [backend.service_tag(long)]
 
 
 def test_a_zone_without_the_type_moves_to_the_next_zone_then_the_next_offer(gcp, ledger, gce):

@@ -189,6 +189,9 @@ class FakeGCE(ServedInThread):
         name = body.get("name", "")
         if not _NAME.match(name):
             return _http_error(400, f"Invalid value for field 'resource.name': '{name}'.", "invalid")
+        for tag in body.get("tags", {}).get("items", []):  # network tags: RFC 1035 labels, as names
+            if not _NAME.match(tag):
+                return _http_error(400, f"Invalid value for field 'resource.tags.items[]': '{tag}'.", "invalid")
         if request_id and (p, z, request_id) in self.request_ids:
             return 200, self.operations[(p, z, self.request_ids[(p, z, request_id)])]
         if (p, z, name) in self.instances:
@@ -279,6 +282,9 @@ class FakeGCE(ServedInThread):
             rule_name = body.get("name", "")
             if not _NAME.match(rule_name):
                 return _http_error(400, f"Invalid value for field 'resource.name': '{rule_name}'.", "invalid")
+            for tag in body.get("sourceTags", []) + body.get("targetTags", []):
+                if not _NAME.match(tag):
+                    return _http_error(400, f"Invalid value for field 'resource.targetTags': '{tag}'.", "invalid")
             if (p, rule_name) in self.firewalls:
                 return _http_error(409, f"The resource 'projects/{p}/global/firewalls/{rule_name}' already exists")
             self.firewalls[(p, rule_name)] = {**body, "selfLink": f"{self.url}/compute/v1/projects/{p}/global/"
