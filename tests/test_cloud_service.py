@@ -307,8 +307,16 @@ async def test_aws_gpu_service_comes_up_with_type_tags_userdata_and_stops_clean(
         result = await launched(s.client, replica_workflow_id("aws-llm", "llm", 0, 0))
         assert result.placement.instance_id == raw["InstanceId"] == result.instance.instance_id
 
+        # The service's own network: its group admits SSH and, on every port, its own members.
+        (group,) = ec2().describe_security_groups(Filters=[{"Name": "group-name", "Values": ["*aws-llm"]}])[
+            "SecurityGroups"]
+        assert {(p["IpProtocol"], tuple(g["GroupId"] for g in p.get("UserIdGroupPairs", [])))
+                for p in group["IpPermissions"]} == {("tcp", ()), ("-1", (group["GroupId"],))}
+
         await s.stop(handle)
         assert live_instances("aws-llm") == []
+        assert [g for g in ec2().describe_security_groups()["SecurityGroups"]
+                if g["GroupName"].startswith("durastack")] == []  # and its group with it
         assert s.gateway.routes == {} and s.gateway.services == {}
         assert not Path(socket[5:]).exists()  # the tunnel closed with its instance
         phases = [e["phase"] for e in s.clouds.ledger.entries(tags["durastack:key"])]
@@ -428,8 +436,12 @@ async def test_gcp_spot_gpu_service_gets_accelerators_and_spot_scheduling(dev_en
         metadata = {i["key"]: i["value"] for i in inst["metadata"]["items"]}
         assert "app.py" not in json.dumps(inst) and SECRET not in json.dumps(gce.requests)
         assert "app.py" not in metadata["startup-script"] and metadata["block-project-ssh-keys"] == "true"
+        # Two rules while it runs: SSH from the gateway, and the service's instances to each other (tag to tag).
+        rules = gce.firewall_rules()
+        (own,) = [r for r in rules if r.get("sourceTags")]
+        assert len(rules) == 2 and own["sourceTags"] == own["targetTags"] and own["targetTags"][0] in inst["tags"]["items"]
         await s.stop(handle)
-        assert gce.all_instances() == [] and gce.firewall_rules() == []  # its last instance gone, the SSH rule too
+        assert gce.all_instances() == [] and gce.firewall_rules() == []  # its last instance gone, both rules too
 
 
 # --- the reaper ---------------------------------------------------------------------------------------

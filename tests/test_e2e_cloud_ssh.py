@@ -108,7 +108,8 @@ def _history_has(stack: Stack, text: str) -> bool:
     return asyncio.run(scan())
 
 
-def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str]) -> None:
+def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str], network=None) -> None:
+    """``network()``: asserts the service's own network rules while it runs."""
     try:
         until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
         result = stack.cli("apply", "-f", str(service), "-y", timeout=600)
@@ -120,6 +121,8 @@ def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str]) -> None
         assert {g: r["instance_type"] for g, r in replicas.items()} == types
         assert all(r["address"].startswith("unix:") and "/tunnels/" in r["address"] for r in replicas.values())
         assert set(_requests(stack, 10)) == {200}
+        if network is not None:
+            network()
 
         llm = replicas["llm"]
         done = stack.cli("exec", "cloudsvc", "--replica", str(llm["replica"]), "--", "sh", "-c", "echo $MODEL")
@@ -153,13 +156,29 @@ def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str]) -> None
         stack.stop()
 
 
+def _aws_network() -> None:
+    """One group for the service's instances, admitting SSH and everything from itself."""
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    (group,) = [g for g in ec2.describe_security_groups()["SecurityGroups"] if g["GroupName"].startswith("durastack")]
+    assert {(p["IpProtocol"], tuple(g["GroupId"] for g in p.get("UserIdGroupPairs", [])))
+            for p in group["IpPermissions"]} == {("tcp", ()), ("-1", (group["GroupId"],))}
+
+
+def _gcp_network(gce) -> None:
+    """Two rules: SSH, and the service's tag to itself, which both groups' instances carry."""
+    rules = gce.firewall_rules()
+    (own,) = [r for r in rules if r.get("sourceTags")]
+    assert len(rules) == 2 and own["sourceTags"] == own["targetTags"]
+    assert all(own["targetTags"][0] in i["tags"]["items"] for i in gce.all_instances())
+
+
 def test_aws_two_groups_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
     fake_ec2.seed_amis("us-east-1")
     stack = _stack(tmp_path, monkeypatch, vpc, "backends:\n  aws:\n    regions: [us-east-1]\n"
                                                "    ami_owners: [self]\n    public_ip: false\n")
     with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
         _scenario(stack, vpc, booter, _service(tmp_path, "aws", "A10G"),
-                  {"llm": "g5.xlarge", "router": _cheapest_cpu("aws", "us-east-1")})
+                  {"llm": "g5.xlarge", "router": _cheapest_cpu("aws", "us-east-1")}, network=_aws_network)
     ec2 = boto3.client("ec2", region_name="us-east-1")
     live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
     assert [i for r in live["Reservations"] for i in r["Instances"]] == []
@@ -173,7 +192,8 @@ def test_gcp_two_groups_from_the_cli(tmp_path, monkeypatch, gce, vpc):
                                                f"    public_ip: false\n")
     with vpcs.Booter(vpc, lambda: vpcs.gce_instances(gce)) as booter:
         _scenario(stack, vpc, booter, _service(tmp_path, "gcp", "L4"),
-                  {"llm": "g2-standard-4", "router": _cheapest_cpu("gcp", "us-central1")})
+                  {"llm": "g2-standard-4", "router": _cheapest_cpu("gcp", "us-central1")},
+                  network=lambda: _gcp_network(gce))
     assert gce.all_instances() == [] and gce.firewall_rules() == []
     assert all(SECRET not in json.dumps(r) for r in gce.requests)
 
