@@ -8,7 +8,14 @@
   key the script installed, accepting only the installation's key; ``docker`` is tests/fakes/fake_docker.py.
 * The gateway (this process) reaches a host only by a TCP connection made inside the VPC namespace
   (``socket_factory``, what ``activities.ssh.SSHClient`` is given), and the host serves only SSH there: the app is
-  on the host's loopback, reachable through the SSH tunnel alone — as with a real cloud's firewall.
+  on the host's loopback, reachable through the SSH tunnel alone — as with a real cloud's firewall. The gateway's
+  address is 172.31.255.254, or 10.255.255.254 towards a host in 10.0.0.0/8 (GCE's ranges): inside the VPC.
+* The cloud's firewall is honoured: a host booted with ``admits`` (what ``moto_instances`` / ``gce_instances`` read
+  from the security groups and firewall rules, refreshed by the Booter as they change) takes TCP and UDP on its
+  interface only from those sources, protocols and ports; the rest is dropped, as the cloud drops it. No
+  iptables here: the host's routing rules do it (``ip rule ... ipproto tcp dport 22 lookup local`` before a
+  ``prohibit``). Stateless, unlike a security group: a reply to a connection the host opened is refused unless
+  its source is admitted (hosts here open connections only to their service's peers, which are). ICMP passes.
 
 Needs root (``ip netns``); ``available()`` says why not.
 """
@@ -24,14 +31,33 @@ import signal
 import socket
 import subprocess
 import sys
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ruamel.yaml import YAML
 
 ROOT = Path(__file__).resolve().parents[2]
 BRIDGE_ADDRESS = "172.31.255.254"  # the VPC's own (the gateway's side); hosts get /32 routes, whatever range
+GCE_GATEWAY_ADDRESS = "10.255.255.254"  # the gateway's address towards hosts in 10.0.0.0/8
+_ADMIT_PREFS = (100, 899)  # the host's routing rules that admit; 900, 901 drop the rest of TCP and UDP
+
+
+@dataclass(frozen=True, order=True)
+class Admit:
+    """Traffic a host takes on its interface: from ``cidr``, of ``proto`` (tcp/udp; None: every protocol), to
+    ``ports`` (first, last; None: every port)."""
+
+    cidr: str
+    proto: Optional[str] = None
+    ports: Optional[tuple[int, int]] = None
+
+
+def gateway_address(address: str) -> str:
+    """The gateway's own address towards a host at ``address``."""
+    return GCE_GATEWAY_ADDRESS if ipaddress.ip_address(address) in ipaddress.ip_network("10.0.0.0/8") \
+        else BRIDGE_ADDRESS
 _seq = itertools.count(1)
 
 
@@ -88,6 +114,7 @@ class SimulatedVPC:
     workdir: Path
     tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}x{next(_seq)}")
     hosts: dict[str, SimHost] = field(default_factory=dict)
+    admitted: dict[str, tuple[Admit, ...]] = field(default_factory=dict)  # host → what its firewall takes
     _ns: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -97,12 +124,14 @@ class SimulatedVPC:
         _ip("-n", self.netns, "link", "set", "lo", "up")
         _ip("-n", self.netns, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.netns, "addr", "add", f"{BRIDGE_ADDRESS}/32", "dev", "br0")
+        _ip("-n", self.netns, "addr", "add", f"{GCE_GATEWAY_ADDRESS}/32", "dev", "br0")
         _ip("-n", self.netns, "link", "set", "br0", "up")
 
     # --- hosts --------------------------------------------------------------------------------------
 
-    def boot(self, name: str, address: str, user_data: str) -> SimHost:
-        """Boot a host for instance ``name`` at its private ``address`` from its user data."""
+    def boot(self, name: str, address: str, user_data: str, admits: Optional[Sequence[Admit]] = None) -> SimHost:
+        """Boot a host for instance ``name`` at its private ``address`` from its user data; with ``admits``, behind
+        that firewall from the start (without, open: the bare host of tests/test_ssh_path.py)."""
         if name in self.hosts:
             return self.hosts[name]
         n = len(self.hosts) + 1
@@ -115,7 +144,9 @@ class SimulatedVPC:
         _ip("-n", netns, "addr", "add", f"{address}/32", "dev", "eth0")
         _ip("-n", netns, "link", "set", "eth0", "up")
         _ip("-n", netns, "route", "add", "default", "dev", "eth0")
-        _ip("-n", self.netns, "route", "add", f"{address}/32", "dev", "br0")
+        _ip("-n", self.netns, "route", "add", f"{address}/32", "dev", "br0", "src", gateway_address(address))
+        if admits is not None:
+            self._firewall(netns, name, admits)
         root = self.workdir / name
         for d in ("opt", "etc", "home", "bin", "containers"):
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -139,6 +170,34 @@ class SimulatedVPC:
         host = SimHost(name=name, netns=netns, address=address, root=root, server=server)
         self.hosts[name] = host
         return host
+
+    def firewall(self, name: str, admits: Sequence[Admit]) -> None:
+        """Bring host ``name``'s firewall to ``admits`` (the cloud's rules changed)."""
+        self._firewall(self.hosts[name].netns, name, admits)
+
+    def _firewall(self, netns: str, name: str, admits: Sequence[Admit]) -> None:
+        wanted = tuple(sorted(set(admits)))
+        if len(wanted) > _ADMIT_PREFS[1] - _ADMIT_PREFS[0] + 1:
+            raise ValueError(f"{name}: too many firewall entries ({len(wanted)})")
+        if name not in self.admitted:
+            # Local delivery after our rules: move the kernel's `from all lookup local` (pref 0) behind them.
+            _ip("-n", netns, "rule", "add", "pref", "1000", "lookup", "local")
+            _ip("-n", netns, "rule", "del", "pref", "0")
+            for pref, proto in ((900, "tcp"), (901, "udp")):
+                _ip("-n", netns, "rule", "add", "pref", str(pref), "iif", "eth0", "ipproto", proto, "prohibit")
+        elif self.admitted[name] == wanted:
+            return
+        for pref in range(_ADMIT_PREFS[0], _ADMIT_PREFS[0] + len(self.admitted.get(name, ()))):
+            _ip("-n", netns, "rule", "del", "pref", str(pref))
+        for pref, admit in enumerate(wanted, _ADMIT_PREFS[0]):
+            match = ["from", admit.cidr, "iif", "eth0"]
+            if admit.proto:
+                match += ["ipproto", admit.proto]
+                if admit.ports:
+                    match += ["dport", f"{admit.ports[0]}-{admit.ports[1]}" if admit.ports[0] != admit.ports[1]
+                              else str(admit.ports[0])]
+            _ip("-n", netns, "rule", "add", "pref", str(pref), *match, "lookup", "local")
+        self.admitted[name] = wanted
 
     def cut(self, host: SimHost) -> None:
         """Take the host's link down (a network partition): its SSH connections die."""
@@ -179,29 +238,71 @@ class SimulatedVPC:
 
 
 
-def moto_instances(region: str = "us-east-1") -> list[tuple[str, str, str]]:
-    """(id, private IP, user data) of every running instance moto has (AWS env pointed at it)."""
+def _ports(proto: Optional[str], first, last) -> Optional[tuple[int, int]]:
+    if proto not in ("tcp", "udp") or first is None or (int(first), int(last)) == (0, 65535):
+        return None
+    return int(first), int(last)
+
+
+def moto_instances(region: str = "us-east-1") -> list[tuple[str, str, str, list[Admit]]]:
+    """(id, private IP, user data, what its security groups admit) of every running instance moto has (AWS env
+    pointed at it). A group's rule from a group admits the private IPs of that group's instances."""
     import boto3
 
     ec2 = boto3.client("ec2", region_name=region)
-    found = []
     res = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    for raw in (i for r in res["Reservations"] for i in r["Instances"]):
+    raws = [i for r in res["Reservations"] for i in r["Instances"] if i.get("PrivateIpAddress")]
+    # moto lists the groups of the primary interface, not always on the instance itself
+    groups_of = {raw["InstanceId"]: {g["GroupId"] for g in (raw.get("SecurityGroups") or
+                                                            (raw.get("NetworkInterfaces") or [{}])[0].get("Groups", []))}
+                 for raw in raws}
+    rules = {g["GroupId"]: g["IpPermissions"] for g in ec2.describe_security_groups()["SecurityGroups"]}
+    found = []
+    for raw in raws:
         data = ec2.describe_instance_attribute(InstanceId=raw["InstanceId"], Attribute="userData")
         value = data.get("UserData", {}).get("Value")
-        if value and raw.get("PrivateIpAddress"):
-            found.append((raw["InstanceId"], raw["PrivateIpAddress"], base64.b64decode(value).decode()))
+        if not value:
+            continue
+        admits = []
+        for group in groups_of[raw["InstanceId"]]:
+            for perm in rules.get(group, []):
+                proto = None if perm["IpProtocol"] in ("-1", "all") else perm["IpProtocol"]
+                ports = _ports(proto, perm.get("FromPort"), perm.get("ToPort"))
+                cidrs = [r["CidrIp"] for r in perm.get("IpRanges", [])]
+                for pair in perm.get("UserIdGroupPairs", []):
+                    cidrs += [f"{o['PrivateIpAddress']}/32" for o in raws if pair["GroupId"] in groups_of[o["InstanceId"]]]
+                admits += [Admit(cidr, proto, ports) for cidr in cidrs]
+        found.append((raw["InstanceId"], raw["PrivateIpAddress"], base64.b64decode(value).decode(), admits))
     return found
 
 
-def gce_instances(gce) -> list[tuple[str, str, str]]:
-    """(name, private IP, startup-script) of every instance the fake Compute server has."""
+def gce_instances(gce) -> list[tuple[str, str, str, list[Admit]]]:
+    """(name, private IP, startup-script, what the firewall rules admit) of every instance the fake Compute server
+    has. A rule applies to the instances carrying one of its target tags (all without any); its source tags admit
+    the private IPs of the instances carrying them."""
+    instances = gce.all_instances()
+    tags_of = {i["name"]: set(i.get("tags", {}).get("items", [])) for i in instances}
+    ip_of = {i["name"]: (i.get("networkInterfaces") or [{}])[0].get("networkIP") for i in instances}
+    rules = [r for r in gce.firewall_rules() if r.get("direction", "INGRESS") == "INGRESS"]
     found = []
-    for inst in gce.all_instances():
+    for inst in instances:
         items = {i["key"]: i["value"] for i in inst.get("metadata", {}).get("items", [])}
-        nic = (inst.get("networkInterfaces") or [{}])[0]
-        if "startup-script" in items and nic.get("networkIP"):
-            found.append((inst["name"], nic["networkIP"], items["startup-script"]))
+        name = inst["name"]
+        if "startup-script" not in items or not ip_of[name]:
+            continue
+        admits = []
+        for rule in rules:
+            if rule.get("targetTags") and not set(rule["targetTags"]) & tags_of[name]:
+                continue
+            cidrs = list(rule.get("sourceRanges", []))
+            cidrs += [f"{ip_of[o]}/32" for o in tags_of if ip_of[o] and set(rule.get("sourceTags", [])) & tags_of[o]]
+            for allowed in rule.get("allowed", []):
+                proto = None if allowed["IPProtocol"] == "all" else allowed["IPProtocol"]
+                spans = [p.split("-") for p in allowed.get("ports", [])] or [[None, None]]
+                for span in spans:
+                    ports = _ports(proto, span[0], span[-1]) if span[0] is not None else None
+                    admits += [Admit(cidr, proto, ports) for cidr in cidrs]
+        found.append((name, ip_of[name], items["startup-script"], admits))
     return found
 
 
@@ -228,11 +329,15 @@ class Booter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                for name, address, user_data in self.list_instances():
+                for name, address, user_data, *admits in self.list_instances():
+                    admits = admits[0] if admits else None  # without: an open host
                     if name not in self.vpc.hosts:
                         self.user_data[name] = user_data
-                        self.vpc.boot(name, address, user_data)
+                        self.vpc.boot(name, address, user_data, admits)
+                    elif admits is not None:
+                        self.vpc.firewall(name, admits)  # the rules changed, or its peers did
             except Exception as e:  # noqa: BLE001 — reported by the test, never swallowed silently
                 self.errors.append(f"{type(e).__name__}: {e}")
             self._stop.wait(self.interval)
-__all__ = ["Booter", "SimHost", "SimulatedVPC", "available", "boot_script_of", "gce_instances", "moto_instances"]
+__all__ = ["Admit", "Booter", "SimHost", "SimulatedVPC", "available", "boot_script_of", "gateway_address",
+           "gce_instances", "moto_instances"]
