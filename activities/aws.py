@@ -177,12 +177,28 @@ class AWSBackend:
                     if e.response["Error"]["Code"] != "InvalidGroup.Duplicate":
                         raise
                     group_id = self._find_group(ec2, name, vpc["VpcId"])
-            for permission in [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
-                                "IpRanges": [{"CidrIp": cidr} for cidr in sources]},
-                               {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group_id}]}]:
+            # An existing group is brought to these sources: a gateway_cidrs set later narrows SSH at once (and
+            # EC2 refuses a whole authorize when one of its ranges is there already).
+            (group,) = ec2.describe_security_groups(GroupIds=[group_id])["SecurityGroups"]
+            ssh = {r["CidrIp"] for p in group["IpPermissions"] if p.get("IpProtocol") == "tcp"
+                   and p.get("FromPort") == 22 and p.get("ToPort") == 22 for r in p.get("IpRanges", [])}
+            itself = any(p.get("IpProtocol") == "-1" and any(g.get("GroupId") == group_id
+                                                             for g in p.get("UserIdGroupPairs", []))
+                         for p in group["IpPermissions"])
+            if ssh - set(sources):
+                ec2.revoke_security_group_ingress(GroupId=group_id, IpPermissions=[{
+                    "IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
+                    "IpRanges": [{"CidrIp": cidr} for cidr in sorted(ssh - set(sources))]}])
+            wanted = []
+            if set(sources) - ssh:
+                wanted.append({"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
+                               "IpRanges": [{"CidrIp": cidr} for cidr in sorted(set(sources) - ssh)]})
+            if not itself:
+                wanted.append({"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group_id}]})
+            for permission in wanted:
                 try:
                     ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[permission])
-                except ClientError as e:
+                except ClientError as e:  # another worker added it meanwhile
                     if e.response["Error"]["Code"] != "InvalidPermission.Duplicate":
                         raise
         self._groups[cache_key] = group_id

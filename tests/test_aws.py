@@ -160,6 +160,22 @@ def test_default_config_admits_ssh_from_anywhere_since_the_gateway_dials_the_pub
     assert "backends.aws.gateway_cidrs" in caplog.text and "0.0.0.0/0" in caplog.text
 
 
+def test_an_existing_group_is_brought_to_the_configured_sources(fake_ec2):
+    """A group made under the default (SSH from anywhere) is narrowed once gateway_cidrs is set: the next launch
+    (a new worker, say) revokes what is no longer configured and adds only what is missing."""
+    fake_ec2.seed_amis("us-east-1")
+    config = dict(regions=["us-east-1"], ami_owners=["self"])
+    AWSBackend(AWSConfig(**config)).create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    group_id = group_of(all_instances()[0])["GroupId"]
+    assert ("tcp", 22, ("0.0.0.0/0",), ()) in sg_rules(group_id)
+    narrowed = AWSBackend(AWSConfig(**config, gateway_cidrs=["203.0.113.7/32"], ssh_cidrs=["198.51.100.0/24"]))
+    narrowed.create(job(1), G5, provisioning_key("svc", "llm", 1, 0, G5))
+    assert sg_rules(group_id) == {("tcp", 22, ("198.51.100.0/24", "203.0.113.7/32"), ()), ("-1", None, (), (group_id,))}
+    AWSBackend(AWSConfig(**config, gateway_cidrs=["203.0.113.7/32", "192.0.2.0/24"])).create(
+        job(2), G5, provisioning_key("svc", "llm", 2, 0, G5))  # one range kept, one added, one revoked
+    assert ("tcp", 22, ("192.0.2.0/24", "203.0.113.7/32"), ()) in sg_rules(group_id)
+
+
 def test_private_addresses_admit_ssh_from_the_vpc_only(fake_ec2):
     fake_ec2.seed_amis("us-east-1")
     backend = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], ssh_cidrs=["198.51.100.0/24"],
