@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
+from pydantic import BaseModel
+
 from models.gateway import (MAX_RATE_LIMIT_BURST, MAX_RATE_LIMIT_RPS, RATE_LIMIT_HEADER_PATTERN,
                             RATE_LIMIT_PREFIX_PATTERN)
 from models.interpolation import find, group_name
@@ -275,6 +277,10 @@ def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
         if value is not None and any(True for _ in find(value)):
             yield Issue(("env", key), "`${{ … }}` expressions may appear only in `commands`, never in `env`; "
                                       "use them in a command (e.g. `export NAME=${{ … }}`)")
+    for path in _expressions_outside_commands(cfg, ()):
+        field = next(p for p in reversed(path) if isinstance(p, str))
+        yield Issue(path, f"`${{{{ … }}}}` expressions may appear only in `commands`: `{field}` would get it as "
+                          "literal text")
     groups = cfg.replica_groups
     names = [g.name or str(i) for i, g in enumerate(groups)]
     edges: dict[str, set[str]] = {n: set() for n in names}
@@ -294,6 +300,26 @@ def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
                     "replica addresses are referenced in a cycle (" + " → ".join(cycle + [cycle[0]]) + "): a "
                     "replica starts only once the replicas its commands name have an address, so none of these "
                     "would ever start")
+
+
+def _expressions_outside_commands(node: object, at: Path) -> Iterator[Path]:
+    """Paths of the string fields holding ``${{`` other than ``commands`` and ``env`` (which has its own rule).
+    No other form (``${{ env.X }}``, ``${{ secrets.X }}``) is substituted anywhere: every one would reach the job
+    as written."""
+    if isinstance(node, str):
+        if "${{" in node:
+            yield at
+    elif isinstance(node, BaseModel):
+        for name in type(node).model_fields:
+            if (not at and name == "env") or name == "commands":
+                continue
+            yield from _expressions_outside_commands(getattr(node, name), at + (name,))
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            yield from _expressions_outside_commands(item, at + (i,))
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _expressions_outside_commands(value, at + (str(key),))
 
 
 def _reference_issue(found, groups: list[ReplicaGroup], names: list[str], own: str) -> str:

@@ -653,3 +653,28 @@ def test_max_duration_is_a_duration_or_off(text, seconds):
 ])
 def test_bad_retry_and_max_duration_name_the_field_and_line(text, message):
     assert one_error(BASE + "commands: [x]\n" + text + "\n") == message
+
+
+@pytest.mark.parametrize("field, value, path, line", [
+    ("image", "repo/app:${{ groups[0].replicas[0].IP_ADDRESS }}", "image", 3),
+    ("working_dir", "/w/${{ env.X }}", "working_dir", 3),
+    ("entrypoint", "${{ secrets.TOKEN }}", "entrypoint", 3),
+])
+def test_expressions_outside_commands_are_refused_with_their_line(field, value, path, line):
+    err = one_error(BASE + f"{field}: '{value}'\ncommands: [serve]\n")
+    assert err.startswith(f"{path}: `${{{{ … }}}}` expressions may appear only in `commands`: `{field}` would get "
+                          "it as literal text"), err
+    assert err.endswith(f"(line {line})")
+
+
+def test_expressions_in_group_fields_are_refused_with_their_line():
+    text = PD.replace("    router: {type: sglang}\n",
+                      "    router: {type: sglang}\n    reservation: 'cr-${{ groups[1].replicas[0].PORT }}'\n")
+    text = text.replace("  - name: prefill\n", "  - name: prefill\n    image: 'img:${{ env.TAG }}'\n")
+    errs = errors(text % ("serve", "serve"))
+    assert [e.split(":")[0] for e in errs] == ["groups[0].reservation", "groups[1].image"], errs
+    assert errs[0].endswith("(line 7)") and errs[1].endswith("(line 10)"), errs
+
+
+def test_expressions_in_commands_still_pass():
+    ok(PD % ("'serve --router ${{ groups[router].replicas[0].IP_ADDRESS }}'", "serve"))
