@@ -121,7 +121,7 @@ class CloudReplicas:
             await asyncio.sleep(min(self.poll_seconds, 2.0))
         try:
             # Pulling a large image takes minutes: heartbeat meanwhile.
-            started = asyncio.ensure_future(start_job(conn, inp.job, gpu=gpu))
+            started = asyncio.ensure_future(start_job(conn, inp.job, gpu=gpu, replica_ip=instance.private_ip))
             while not started.done():
                 activity.heartbeat(f"{instance.instance_id}: starting the container (image pull)")
                 await asyncio.wait({started}, timeout=5.0)

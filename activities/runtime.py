@@ -1,8 +1,9 @@
 """One job builder for every backend: what a group's runtime fields (``image``, ``python``, ``nvcc``,
 ``docker``, ``privileged``, ``user``, ``working_dir``, ``env``, the port) become.
 
-On a cloud instance they become one ``docker run`` (``docker_run_argv``), started over SSH after boot, with
-the env in a mode-600 file (``--env-file``) that never travels in user data or instance metadata. The
+On a cloud instance they become one ``docker run`` (``docker_run_argv``) on the instance's network, started
+over SSH after boot, with the env in a mode-600 file (``--env-file``) that never travels in user data or
+instance metadata. The
 local backend runs the commands on this machine without containers and says at plan time, with the field
 path, which of these it cannot honour (``local_limits``).
 """
@@ -96,24 +97,29 @@ def env_files(job: JobSpec) -> tuple[str, dict[str, str]]:
     return text, multi
 
 
-def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str) -> list[str]:
-    """``docker run`` for the job on a cloud instance whose job files are in ``job_dir``.
+def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = "") -> list[str]:
+    """``docker run`` for the job on a cloud instance whose job files are in ``job_dir``; ``replica_ip`` is the
+    instance's private address (``DURASTACK_REPLICA_IP``).
 
-    The port is published on the instance's loopback only: the gateway reaches it through the SSH tunnel,
-    and a firewall mistake cannot expose it."""
+    The container uses the instance's network (``--network=host``, as dstack does): the replicas of one service
+    reach each other at their private addresses on any port (a router and its prefill/decode workers), which
+    the instance's firewall admits from the service's own instances only, with SSH from the gateway. The
+    gateway reaches the app through the SSH tunnel, at 127.0.0.1:<port> on the instance."""
     rt = runtime_of(job)
-    argv = ["docker", "run", "-d", "--name", CONTAINER_NAME, "--restart", "no", "--ipc=host",
+    argv = ["docker", "run", "-d", "--name", CONTAINER_NAME, "--restart", "no", "--ipc=host", "--network=host",
             "--label", f"durastack.replica={job.replica_id}"]
     if gpu:
         argv += ["--gpus", "all"]
     if rt.privileged:
         argv += ["--privileged"]
     argv += ["--env-file", f"{job_dir}/env", "-e", f"PORT={job.port}"]
+    if replica_ip:
+        argv += ["-e", f"DURASTACK_REPLICA_IP={replica_ip}"]
     if job.user:
         argv += ["-u", job.user]
     if job.working_dir:
         argv += ["-w", job.working_dir]
-    argv += ["-p", f"127.0.0.1:{job.port}:{job.port}", "-v", f"{job_dir}:{CONTAINER_DIR}:ro"]
+    argv += ["-v", f"{job_dir}:{CONTAINER_DIR}:ro"]
     if job.commands:
         # The commands are written for bash, but an image may have only sh.
         argv += ["--entrypoint", "/bin/sh", rt.image, "-c",

@@ -142,8 +142,9 @@ async def wait_booted(conn: asyncssh.SSHClientConnection) -> bool:
     return status == 0
 
 
-async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool) -> None:
-    """Write the job's files (root's, mode 600: the env holds secrets) and (re)start its container."""
+async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool, replica_ip: str = "") -> None:
+    """Write the job's files (root's, mode 600: the env holds secrets) and (re)start its container, which gets
+    ``replica_ip`` (the instance's private address) as ``DURASTACK_REPLICA_IP``."""
     files = job_upload(job)
     prepare = f"umask 077; J={REMOTE_DIR}/job; rm -rf \"$J\"; mkdir -p \"$J/env.d\""
     status, _, err = await run(conn, prepare)
@@ -154,7 +155,7 @@ async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bo
         status, _, err = await run(conn, f"umask 077; cat > {REMOTE_DIR}/job/{shlex.quote(name)}", input=text)
         if status != 0:
             raise RuntimeError(f"writing {name} failed ({status}): {err.strip()[:300]}")
-    status, _, err = await run(conn, start_command(job, gpu=gpu), timeout=1800.0)  # may pull a large image
+    status, _, err = await run(conn, start_command(job, gpu=gpu, replica_ip=replica_ip), timeout=1800.0)  # may pull a large image
     if status != 0:
         raise RuntimeError(f"docker run failed ({status}): {err.strip()[-500:]}")
 

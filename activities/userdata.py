@@ -96,9 +96,10 @@ def job_upload(job: JobSpec) -> dict[str, str]:
     return files
 
 
-def start_command(job: JobSpec, *, gpu: bool) -> str:
-    """The shell command, run as root over SSH once the files are in place, that (re)starts the container."""
-    argv = docker_run_argv(job, gpu=gpu, job_dir="@JOB@")
+def start_command(job: JobSpec, *, gpu: bool, replica_ip: str = "") -> str:
+    """The shell command, run as root over SSH once the files are in place, that (re)starts the container;
+    ``replica_ip``: the instance's private address."""
+    argv = docker_run_argv(job, gpu=gpu, job_dir="@JOB@", replica_ip=replica_ip)
     run = " ".join('"$JOB"' + shlex.quote(a[5:]) if a.startswith("@JOB@") else shlex.quote(a) for a in argv)
     return ("set -e; DIR=\"${DURASTACK_DIR:-/opt/durastack}\"; JOB=\"$DIR/job\"; "
             f"docker rm -f {CONTAINER_NAME} >/dev/null 2>&1 || true; {run}")

@@ -7,8 +7,11 @@ tunnel, torn down.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -163,3 +166,62 @@ async def test_a_spot_interruption_is_named_as_such(fake_ec2, vpc, ledger, tmp_p
     await activity_env(client).run(acts.teardown, TeardownInput(
         service_workflow_id="service/svc", job=job(), backend="aws", instance=launched.instance,
         reason=down[0].reason, drain_seconds=0))
+
+
+PEER_APP = """cat > peer.py <<'PY'
+import http.server, os, threading
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = os.environ.get("DURASTACK_REPLICA_IP", "-").encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+side = http.server.HTTPServer(("0.0.0.0", 9100), H)  # a port of its own, not the service's
+threading.Thread(target=side.serve_forever, daemon=True).start()
+http.server.HTTPServer(("0.0.0.0", int(os.environ["PORT"])), H).serve_forever()
+PY
+exec python3 peer.py"""
+
+
+async def test_replicas_of_a_service_reach_each_other_at_their_private_ips(fake_ec2, vpc, ledger, tmp_path):
+    """PD disaggregation: a router and its workers reach each other at their private addresses on any port.
+    The container is on the instance's network (no published port), knows its own private address, and the
+    gateway still reaches the service's port through the SSH tunnel."""
+    fake_ec2.seed_amis("us-east-1")
+    config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
+    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home")
+    client = FakeClient()
+    launched = []
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        for n in (0, 1):
+            inp = ReplicaInput(service_workflow_id="service/svc",
+                               job=job(n).model_copy(update={"commands": [PEER_APP]}), resources=CPU,
+                               backends=["aws"])
+            launched.append(await activity_env(client).run(acts.launch, LaunchInput(backend="aws", replica=inp)))
+        assert not booter.errors, booter.errors
+    ips = [out.placement.ip for out in launched]
+    assert all(ips) and ips[0] != ips[1]
+    assert ips == [out.instance.private_ip for out in launched]  # what ${{ …IP_ADDRESS }} resolves to
+    for out, ip in zip(launched, ips):
+        host = vpc.hosts[out.instance.instance_id]
+        spec = json.loads((host.root / "containers" / "durastack-job" / "spec.json").read_text())
+        assert "--network=host" in spec["flags"] and "-p" not in spec["opts"], spec
+        assert spec["env"]["DURASTACK_REPLICA_IP"] == ip
+        response = await _get(out.placement.address)  # the tunnel to 127.0.0.1:<port> on the instance
+        assert response.status_code == 200 and response.text == ip
+
+    def fetch(from_host, url: str) -> str:
+        return subprocess.run(
+            ["ip", "netns", "exec", from_host.netns, sys.executable, "-c",
+             f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).read().decode())"],
+            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+
+    first, second = (vpc.hosts[out.instance.instance_id] for out in launched)
+    assert await asyncio.to_thread(fetch, first, f"http://{ips[1]}:9100/") == ips[1]
+    assert await asyncio.to_thread(fetch, second, f"http://{ips[0]}:9100/") == ips[0]
+    assert await asyncio.to_thread(fetch, second, f"http://{ips[0]}:8000/") == ips[0]
+    for n, out in enumerate(launched):
+        await activity_env(client).run(acts.teardown, TeardownInput(
+            service_workflow_id="service/svc", job=job(n), backend="aws", instance=out.instance,
+            reason="done", drain_seconds=0))

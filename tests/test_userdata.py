@@ -55,7 +55,8 @@ def check_golden(name: str, text: str) -> None:
 
 
 def _argv(j: JobSpec, gpu: bool) -> str:
-    return " \\\n  ".join(shlex.quote(a) for a in docker_run_argv(j, gpu=gpu, job_dir="/opt/durastack/job")) + "\n"
+    argv = docker_run_argv(j, gpu=gpu, job_dir="/opt/durastack/job", replica_ip="10.0.1.17")
+    return " \\\n  ".join(shlex.quote(a) for a in argv) + "\n"
 
 
 CASES = {
@@ -111,7 +112,12 @@ def test_docker_run_flags():
     assert argv[:2] == ["docker", "run"] and "--gpus" in argv and "--privileged" not in argv
     assert argv[argv.index("--env-file") + 1] == "/j/env" and SECRET not in " ".join(argv)
     assert argv[argv.index("-u") + 1] == "1000" and argv[argv.index("-w") + 1] == "/w"
-    assert argv[argv.index("-p") + 1] == "127.0.0.1:8000:8000"  # the instance's loopback: only the tunnel
+    # The instance's network: the service's other replicas reach it at its private address on any port (the
+    # firewall admits them and SSH only); nothing is published, the tunnel reaches 127.0.0.1:<port> there.
+    assert "--network=host" in argv and "-p" not in argv
+    assert "DURASTACK_REPLICA_IP" not in " ".join(argv)  # no address known: none set
+    with_ip = docker_run_argv(job(), gpu=False, job_dir="/j", replica_ip="10.0.1.17")
+    assert with_ip[with_ip.index("-e", with_ip.index("-e") + 1) + 1] == "DURASTACK_REPLICA_IP=10.0.1.17"
     assert "--gpus" not in docker_run_argv(job(), gpu=False, job_dir="/j")
 
 

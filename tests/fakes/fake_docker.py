@@ -3,8 +3,8 @@
 
 A "container" is the group's commands run by a supervisor process in the host's network namespace, with the
 env of ``--env-file``/``-e``, the working dir of ``-w``, and its ``-v SRC:/durastack`` mount seen at SRC (the
-job file is copied with that path rewritten: there is no mount namespace here). It listens on the host's
-loopback, as ``-p 127.0.0.1:PORT:PORT`` publishes it. State lives under ``$FAKE_DOCKER_DIR/<name>``.
+job file is copied with that path rewritten: there is no mount namespace here). It is on the host's network,
+as ``--network=host`` puts it (the flags it was given are kept in ``spec.json``). State lives under ``$FAKE_DOCKER_DIR/<name>``.
 """
 
 from __future__ import annotations
