@@ -206,7 +206,12 @@ def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger
 def placement_of(offer: InstanceOffer, instance: CloudInstance) -> Placement:
     return Placement(backend=instance.backend, region=instance.region, instance_type=instance.instance_type,
                      price=offer.price, spot=instance.spot, address=instance.address, instance_id=instance.instance_id,
-                     ip=instance.private_ip)
+                     ip=instance.private_ip, gpu=gpu_label(offer))
+
+
+def gpu_label(offer: InstanceOffer) -> str:
+    """What `ps` shows of an offer's GPUs: ``name×count``, empty without GPU."""
+    return f"{offer.gpu_name or 'GPU'}×{offer.gpu_count}" if offer.gpu_count else ""
 
 
 def activity_error(error: Exception, *, teardown: bool = False) -> Exception:

@@ -67,7 +67,7 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
                 prefix = "   " + (label if i == 0 else " " * len(label))
                 cell = f"{prefix} replica={r.replica}" + (f" deployment={r.deployment}" if show_deployment else "")
                 cols = [cell, _backend(r)]
-                cols += [group.resources or "", r.instance_type] if verbose else ["-"]
+                cols += [group.resources or "", r.instance_type] if verbose else [r.gpu or "-"]
                 cols += [f"${r.price:g}" if r.backend else "", _status_text(r), age(r.submitted_at)]
                 if verbose:
                     cols.append(r.reason)
@@ -102,7 +102,8 @@ def status_json(status: ServiceStatus, url: str) -> dict:
                     "retry_after": g.retry_after.isoformat() if g.retry_after else None,
                     "replicas": [{"replica": r.replica, "submission": r.submission, "deployment": r.deployment,
                                   "status": r.status, "ready": r.ready, "backend": r.backend, "region": r.region,
-                                  "instance_type": r.instance_type, "price": r.price, "address": r.address}
+                                  "instance_type": r.instance_type, "price": r.price, "gpu": r.gpu,
+                                  "address": r.address}
                                  for r in g.replicas]}
                    for g in status.groups],
     }

@@ -34,6 +34,7 @@ class Placement(BaseModel):
     ip: str = Field("", description="The address other replicas of the same service reach it at; empty: the host "
                                     "part of `address`, if it has one.")
     instance_id: str = Field("", description="Backend-specific instance identity.")
+    gpu: str = Field("", description="The offer's GPUs, `name×count` (e.g. `A10G×1`); empty without GPU.")
 
 
 class Replica(BaseModel):
@@ -246,6 +247,7 @@ class ReplicaView(BaseModel):
     instance_type: str = ""
     price: float = 0.0
     address: str = ""
+    gpu: str = Field("", description="The GPUs it runs on, `name×count`; empty without GPU (or unknown).")
     submitted_at: datetime
     reason: str = ""
     ssh_host: str = Field("", description="A cloud replica's instance address, where `exec` and `logs` reach it.")

@@ -41,3 +41,29 @@ def test_a_router_service_says_which_group_routes_and_what_a_worker_waits_for():
     assert "group=router (router) replica=0" in text and "group=decode (worker) (no replicas)" in text
     assert "group=decode (worker) waits: groups[router].replicas[0] waits for replica 0" in text
     assert [g["role"] for g in status_json(s, "u")["groups"]] == ["router", "worker"]
+
+
+def test_a_cloud_gpu_replica_shows_its_offers_gpus():
+    """The GPU column: the offer's GPUs (name×count), from the placement the backend reported through the view."""
+    from activities.cloud import placement_of
+    from models.backends import CloudInstance
+    from models.offers import InstanceOffer
+    from models.run import Replica
+    from workflows.views import _replica_view
+
+    offer = InstanceOffer(backend="aws", instance_type="g5.12xlarge", region="us-east-1", zones=["us-east-1a"],
+                          cpus=48, memory_gb=192.0, gpu_vendor="nvidia", gpu_name="A10G", gpu_memory_gb=24.0,
+                          gpu_count=4, price=5.672)
+    instance = CloudInstance(backend="aws", instance_id="i-0abc", region="us-east-1", instance_type="g5.12xlarge",
+                             key="k", state="running", private_ip="10.0.1.17")
+    cpu = offer.model_copy(update={"instance_type": "m5.large", "gpu_vendor": None, "gpu_name": None,
+                                   "gpu_memory_gb": 0.0, "gpu_count": 0, "price": 0.096})
+    views = [_replica_view(Replica(replica_num=n, group="web", status="running", ready=True, submitted_at=AT,
+                                   placement=placement_of(o, instance))) for n, o in enumerate((offer, cpu))]
+    assert [v.gpu for v in views] == ["A10G×4", ""]
+    s = status()
+    s.groups = [GroupView(name="web", desired=2, min=2, max=2, replicas=views)]
+    rows = [line for line in rendered(s).splitlines() if "replica=" in line]
+    assert "replica=0" in rows[0] and "  A10G×4  " in rows[0]
+    assert "replica=1" in rows[1] and "  -  " in rows[1] and "A10G" not in rows[1]
+    assert [r["gpu"] for r in status_json(s, "u")["groups"][0]["replicas"]] == ["A10G×4", ""]

@@ -166,7 +166,8 @@ def _replica_view(r: Replica) -> ReplicaView:
     return ReplicaView(replica=r.replica_num, submission=r.submission_num, deployment=r.deployment_num,
                        group=r.group, status=_shown_status(r), ready=r.ready, backend=p.backend if p else "",
                        region=p.region if p else "", instance_type=p.instance_type if p else "",
-                       price=p.price if p else 0.0, address=p.address if p else "", submitted_at=r.submitted_at,
+                       price=p.price if p else 0.0, address=p.address if p else "", gpu=p.gpu if p else "",
+                       submitted_at=r.submitted_at,
                        reason=r.reason, **_ssh_of(r))
 
 
