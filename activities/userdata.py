@@ -54,14 +54,23 @@ def default_image(nvcc: bool = False) -> str:
 _KEY_LINE = re.compile(r"^[A-Za-z0-9+/=@. -]+$")
 
 
-def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:
-    """The boot script: host key, authorized key, sshd settings, Docker (and the GPU runtime)."""
+# AWS: the container runs on the instance's network (--network=host), so IMDSv2's one-hop limit no longer keeps
+# it from the metadata service, whose user data holds the instance's host key. Cloud-init has read it by now.
+CLOSE_METADATA = """\
+  # The container shares this instance's network: close the metadata service (its user data holds the host key).
+  iptables -C OUTPUT -d 169.254.169.254/32 -j REJECT 2>/dev/null || iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT"""
+
+
+def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys, close_metadata: bool = False) -> str:
+    """The boot script: host key, authorized key, sshd settings, Docker (and the GPU runtime); with
+    ``close_metadata``, the metadata service closed to the instance once booted (AWS)."""
     for line in (keys.host_key_public, keys.authorized_key):
         if not _KEY_LINE.match(line):
             raise ValueError(f"not a public key line: {line[:40]!r}")
     gpu_setup = (TEMPLATES / "gpu_setup.sh.tmpl").read_text(encoding="utf-8").rstrip("\n") if gpu else ""
     return _render("boot.sh.tmpl", replica_id=job.replica_id, host_key=keys.host_key.strip("\n"),
-                   host_key_public=keys.host_key_public, authorized_key=keys.authorized_key, gpu_setup=gpu_setup)
+                   host_key_public=keys.host_key_public, authorized_key=keys.authorized_key, gpu_setup=gpu_setup,
+                   close_metadata=CLOSE_METADATA if close_metadata else "")
 
 
 def _yaml_block_safe(text: str) -> bool:
@@ -71,7 +80,7 @@ def _yaml_block_safe(text: str) -> bool:
 
 def cloud_init(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:
     """AWS user-data: a ``#cloud-config`` that writes the boot script and runs it once."""
-    script = boot_script(job, gpu=gpu, keys=keys)
+    script = boot_script(job, gpu=gpu, keys=keys, close_metadata=True)
     if _yaml_block_safe(script):
         content = "    content: |\n" + "".join(line if line == "\n" else f"      {line}"
                                               for line in script.splitlines(keepends=True))

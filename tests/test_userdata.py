@@ -92,7 +92,17 @@ def test_cloud_init_is_yaml_whose_file_is_the_boot_script():
     assert doc["runcmd"] == [["/bin/bash", "/opt/durastack/start.sh"]]
     (f,) = doc["write_files"]
     assert f["permissions"] == "0700"
-    assert f["content"] == boot_script(job(), gpu=True, keys=keys())
+    assert f["content"] == boot_script(job(), gpu=True, keys=keys(), close_metadata=True)
+
+
+def test_aws_instances_close_the_metadata_service_to_the_host_networked_container():
+    # IMDSv2's one hop no longer separates a --network=host container from the metadata service (user data
+    # holds the host key): the AWS boot closes it once cloud-init has read it. GCP's agent needs it.
+    aws = boot_script(job(), gpu=True, keys=keys(), close_metadata=True)
+    assert "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT" in aws
+    assert aws.index("169.254.169.254") < aws.index('touch "$DIR/ready"')  # before any container can start
+    assert "169.254.169.254" not in startup_script(job(), gpu=True, keys=keys())
+    subprocess.run(["bash", "-n"], input=aws, text=True, check=True)
 
 
 def test_runtimes():
