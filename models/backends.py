@@ -12,6 +12,7 @@ so a retry after a lost response finds the instance the first attempt made.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 from datetime import datetime
@@ -28,6 +29,34 @@ DEFAULT_MAX_OFFERS = 25  # dstack's DSTACK_SERVER_MAX_OFFERS_TRIED
 INSTALLATION_PATTERN = r"^[a-z0-9][a-z0-9-]{0,30}$"  # an AWS tag value and a GCP label value alike
 
 # --- configuration ------------------------------------------------------------------------------
+
+DataPath = Literal["ssh", "private"]
+DATA_PATH_HELP = (
+    "How the gateway reaches replicas. `ssh` (default): through an SSH tunnel; the firewall admits SSH (22) only. "
+    "`private`: for a control plane inside the VPC (infra/): the gateway connects to `<private IP>:<port>` with no "
+    "tunnel, and the firewall also admits the service port from `gateway_cidrs` (on AWS, or "
+    "`gateway_security_group`) only; SSH still sends the job and its env, and serves exec and logs.")
+
+
+# Where a VPC's addresses are: RFC 1918, the shared address space (100.64.0.0/10, which VPCs may use), IPv6 ULA.
+PRIVATE_RANGES = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                                                         "100.64.0.0/10", "fc00::/7"))
+
+
+def _private_cidrs(cloud: str, data_path: str, cidrs: list[str]) -> None:
+    """``data_path: private`` cannot work from outside the VPC: every ``gateway_cidrs`` entry must be a private
+    range (a public address, or 0.0.0.0/0, would also open the service port to the internet)."""
+    if data_path != "private":
+        return
+    for cidr in cidrs:
+        try:
+            net = ipaddress.ip_network(cidr, strict=False)
+        except ValueError as e:
+            raise ValueError(f"backends.{cloud}.gateway_cidrs: {e}") from None
+        if not any(net.version == r.version and net.subnet_of(r) for r in PRIVATE_RANGES):
+            raise ValueError(f"backends.{cloud}.data_path: private needs the gateway inside the VPC, but "
+                             f"gateway_cidrs has {cidr}, not within a private range (RFC 1918, 100.64.0.0/10); use data_path: ssh for a gateway "
+                             "outside it")
 
 
 class AWSConfig(BaseModel):
@@ -63,6 +92,23 @@ class AWSConfig(BaseModel):
         "another on a capacity error. Empty: the default subnet of each zone in the default VPC, or every subnet "
         "of a configured `vpc_id`. With `public_ip`, their route table needs an internet gateway."))
 
+    # --- the private data path (a control plane inside the VPC) ---
+    data_path: DataPath = Field("ssh", description=DATA_PATH_HELP)
+    gateway_security_group: Optional[str] = Field(None, pattern=r"^sg-[0-9a-f]{1,32}$", description=(
+        "With `data_path: private`: the gateway's security group (sg-…), admitted to the service port "
+        "(with `gateway_cidrs`, if any)."))
+
+    @model_validator(mode="after")
+    def _private_path(self) -> "AWSConfig":
+        if self.data_path == "private" and not (self.gateway_cidrs or self.gateway_security_group):
+            raise ValueError("backends.aws.data_path: private needs gateway_cidrs or gateway_security_group: the "
+                             "service port is opened to the gateway alone, never to the whole VPC")
+        if self.gateway_security_group and self.data_path != "private":
+            raise ValueError("backends.aws.gateway_security_group is used only with data_path: private (the SSH "
+                             "data path admits gateway_cidrs)")
+        _private_cidrs("aws", self.data_path, self.gateway_cidrs)
+        return self
+
     @model_validator(mode="after")
     def _one_region_for_a_bare_vpc_id(self) -> "AWSConfig":
         if isinstance(self.vpc_id, str) and len(self.regions) != 1:
@@ -97,6 +143,16 @@ class GCPConfig(BaseModel):
         "private ranges of the VPC (10.0.0.0/8)."))
     public_ip: bool = Field(True, description="Give instances an external IP and address replicas by it.")
     operation_timeout: float = Field(300.0, gt=0, description="Seconds to wait for an insert/delete operation.")
+    # --- the private data path (a control plane inside the VPC) ---
+    data_path: DataPath = Field("ssh", description=DATA_PATH_HELP)
+
+    @model_validator(mode="after")
+    def _private_path(self) -> "GCPConfig":
+        if self.data_path == "private" and not self.gateway_cidrs:
+            raise ValueError("backends.gcp.data_path: private needs gateway_cidrs (the gateway's private "
+                             "addresses): the service port is opened to the gateway alone, never to the whole VPC")
+        _private_cidrs("gcp", self.data_path, self.gateway_cidrs)
+        return self
 
 
 class BackendsConfig(BaseModel):
