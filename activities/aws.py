@@ -74,7 +74,7 @@ class AWSBackend:
         self._lock = threading.Lock()  # boto3 sessions are not thread-safe; the clients they make are
         self._clients: dict[tuple[str, bool], Any] = {}
         self._amis: dict[tuple[str, str], tuple[float, dict]] = {}
-        self._groups: dict[tuple[str, str, int], str] = {}
+        self._groups: dict[tuple, str] = {}
         self._vpcs: dict[str, dict] = {}
 
     # --- clients, AMIs, security groups -----------------------------------------------------------
@@ -153,9 +153,10 @@ class AWSBackend:
     def _security_group(self, region: str, vpc: dict, job: JobSpec) -> str:
         """The service's group: SSH (22) from ``ssh_sources``, everything from the group itself (the service's
         instances reach each other on their private IPs, on any port: one network per service), and nothing
-        else — never the service port from outside, which the gateway reaches through an SSH tunnel. Created
-        once, per control plane: another one's gateway must not be let in to a service of the same name."""
-        cache_key = (region, job.service, 22)
+        else — never the service port from outside, which the gateway reaches through an SSH tunnel (with
+        ``data_path: private``, the gateway alone: ``_admit_gateway``). Created once, per control plane: another
+        one's gateway must not be let in to a service of the same name."""
+        cache_key = (region, job.service, 22, job.port if self.config.data_path == "private" else None)
         if cache_key in self._groups:
             return self._groups[cache_key]
         ec2 = self._client(region)
@@ -201,8 +202,24 @@ class AWSBackend:
                 except ClientError as e:  # another worker added it meanwhile
                     if e.response["Error"]["Code"] != "InvalidPermission.Duplicate":
                         raise
+            self._admit_gateway(ec2, group_id, job.port)
         self._groups[cache_key] = group_id
         return group_id
+
+    def _admit_gateway(self, ec2, group_id: str, port: int) -> None:
+        """``data_path: private``: the service port from the gateway alone (``gateway_cidrs``, its security group),
+        which connects to the replica's private address with no tunnel. Nothing with the SSH data path."""
+        if self.config.data_path != "private":
+            return
+        permission: dict[str, Any] = {"IpProtocol": "tcp", "FromPort": port, "ToPort": port,
+                                      "IpRanges": [{"CidrIp": c} for c in sorted(set(self.config.gateway_cidrs))]}
+        if self.config.gateway_security_group:
+            permission["UserIdGroupPairs"] = [{"GroupId": self.config.gateway_security_group}]
+        try:
+            ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[permission])
+        except ClientError as e:
+            if e.response["Error"]["Code"] != "InvalidPermission.Duplicate":
+                raise
 
     def _group_name(self, service: str) -> str:
         return f"durastack-{self.installation}-{service}" if self.installation else f"durastack-{service}"

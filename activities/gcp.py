@@ -97,7 +97,7 @@ class GCPBackend:
         self.installation = installation
         self.ssh_keys = ssh_keys
         self._firewall_ready = False
-        self._service_rules: set[str] = set()
+        self._service_rules: set[str] = set()  # services whose own rules are made
         self.project = config.project_id
         self.regions = list(config.regions or regions or [])
         self._credentials = credentials
@@ -193,25 +193,40 @@ class GCPBackend:
             allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])]))
         self._firewall_ready = True
 
-    def ensure_service_firewall(self, service: str) -> None:
-        """The rule that lets ``service``'s instances reach each other on their private IPs, on any TCP/UDP port
-        (one network per service), and no one else: from its tag to its tag. Made with its first instance."""
-        if service in self._service_rules:
+    def gateway_rule(self, service: str) -> str:
+        """``data_path: private``: the name of the rule that opens ``service``'s port to the gateway alone."""
+        digest = hashlib.sha256(service.encode()).hexdigest()[:8]
+        return f"{slug(f'{self.network_tag}-{service}', 51)}-gw-{digest}"
+
+    def ensure_service_firewall(self, job: JobSpec) -> None:
+        """The rule that lets the service's instances reach each other on their private IPs, on any TCP/UDP port
+        (one network per service), and no one else: from its tag to its tag. With ``data_path: private`` also the
+        service port from ``gateway_cidrs`` alone (the gateway connects to the private address, no tunnel). Made
+        with its first instance."""
+        if job.service in self._service_rules:
             return
-        tag = self.service_tag(service)
+        tag = self.service_tag(job.service)
         self._put_rule(compute_v1.Firewall(
             name=tag, network=self.config.network, direction="INGRESS", priority=1000,
-            description=f"durastack: service {service}'s instances to each other",
+            description=f"durastack: service {job.service}'s instances to each other",
             source_tags=[tag], target_tags=[tag],
             allowed=[compute_v1.Allowed(I_p_protocol="tcp"), compute_v1.Allowed(I_p_protocol="udp")]))
-        self._service_rules.add(service)
+        if self.config.data_path == "private":
+            self._put_rule(compute_v1.Firewall(
+                name=self.gateway_rule(job.service), network=self.config.network, direction="INGRESS",
+                priority=1000, description=f"durastack: the gateway to service {job.service}'s port "
+                                           "(data_path: private)",
+                target_tags=[tag], source_ranges=sorted(set(self.config.gateway_cidrs)),
+                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=[str(job.port)])]))
+        self._service_rules.add(job.service)
 
     def release(self, service: str) -> None:
-        """Remove the service's rule once none of its instances is left, and the SSH rule once no durastack
+        """Remove the service's rules once none of its instances is left, and the SSH rule once no durastack
         instance of this control plane is left."""
         if self.list_tagged(service=service):
             return
         self._delete_rule(self.service_tag(service))
+        self._delete_rule(self.gateway_rule(service))  # data_path: private (gone already is success)
         self._service_rules.discard(service)
         if self.list_tagged():
             return
@@ -236,7 +251,7 @@ class GCPBackend:
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
         """Insert in each of the offer's zones until one has capacity; raises CloudError."""
         self.ensure_firewall()
-        self.ensure_service_firewall(job.service)
+        self.ensure_service_firewall(job)
         zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
         exhausted = []
         for zone in zones:
