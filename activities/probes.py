@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import socket
 import ssl
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
+import httpcore
 import httpx
 
 from models.service import ProbeSpec
@@ -19,17 +22,75 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def client_for(address: str, timeout: float) -> tuple[httpx.AsyncClient, str]:
-    """An HTTP client that reaches ``address``, and the base URL to use with it."""
+# Makes a connected socket to (host, port): how a worker reaches cloud instances when that is not a plain TCP
+# connection from here (``activities.ssh.SocketFactory``: ``DURASTACK_SSH_NETNS``, the tests' simulated VPC).
+Connect = Callable[[str, int], Awaitable[socket.socket]]
+
+
+class _Stream(httpcore.AsyncNetworkStream):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    async def read(self, max_bytes: int, timeout: Optional[float] = None) -> bytes:
+        try:
+            return await asyncio.wait_for(self.reader.read(max_bytes), timeout)
+        except asyncio.TimeoutError as e:
+            raise httpcore.ReadTimeout(str(e)) from e
+        except OSError as e:
+            raise httpcore.ReadError(str(e)) from e
+
+    async def write(self, buffer: bytes, timeout: Optional[float] = None) -> None:
+        try:
+            self.writer.write(buffer)
+            await asyncio.wait_for(self.writer.drain(), timeout)
+        except asyncio.TimeoutError as e:
+            raise httpcore.WriteTimeout(str(e)) from e
+        except OSError as e:
+            raise httpcore.WriteError(str(e)) from e
+
+    async def aclose(self) -> None:
+        self.writer.close()
+
+    def get_extra_info(self, info: str):
+        return self.writer.get_extra_info("socket") if info == "socket" else None
+
+
+class _ConnectBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's TCP connections made by a ``Connect``."""
+
+    def __init__(self, connect: Connect):
+        self.connect = connect
+
+    async def connect_tcp(self, host: str, port: int, timeout: Optional[float] = None, local_address=None,
+                          socket_options=None) -> httpcore.AsyncNetworkStream:
+        try:
+            sock = await asyncio.wait_for(self.connect(host, port), timeout)
+            return _Stream(*await asyncio.open_connection(sock=sock))
+        except asyncio.TimeoutError as e:
+            raise httpcore.ConnectTimeout(str(e)) from e
+        except OSError as e:
+            raise httpcore.ConnectError(str(e)) from e
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+def client_for(address: str, timeout: float, connect: Optional[Connect] = None) -> tuple[httpx.AsyncClient, str]:
+    """An HTTP client that reaches ``address``, and the base URL to use with it. ``connect``: how a ``host:port``
+    is connected to (default: a TCP connection from here)."""
     if address.startswith("unix:"):
         transport = httpx.AsyncHTTPTransport(uds=address[len("unix:"):], verify=_tls())
         return httpx.AsyncClient(transport=transport, timeout=timeout, verify=_tls()), "http://replica"
+    if connect is not None:
+        transport = httpx.AsyncHTTPTransport(verify=_tls())
+        transport._pool = httpcore.AsyncConnectionPool(ssl_context=_tls(), network_backend=_ConnectBackend(connect))
+        return httpx.AsyncClient(transport=transport, timeout=timeout, verify=_tls()), f"http://{address}"
     return httpx.AsyncClient(timeout=timeout, verify=_tls()), f"http://{address}"
 
 
-async def run_probe(address: str, probe: ProbeSpec) -> bool:
+async def run_probe(address: str, probe: ProbeSpec, connect: Optional[Connect] = None) -> bool:
     """One probe run: True on a 2xx answer."""
-    client, base = client_for(address, probe.timeout)
+    client, base = client_for(address, probe.timeout, connect)
     async with client:
         try:
             response = await client.request(
@@ -40,13 +101,13 @@ async def run_probe(address: str, probe: ProbeSpec) -> bool:
     return 200 <= response.status_code < 300
 
 
-async def answers_http(address: str, timeout: float = 2.0) -> Optional[int]:
+async def answers_http(address: str, timeout: float = 2.0, connect: Optional[Connect] = None) -> Optional[int]:
     """The status of ``GET /``, or None when nothing answers HTTP yet.
 
     A replica without probes is ready once its app answers HTTP at all (any status): the spec's
     "ready when running" would send the first requests to an app that is still starting.
     """
-    client, base = client_for(address, timeout)
+    client, base = client_for(address, timeout, connect)
     async with client:
         try:
             return (await client.get(base + "/")).status_code
@@ -71,10 +132,10 @@ class ProbeStreaks:
     def ready(self) -> bool:
         return all(s >= p.ready_after for s, p in zip(self.streaks, self.probes))
 
-    async def run_due(self, address: str, now: float) -> None:
+    async def run_due(self, address: str, now: float, connect: Optional[Connect] = None) -> None:
         for i, probe in enumerate(self.probes):
             if now >= self.due[i]:
-                ok = await run_probe(address, probe)
+                ok = await (run_probe(address, probe, connect) if connect else run_probe(address, probe))
                 self.streaks[i] = self.streaks[i] + 1 if ok else 0
                 retry = self.retry[i]
                 if ok or retry is None:
