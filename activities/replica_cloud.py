@@ -11,6 +11,11 @@ its SSH (pinned to the host key durastack made for it), sends the job (env in a 
 container, and opens the tunnel whose Unix socket is the replica's gateway address; the monitor checks the
 container over the same SSH every few seconds, and keeps the tunnels of the replicas it watches (after a worker
 restart it opens them again). A lost tunnel unroutes the replica until it is back.
+
+With a cloud's ``data_path: private`` (a control plane inside the VPC) there is no tunnel: the gateway's upstream and
+the readiness probes are the instance's ``<private IP>:<port>``, which its firewall admits from the gateway alone.
+SSH (to the private IP) still sends the job and its env, and the monitor checks the container over a plain SSH
+connection of its own.
 """
 
 from __future__ import annotations
@@ -65,10 +70,11 @@ class CloudReplicas:
         self._catalog = catalog
         self.ssh, self.ssh_keys, self.home = ssh, ssh_keys, home
         self.tunnels: dict[str, Tunnel] = {}
+        self.controls: dict[str, asyncssh.SSHClientConnection] = {}  # data_path: private: the monitor's SSH
         self.routes: dict[str, tuple[str, str, str]] = {}  # instance id → (service, replica id, group) once routed
         self.gateway = None  # set by ReplicaActivities: tunnels route and unroute their replica
         self._cloud_checked: dict[str, tuple[float, CloudInstance]] = {}
-        self.address = address or (self._tunnel_address if ssh is not None else (lambda instance: instance.address))
+        self.address = address or (self._data_address if ssh is not None else (lambda instance: instance.address))
         self.poll_seconds, self.boot_timeout = poll_seconds, boot_timeout
         self.container_poll_seconds = container_poll_seconds
 
@@ -81,9 +87,30 @@ class CloudReplicas:
     def _tunnel_address(self, instance: CloudInstance) -> str:
         return f"unix:{tunnel_socket(self.home, instance.instance_id)}" if instance.state == "running" else ""
 
+    def private_path(self, instance: CloudInstance) -> bool:
+        """Whether its cloud's ``data_path`` is ``private``: reached at its private address, no tunnel."""
+        cfg = getattr(self.config, instance.backend, None)
+        return bool(cfg and getattr(cfg, "data_path", "ssh") == "private")
+
+    def _private_address(self, instance: CloudInstance) -> str:
+        port = instance.tags.get(TAG_NAMES[instance.backend]["port"], "")
+        ok = instance.state == "running" and instance.private_ip and port
+        return f"{instance.private_ip}:{port}" if ok else ""
+
+    def _data_address(self, instance: CloudInstance) -> str:
+        """The gateway's upstream: the tunnel's socket, or ``<private IP>:<port>`` with ``data_path: private``."""
+        return self._private_address(instance) if self.private_path(instance) else self._tunnel_address(instance)
+
+    def _connect(self, instance: CloudInstance):
+        """How the probes connect to a private address: as SSH does (``DURASTACK_SSH_NETNS``), else directly."""
+        return self.ssh.socket_factory if self.ssh is not None and self.private_path(instance) else None
+
     def _target(self, instance: CloudInstance) -> SSHTarget:
-        host = instance.address.rpartition(":")[0] or (instance.public_ip if self.config_public(instance)
-                                                        else instance.private_ip)
+        if self.private_path(instance):  # from inside the VPC: its private address, whatever public_ip says
+            host = instance.private_ip
+        else:
+            host = instance.address.rpartition(":")[0] or (instance.public_ip if self.config_public(instance)
+                                                            else instance.private_ip)
         return SSHTarget(host, self.ssh_keys.host_key(instance.key).public_openssh)
 
     def config_public(self, instance: CloudInstance) -> bool:
@@ -130,6 +157,8 @@ class CloudReplicas:
             raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="StartFailed") from e
         finally:
             conn.close()
+        if self.private_path(instance):
+            return  # the gateway connects to its private address: no tunnel
         self._open_tunnel(instance, inp.job.port)
         tunnel = self.tunnels[instance.instance_id]
         while not tunnel.up.is_set():
@@ -179,6 +208,8 @@ class CloudReplicas:
             return
         for w in watched:
             instance = w.instance
+            if isinstance(instance, CloudInstance) and self.private_path(instance):
+                continue  # no tunnel: the gateway keeps its route to the private address
             if isinstance(instance, CloudInstance) and instance.instance_id not in self.tunnels:
                 self.routes[instance.instance_id] = (service, w.replica_id, w.group)
                 port = int(instance.tags.get(TAG_NAMES[instance.backend]["port"], "0") or 0)
@@ -186,6 +217,9 @@ class CloudReplicas:
                     self._open_tunnel(instance, port)
 
     async def _close_tunnel(self, instance_id: str) -> None:
+        control = self.controls.pop(instance_id, None)
+        if control is not None:
+            control.close()
         self.routes.pop(instance_id, None)
         tunnel = self.tunnels.pop(instance_id, None)
         if tunnel is not None:
@@ -228,6 +262,8 @@ class CloudReplicas:
         and that address is what SSH (or, without it, the gateway) connects to."""
         deadline = time.monotonic() + self.boot_timeout
         def reachable(i: CloudInstance) -> bool:  # over SSH, at its own address; else at the mapped one
+            if self.ssh is not None and self.private_path(i):
+                return i.state == "running" and bool(self._private_address(i))
             return i.state == "running" and bool(i.address if self.ssh is not None else self.address(i))
 
         while not reachable(instance):
@@ -258,13 +294,13 @@ class CloudReplicas:
                 if instance.state in DOWN:
                     raise ApplicationError(f"instance {instance.instance_id} is {instance.state}",
                                            type="ReplicaExited", non_retryable=True)
-            address = self.address(instance)
+            address, connect = self.address(instance), self._connect(instance)
             if instance.state == "running" and address:
                 if streaks.probes:
-                    await streaks.run_due(address, now)
+                    await streaks.run_due(address, now, connect)
                     if streaks.ready():
                         return
-                elif await answers_http(address) is not None:
+                elif await answers_http(address, connect=connect) is not None:
                     return
             activity.heartbeat(streaks.summary() or instance.state)
             await asyncio.sleep(PROBE_SECONDS)
@@ -285,15 +321,41 @@ class CloudReplicas:
         if current.state in DOWN:
             # A spot instance going away is the cloud taking its capacity back: said so in the event.
             return f"{SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
-        tunnel = self.tunnels.get(instance.instance_id)
-        if self.ssh is None or tunnel is None or tunnel.connection is None:
+        if self.ssh is not None and self.private_path(instance):
+            connection = await self._control(instance)
+        else:
+            tunnel = self.tunnels.get(instance.instance_id)
+            connection = tunnel.connection if tunnel is not None else None
+        if self.ssh is None or connection is None:
             return None  # no SSH now (a lost tunnel reconnects; the replica is unrouted meanwhile)
         try:
-            state = await container_state(tunnel.connection)
+            state = await container_state(connection)
         except (OSError, asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 — the connection broke mid-check
             log.info("%s: container check: %s", instance.instance_id, e)
+            self._drop_control(instance.instance_id, connection)
             return None
         return f"container {state}" if state else None
+
+    async def _control(self, instance: CloudInstance) -> Optional[asyncssh.SSHClientConnection]:
+        """``data_path: private``: the monitor's SSH connection to the instance (no tunnel to share), made on first
+        use and again after a loss; None while it cannot be made (the cloud state says whether the instance is
+        gone; the gateway's upstream does not depend on it)."""
+        iid = instance.instance_id
+        conn = self.controls.get(iid)
+        if conn is not None and not conn.is_closed():
+            return conn
+        try:
+            conn = await self.ssh.connect(self._target(instance))
+        except NotReady as e:
+            log.info("%s: container check: %s", iid, e)
+            return None
+        self.controls[iid] = conn
+        return conn
+
+    def _drop_control(self, instance_id: str, connection) -> None:
+        if self.controls.get(instance_id) is connection:
+            self.controls.pop(instance_id, None)
+            connection.close()
 
     async def _current(self, instance: CloudInstance) -> CloudInstance:
         """The instance now (state ``terminated`` once gone); the last known state on a transient error."""
