@@ -426,7 +426,8 @@ class AWSBackend:
     def _instance(self, raw: dict, region: str, *, price: float = 0.0) -> CloudInstance:
         tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}
         public, private = raw.get("PublicIpAddress") or "", raw.get("PrivateIpAddress") or ""
-        ip = (public or private) if self.config.public_ip else private
+        # The address the gateway reaches, exec and logs too: the private one with data_path: private.
+        ip = (public or private) if self.config.public_ip and self.config.data_path != "private" else private
         port = tags.get(TAGS["port"], "")
         return CloudInstance(
             backend="aws", instance_id=raw["InstanceId"], region=region,

@@ -419,7 +419,8 @@ class GCPBackend:
         nic = raw.network_interfaces[0] if raw.network_interfaces else None
         private = nic.network_i_p if nic else ""
         public = nic.access_configs[0].nat_i_p if nic and nic.access_configs else ""
-        ip = (public or private) if self.config.public_ip else private
+        # The address the gateway reaches, exec and logs too: the private one with data_path: private.
+        ip = (public or private) if self.config.public_ip and self.config.data_path != "private" else private
         port = labels.get(LABELS["port"], "")
         launched = None
         if raw.creation_timestamp:

@@ -325,7 +325,8 @@ class CloudInstance(BaseModel):
     state: InstanceState = Field(description="Normalised state: pending, running, stopping, stopped, terminated.")
     spot: bool = Field(False, description="Spot / SPOT provisioning model.")
     price: float = Field(0.0, description="Hourly price of the offer it came from, USD; 0 when unknown (listed).")
-    address: str = Field("", description="ip:port the gateway reaches the app at (public IP if used, else private).")
+    address: str = Field("", description="ip:port the gateway reaches the app at (public IP if used, else private; "
+                                         "private with data_path: private).")
     private_ip: str = Field("", description="Private IP, when assigned.")
     public_ip: str = Field("", description="Public IP, when assigned.")
     launched_at: Optional[datetime] = Field(None, description="Launch / creation time reported by the cloud.")

@@ -212,3 +212,13 @@ async def test_gcp_replica_serves_at_its_private_address(gce, vpc, ledger, tmp_p
     assert sorted(rules) == sorted([backend.firewall_name, backend.service_tag("svc")])
     assert all(backend.service_tag("svc") in t for t in tags) and tags
     assert gce.firewall_rules() == []  # both rules went with the last instance
+
+
+def test_with_a_public_ip_the_private_path_still_addresses_the_private_one():
+    """A public IP (egress without NAT) changes nothing: the gateway, exec and logs reach the private address."""
+    aws = AWSBackend(AWSConfig(data_path="private", gateway_cidrs=["10.0.0.0/16"]))
+    raw = {"InstanceId": "i-1", "InstanceType": "m5.large", "State": {"Name": "running"},
+           "PublicIpAddress": "198.51.100.9", "PrivateIpAddress": "10.0.3.4",
+           "Tags": [{"Key": "durastack:port", "Value": "8000"}]}
+    assert aws._instance(raw, "us-east-1").address == "10.0.3.4:8000"
+    assert AWSBackend(AWSConfig())._instance(raw, "us-east-1").address == "198.51.100.9:8000"  # the SSH path
