@@ -222,6 +222,24 @@ resources:
 replicas: 1
 commands:
   - |
+
+
+PRIVATE_SERVICE = """\
+type: service
+name: cloudsvc
+port: 8000
+backends: [aws]
+env:
+  HF_TOKEN: {secret}
+  MODEL: tiny
+groups:
+  - name: router
+    replicas: 1
+    resources:
+      cpu: 2
+      memory: 8GB
+    commands:
+      - |
 {app}
 """
 
@@ -284,3 +302,61 @@ def test_aws_spot_interruption_is_replaced_and_named(tmp_path, monkeypatch, fake
             stack.stop()
     live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
     assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+
+
+def test_aws_private_data_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
+    """`data_path: private`, the control plane inside the VPC (this machine linked into the simulated one): nginx
+    connects to the replica's private address, with no tunnel; exec and logs still go over SSH; a killed
+    container is replaced; `stop` leaves no instance or security group."""
+    fake_ec2.seed_amis("us-east-1")
+    source = vpc.link_machine()
+    monkeypatch.setenv("DURASTACK_LOCAL_REPLICAS", "off")  # nginx in this machine's namespace, not the home's
+    monkeypatch.setenv("DURASTACK_GATEWAY_UPSTREAM_NETS", "172.31.0.0/16")  # the VPC's range, as a cluster sets
+    stack = _stack(tmp_path, monkeypatch, vpc, "backends:\n  aws:\n    regions: [us-east-1]\n"
+                                               "    ami_owners: [self]\n    public_ip: false\n"
+                                               f"    data_path: private\n    gateway_cidrs: [{source}]\n")
+    app = APP.replace('("127.0.0.1", int(os.environ["PORT"]))', '("0.0.0.0", int(os.environ["PORT"]))')
+    service = tmp_path / "cloudsvc.yml"
+    service.write_text(PRIVATE_SERVICE.format(secret=SECRET, app=textwrap.indent(app, " " * 10)))
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        try:
+            until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+            result = stack.cli("apply", "-f", str(service), "-y", timeout=600)
+            if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
+                result = stack.cli("apply", "-f", str(service), "-y", timeout=600)
+            assert result.returncode == 0, result.stdout + result.stderr
+            replicas = until(lambda: (lambda r: r if len(r) == 1 else None)(_replicas(stack)), 120, 0.5, "ready")
+            (router,) = replicas.values()
+            (host,) = vpc.hosts.values()
+            assert router["address"] == f"{host.address}:8000"  # the private address, no tunnel
+            upstreams = stack.routes()["cloudsvc"]["upstreams"]
+            assert [u["address"] for u in upstreams] == [f"{host.address}:8000"]
+            assert not (stack.home / "tunnels").exists() or not any((stack.home / "tunnels").iterdir())
+            assert set(_requests(stack, 10)) == {200}
+            (group,) = [g for g in ec2.describe_security_groups()["SecurityGroups"]
+                        if g["GroupName"].startswith("durastack")]
+            port = [p for p in group["IpPermissions"] if p["FromPort"] == 8000]
+            assert [[r["CidrIp"] for r in p["IpRanges"]] for p in port] == [[source]]
+
+            done = stack.cli("exec", "cloudsvc", "--replica", str(router["replica"]), "--", "sh", "-c", "echo $MODEL")
+            assert done.returncode == 0 and done.stdout == "tiny\n", done.stdout + done.stderr
+            logs = stack.cli("logs", "cloudsvc", "--replica", str(router["replica"]))
+            assert logs.returncode == 0 and "request /" in logs.stdout
+
+            # A container that exits: seen over SSH, unrouted and replaced.
+            old = (router["replica"], router["submission"])
+            os.kill(host.container_pid(), signal.SIGKILL)
+            until(lambda: (lambda r: len(r) == 1 and [(x["replica"], x["submission"]) for x in r.values()] != [old])(
+                _replicas(stack)), 180, 0.5, "a replacement ready")
+            assert set(_requests(stack, 6)) == {200}
+
+            result = stack.cli("stop", "cloudsvc", "-y", timeout=300)
+            assert result.returncode == 0, result.stdout + result.stderr
+        finally:
+            stack.stop()
+    assert not booter.errors, booter.errors
+    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+    groups = ec2.describe_security_groups()["SecurityGroups"]
+    assert [g["GroupName"] for g in groups if g["GroupName"].startswith("durastack")] == []

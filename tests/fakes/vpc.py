@@ -40,6 +40,7 @@ from ruamel.yaml import YAML
 
 ROOT = Path(__file__).resolve().parents[2]
 BRIDGE_ADDRESS = "172.31.255.254"  # the VPC's own (the gateway's side); hosts get /32 routes, whatever range
+LINK_ADDRESS = "172.31.255.253"  # this machine's side of ``link_machine()``: a control plane inside the VPC
 GCE_GATEWAY_ADDRESS = "10.255.255.254"  # the gateway's address towards hosts in 10.0.0.0/8
 _ADMIT_PREFS = (100, 899)  # the host's routing rules that admit; 900, 901 drop the rest of TCP and UDP
 
@@ -58,6 +59,8 @@ def gateway_address(address: str) -> str:
     """The gateway's own address towards a host at ``address``."""
     return GCE_GATEWAY_ADDRESS if ipaddress.ip_address(address) in ipaddress.ip_network("10.0.0.0/8") \
         else BRIDGE_ADDRESS
+
+
 _seq = itertools.count(1)
 
 
@@ -116,6 +119,7 @@ class SimulatedVPC:
     hosts: dict[str, SimHost] = field(default_factory=dict)
     admitted: dict[str, tuple[Admit, ...]] = field(default_factory=dict)  # host → what its firewall takes
     _ns: list[str] = field(default_factory=list)
+    _link: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.netns = f"dsvpc-{self.tag}"
@@ -147,6 +151,8 @@ class SimulatedVPC:
         _ip("-n", self.netns, "route", "add", f"{address}/32", "dev", "br0", "src", gateway_address(address))
         if admits is not None:
             self._firewall(netns, name, admits)
+        if self._link:
+            _ip("route", "add", f"{address}/32", "dev", self._link)
         root = self.workdir / name
         for d in ("opt", "etc", "home", "bin", "containers"):
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -210,6 +216,28 @@ class SimulatedVPC:
 
     # --- the gateway's side -------------------------------------------------------------------------
 
+    def link_machine(self) -> str:
+        """Put this machine in the VPC, as a control plane running inside it (``data_path: private``): a veth from
+        the machine's own namespace to the VPC's, its side at ``LINK_ADDRESS``, and a /32 route to each host (made
+        as hosts boot); the VPC's namespace forwards between them. Only the hosts' addresses are routed, and the
+        link, with its routes, goes with the VPC's namespace. Returns where the machine connects from, a CIDR."""
+        if self._link is None:
+            mine, theirs = f"vr{self.tag}"[:15], f"vv{self.tag}"[:15]
+            _ip("link", "add", mine, "type", "veth", "peer", "name", theirs, "netns", self.netns)
+            _ip("addr", "add", f"{LINK_ADDRESS}/32", "dev", mine)
+            _ip("link", "set", mine, "up")
+            _ip("-n", self.netns, "link", "set", theirs, "up")
+            _ip("-n", self.netns, "route", "add", f"{LINK_ADDRESS}/32", "dev", theirs)
+            sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.br0.proxy_arp=1", f"net.ipv4.conf.{theirs}.proxy_arp=1",
+                       "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.br0.rp_filter=0",
+                       f"net.ipv4.conf.{theirs}.rp_filter=0"]
+            subprocess.run(["ip", "netns", "exec", self.netns, "sysctl", "-q", "-w", *sysctls], check=True,
+                           capture_output=True, timeout=30)
+            self._link = mine
+            for host in self.hosts.values():
+                _ip("route", "add", f"{host.address}/32", "dev", mine)
+        return f"{LINK_ADDRESS}/32"
+
     def connect(self, host: str, port: int, timeout: float = 5.0) -> socket.socket:
         """A blocking TCP connection to ``host:port`` made inside the VPC."""
         import asyncio
@@ -229,6 +257,9 @@ class SimulatedVPC:
     def close(self) -> None:
         for host in self.hosts.values():
             host.stop()
+        if self._link:  # at once (its namespace's end would take it along, but later)
+            subprocess.run(["ip", "link", "delete", self._link], capture_output=True, timeout=30)
+            self._link = None
         for ns in reversed(self._ns):
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "delete", ns)
