@@ -71,6 +71,7 @@ class CloudReplicas:
         self.ssh, self.ssh_keys, self.home = ssh, ssh_keys, home
         self.tunnels: dict[str, Tunnel] = {}
         self.controls: dict[str, asyncssh.SSHClientConnection] = {}  # data_path: private: the monitor's SSH
+        self._connecting: dict[str, asyncio.Future] = {}
         self.routes: dict[str, tuple[str, str, str]] = {}  # instance id → (service, replica id, group) once routed
         self.gateway = None  # set by ReplicaActivities: tunnels route and unroute their replica
         self._cloud_checked: dict[str, tuple[float, CloudInstance]] = {}
@@ -217,6 +218,11 @@ class CloudReplicas:
                     self._open_tunnel(instance, port)
 
     async def _close_tunnel(self, instance_id: str) -> None:
+        pending = self._connecting.pop(instance_id, None)
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending
         control = self.controls.pop(instance_id, None)
         if control is not None:
             control.close()
@@ -337,20 +343,31 @@ class CloudReplicas:
         return f"container {state}" if state else None
 
     async def _control(self, instance: CloudInstance) -> Optional[asyncssh.SSHClientConnection]:
-        """``data_path: private``: the monitor's SSH connection to the instance (no tunnel to share), made on first
-        use and again after a loss; None while it cannot be made (the cloud state says whether the instance is
-        gone; the gateway's upstream does not depend on it)."""
+        """``data_path: private``: the monitor's SSH connection to the instance (no tunnel to share). Made in the
+        background, on first use and again after a loss, so an unreachable instance never holds up the checks of
+        the others; None until it is made (the cloud state still says whether the instance is gone, and the
+        gateway's upstream does not depend on it)."""
         iid = instance.instance_id
         conn = self.controls.get(iid)
         if conn is not None and not conn.is_closed():
             return conn
+        pending = self._connecting.get(iid)
+        if pending is None or pending.done():
+            self._connecting[iid] = asyncio.ensure_future(self._connect_control(instance))
+            with contextlib.suppress(asyncio.TimeoutError):  # usually made at once: checked in this same pass
+                await asyncio.wait_for(asyncio.shield(self._connecting[iid]), 1.0)
+        return self.controls.get(iid)
+
+    async def _connect_control(self, instance: CloudInstance) -> None:
         try:
             conn = await self.ssh.connect(self._target(instance))
-        except NotReady as e:
-            log.info("%s: container check: %s", iid, e)
-            return None
-        self.controls[iid] = conn
-        return conn
+        except Exception as e:  # noqa: BLE001 — NotReady, or anything else: tried again at the next check
+            log.info("%s: container check: %s", instance.instance_id, e)
+            return
+        old = self.controls.pop(instance.instance_id, None)
+        if old is not None:
+            old.close()
+        self.controls[instance.instance_id] = conn
 
     def _drop_control(self, instance_id: str, connection) -> None:
         if self.controls.get(instance_id) is connection:

@@ -126,6 +126,19 @@ async def _lifecycle(acts: ReplicaActivities, backend: str, vpc, booter, home) -
     response = await _get(vpc, address)
     assert response.status_code == 200 and response.text == f"tiny {len(SECRET)}"
 
+    # SSH cut off: the container cannot be checked, but that holds up no check (its connection is made in the
+    # background) and unroutes nothing (the upstream does not depend on SSH); once back, checks resume.
+    vpc.cut(host)
+    started = time.monotonic()
+    assert await cloud.down([instance]) == [None]
+    assert time.monotonic() - started < 3 and gateway.routed == {job().replica_id: address}
+    vpc.heal(host)
+    deadline = time.monotonic() + 30
+    while instance.instance_id not in cloud.controls:
+        assert time.monotonic() < deadline, "no SSH connection after the cut healed"
+        await cloud.down([instance])
+        await asyncio.sleep(0.5)
+
     # A container that exits: the monitor sees it over its own SSH connection, and unroutes it.
     watched = [Watched(replica_num=0, submission_num=0, group="web", workflow_id="service/svc/web/r0-s0",
                        replica_id=job().replica_id, instance=instance)]
