@@ -55,8 +55,8 @@ def _private_cidrs(cloud: str, data_path: str, cidrs: list[str]) -> None:
             raise ValueError(f"backends.{cloud}.gateway_cidrs: {e}") from None
         if not any(net.version == r.version and net.subnet_of(r) for r in PRIVATE_RANGES):
             raise ValueError(f"backends.{cloud}.data_path: private needs the gateway inside the VPC, but "
-                             f"gateway_cidrs has {cidr}, not within a private range (RFC 1918, 100.64.0.0/10); use data_path: ssh for a gateway "
-                             "outside it")
+                             f"gateway_cidrs has {cidr}, not within a private range (RFC 1918, 100.64.0.0/10); "
+                             "use data_path: ssh for a gateway outside it")
 
 
 class AWSConfig(BaseModel):
