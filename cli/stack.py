@@ -107,11 +107,23 @@ def gateway_argv(settings: Settings) -> list[str]:
         return shlex.split(os.environ[ENV_GATEWAY_CMD])
     argv = [sys.executable, "-m", "gateway", "--runtime-dir", str(settings.home / "gateway"),
             "--port", str(settings.gateway_port), "--control-port", str(settings.gateway_control_port)]
-    if settings.local_replicas:
+    if settings.local_replicas and not _private_data_path(settings):
         import activities.local as local
         if local.networks_available():  # nginx joins the service networks: no proxy between it and a replica
             argv.append("--netns")
     return argv
+
+
+def _private_data_path(settings: Settings) -> bool:
+    """A cloud whose replicas nginx reaches at their private addresses (``data_path: private``): nginx must then
+    stay in the host's network, since the home's gateway namespace routes nowhere but to local replicas."""
+    from models.backends import load_backends_config
+
+    try:
+        config = load_backends_config(os.environ, settings.home / "config.yml")
+    except ValueError:  # the worker says what is wrong with config.yml
+        return False
+    return any(cloud is not None and cloud.data_path == "private" for cloud in (config.aws, config.gcp))
 
 
 # ---- lock, ports, state ----------------------------------------------------------------------

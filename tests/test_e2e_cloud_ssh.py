@@ -222,6 +222,8 @@ resources:
 replicas: 1
 commands:
   - |
+{app}
+"""
 
 
 PRIVATE_SERVICE = """\

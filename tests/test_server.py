@@ -350,6 +350,11 @@ def test_gateway_and_worker_argv(tmp_path: Path, monkeypatch):
     netns = ["--netns"] if local.networks_available() else []
     assert stack.gateway_argv(s) == [sys.executable, "-m", "gateway", "--runtime-dir", str(tmp_path / "gateway"),
                                      "--port", "9000", "--control-port", "9001", *netns]
+    # A cloud reached at private addresses: nginx stays in the host's network, which reaches them.
+    (tmp_path / "config.yml").write_text("backends:\n  aws:\n    data_path: private\n"
+                                         "    gateway_cidrs: [10.0.0.5/32]\n")
+    assert stack.gateway_argv(s)[-1] == "9001"
+    (tmp_path / "config.yml").unlink()
     monkeypatch.setenv(local.ENV_ISOLATION, "off")
     assert stack.gateway_argv(s)[-1] == "9001"
     assert stack.worker_argv() == [sys.executable, "-m", "worker"]
