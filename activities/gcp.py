@@ -198,27 +198,26 @@ class GCPBackend:
         digest = hashlib.sha256(service.encode()).hexdigest()[:8]
         return f"{slug(f'{self.network_tag}-{service}', 51)}-gw-{digest}"
 
-    def ensure_service_firewall(self, job: JobSpec) -> None:
+    def ensure_service_firewall(self, service: str, port: int) -> None:
         """The rule that lets the service's instances reach each other on their private IPs, on any TCP/UDP port
         (one network per service), and no one else: from its tag to its tag. With ``data_path: private`` also the
         service port from ``gateway_cidrs`` alone (the gateway connects to the private address, no tunnel). Made
         with its first instance."""
-        if job.service in self._service_rules:
+        if service in self._service_rules:
             return
-        tag = self.service_tag(job.service)
+        tag = self.service_tag(service)
         self._put_rule(compute_v1.Firewall(
             name=tag, network=self.config.network, direction="INGRESS", priority=1000,
-            description=f"durastack: service {job.service}'s instances to each other",
+            description=f"durastack: service {service}'s instances to each other",
             source_tags=[tag], target_tags=[tag],
             allowed=[compute_v1.Allowed(I_p_protocol="tcp"), compute_v1.Allowed(I_p_protocol="udp")]))
         if self.config.data_path == "private":
             self._put_rule(compute_v1.Firewall(
-                name=self.gateway_rule(job.service), network=self.config.network, direction="INGRESS",
-                priority=1000, description=f"durastack: the gateway to service {job.service}'s port "
-                                           "(data_path: private)",
+                name=self.gateway_rule(service), network=self.config.network, direction="INGRESS",
+                priority=1000, description=f"durastack: the gateway to service {service}'s port (data_path: private)",
                 target_tags=[tag], source_ranges=sorted(set(self.config.gateway_cidrs)),
-                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=[str(job.port)])]))
-        self._service_rules.add(job.service)
+                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=[str(port)])]))
+        self._service_rules.add(service)
 
     def release(self, service: str) -> None:
         """Remove the service's rules once none of its instances is left, and the SSH rule once no durastack
@@ -251,7 +250,7 @@ class GCPBackend:
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
         """Insert in each of the offer's zones until one has capacity; raises CloudError."""
         self.ensure_firewall()
-        self.ensure_service_firewall(job)
+        self.ensure_service_firewall(job.service, job.port)
         zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
         exhausted = []
         for zone in zones:

@@ -44,6 +44,7 @@ needs_vpc = pytest.mark.skipif(vpcs.available() is not None, reason=str(vpcs.ava
 APP_ALL = APP.replace('("127.0.0.1", int(os.environ["PORT"]))', '("0.0.0.0", int(os.environ["PORT"]))')
 assert APP_ALL != APP
 GATEWAY = f"{vpcs.BRIDGE_ADDRESS}/32"  # where the simulated VPC's connections come from
+GCE_GATEWAY = f"{vpcs.GCE_GATEWAY_ADDRESS}/32"  # and to hosts in GCE's 10.0.0.0/8
 CPU = ResourcesSpec.model_validate({"cpu": "2..", "memory": "4GB.."})
 AWS_M5 = InstanceOffer(backend="aws", instance_type="m5.large", region="us-east-1", zones=["us-east-1a"], cpus=2,
                        memory_gb=8.0, price=0.096)
@@ -176,14 +177,15 @@ async def test_aws_replica_serves_at_its_private_address(fake_ec2, vpc, ledger, 
     async def release(service, backend):
         (group,) = ec2.describe_security_groups(
             Filters=[{"Name": "group-name", "Values": ["durastack-svc"]}])["SecurityGroups"]
-        checked.append({p["FromPort"]: p for p in group["IpPermissions"]})
+        checked.append((group["GroupId"], {p.get("FromPort", p["IpProtocol"]): p for p in group["IpPermissions"]}))
         await real_release(service, backend)
 
     acts.cloud._release = release
     with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
         await _lifecycle(acts, "aws", vpc, booter, home)
-    (rules,) = checked
-    assert sorted(rules) == [22, 8000]
+    ((group_id, rules),) = checked
+    assert sorted(rules, key=str) == ["-1", 22, 8000]
+    assert [g["GroupId"] for g in rules["-1"]["UserIdGroupPairs"]] == [group_id]  # the service's own instances
     assert [r["CidrIp"] for r in rules[8000]["IpRanges"]] == [GATEWAY]  # the gateway alone
     assert [g["GroupId"] for g in rules[8000]["UserIdGroupPairs"]] == [gateway_group]
     assert [r["CidrIp"] for r in rules[22]["IpRanges"]] == [GATEWAY]
@@ -194,7 +196,7 @@ async def test_aws_replica_serves_at_its_private_address(fake_ec2, vpc, ledger, 
 @needs_vpc
 async def test_gcp_replica_serves_at_its_private_address(gce, vpc, ledger, tmp_path):
     config = GCPConfig(project_id="proj", regions=["us-central1"], endpoint=gce.url, public_ip=False,
-                       data_path="private", gateway_cidrs=[GATEWAY])
+                       data_path="private", gateway_cidrs=[GCE_GATEWAY])
     home = tmp_path / "home"
     backend = GCPBackend(config)
     acts = _cloud("gcp", backend, BackendsConfig(gcp=config), ledger, vpc, home)
@@ -217,14 +219,17 @@ async def test_gcp_replica_serves_at_its_private_address(gce, vpc, ledger, tmp_p
     with vpcs.Booter(vpc, lambda: vpcs.gce_instances(gce)) as booter:
         await _lifecycle(acts, "gcp", vpc, booter, home)
     (rules,) = checked
-    port_rule = rules[backend.service_tag("svc")]
-    assert port_rule["sourceRanges"] == [GATEWAY] and port_rule["targetTags"] == [backend.service_tag("svc")]
+    tag = backend.service_tag("svc")
+    port_rule = rules[backend.gateway_rule("svc")]
+    assert port_rule["sourceRanges"] == [GCE_GATEWAY] and port_rule["targetTags"] == [tag]
     assert [(a["IPProtocol"], a["ports"]) for a in port_rule["allowed"]] == [("tcp", ["8000"])]
     ssh_rule = rules[backend.firewall_name]
     assert [(a["IPProtocol"], a["ports"]) for a in ssh_rule["allowed"]] == [("tcp", ["22"])]
-    assert sorted(rules) == sorted([backend.firewall_name, backend.service_tag("svc")])
+    own = rules[tag]  # the service's instances to each other
+    assert own["sourceTags"] == own["targetTags"] == [tag]
+    assert sorted(rules) == sorted([backend.firewall_name, tag, backend.gateway_rule("svc")])
     assert all(backend.service_tag("svc") in t for t in tags) and tags
-    assert gce.firewall_rules() == []  # both rules went with the last instance
+    assert gce.firewall_rules() == []  # every rule went with the last instance
 
 
 def test_with_a_public_ip_the_private_path_still_addresses_the_private_one():

@@ -298,12 +298,12 @@ def test_service_tags_keep_gce_rules_and_tell_services_apart(gce):
     backend = GCPBackend(GCPConfig(project_id="proj", endpoint=gce.url), installation="h" + "x" * 30)
     long, alike = "A" * 80 + ".Service", ["a.b", "a-b"]
     for name in [long, "x", *alike]:
-        tag = backend.service_tag(name)
-        assert len(tag) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", tag) and backend.installation in tag
+        for tag in (backend.service_tag(name), backend.gateway_rule(name)):
+            assert len(tag) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", tag) and backend.installation in tag
     assert backend.service_tag(alike[0]) != backend.service_tag(alike[1])
     assert backend.service_tag(long) != backend.service_tag(long + "2")
     assert backend.service_tag("x") != backend.network_tag and backend.service_tag("ssh") != backend.firewall_name
-    backend.ensure_service_firewall(long)  # the fake refuses names and tags GCE would
+    backend.ensure_service_firewall(long, 8000)  # the fake refuses names and tags GCE would
     assert [r["name"] for r in gce.firewall_rules()] == [backend.service_tag(long)]
 
 
