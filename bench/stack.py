@@ -121,7 +121,10 @@ class BenchStack:
 
     def start(self, timeout: float = 120.0, attempts: int = 2) -> "BenchStack":
         """Start the server and wait for the control plane and the gateway. A free port can be taken by
-        someone else before the server binds it, so a failed start is retried once with new ports."""
+        someone else before the server binds it, so a failed start is retried once with new ports. Once started,
+        a second call changes nothing (`with BenchStack()` already starts it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         for attempt in range(1, attempts + 1):
             try:
                 self._start_once(timeout)
