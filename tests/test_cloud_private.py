@@ -16,26 +16,21 @@ import time
 
 import boto3
 import pytest
-import pytest_asyncio
 from pydantic import ValidationError
 
 from activities.aws import AWSBackend
 from activities.gcp import GCPBackend
 from activities.probes import client_for
 from activities.replica import ReplicaActivities
-from activities.replica_cloud import CloudReplicas
-from activities.ssh import SSHClient
-from connect.ssh_keys import SSHKeys
 from models.backends import AWSConfig, BackendsConfig, GCPConfig, backends_config_from
-from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
 from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
-from store import Store, StoreLedger
 from tests.fakes import vpc as vpcs
-from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env
+from tests.fakes.activity_env import FakeClient, activity_env
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
+from tests.test_cloud_ssh import _cloud, ledger, vpc  # noqa: F401  (fixtures)
 from tests.test_ssh_path import APP, SECRET
 
 needs_vpc = pytest.mark.skipif(vpcs.available() is not None, reason=str(vpcs.available()))
@@ -46,10 +41,7 @@ assert APP_ALL != APP
 GATEWAY = f"{vpcs.BRIDGE_ADDRESS}/32"  # where the simulated VPC's connections come from
 GCE_GATEWAY = f"{vpcs.GCE_GATEWAY_ADDRESS}/32"  # and to hosts in GCE's 10.0.0.0/8
 CPU = ResourcesSpec.model_validate({"cpu": "2..", "memory": "4GB.."})
-AWS_M5 = InstanceOffer(backend="aws", instance_type="m5.large", region="us-east-1", zones=["us-east-1a"], cpus=2,
-                       memory_gb=8.0, price=0.096)
-GCP_N2 = InstanceOffer(backend="gcp", instance_type="n2-standard-2", region="us-central1", zones=["us-central1-a"],
-                       cpus=2, memory_gb=8.0, price=0.097)
+
 
 
 def job() -> JobSpec:
@@ -84,26 +76,6 @@ def test_the_default_stays_the_ssh_tunnel_and_a_gateway_group_needs_the_private_
 
 
 # --- the data path -------------------------------------------------------------------------------------------------
-
-@pytest_asyncio.fixture
-async def vpc(tmp_path):
-    v = vpcs.SimulatedVPC(tmp_path / "vpc")
-    yield v
-    await asyncio.to_thread(v.close)
-
-
-@pytest.fixture
-def ledger(tmp_path):
-    return StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))
-
-
-def _cloud(name, backend, config, ledger, vpc, home) -> ReplicaActivities:
-    keys = SSHKeys.of_home(home)
-    cloud = CloudReplicas(config, {name: backend}, ledger, catalog=[AWS_M5, GCP_N2], poll_seconds=0.2,
-                          boot_timeout=60, ssh=SSHClient.from_keys(keys, socket_factory=vpc.socket_factory),
-                          ssh_keys=keys, home=home)
-    return ReplicaActivities(None, FakeGateway(), cloud=cloud)
-
 
 async def _get(vpc, address: str):
     """A request to ``address`` made inside the VPC, as the gateway there makes it."""
