@@ -146,28 +146,46 @@ def live_instances(stack: Stack, name: str) -> dict[str, object]:
             if i.replica_id.startswith(f"{name}/") and backend.status(i).state == "running"}
 
 
-def converged(stack: Stack, name: str, count: int, deployment: int) -> Optional[dict]:
-    """The service's picture once it is where it should be, else None. Everyone must agree: `ps`, the backend's
-    live instances, the replica processes (one app per work dir, none outside) and the gateway's routes."""
+class NotYet(str):
+    """Why the service has not converged yet: falsy, so `until` goes on, and its repr names the part that
+    disagrees when `until` gives up."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def converged(stack: Stack, name: str, count: int, deployment: int) -> dict | NotYet:
+    """The service's picture once it is where it should be, else why not. Everyone must agree: `ps`, the
+    backend's live instances, the replica processes (one app per work dir, none outside) and the gateway's
+    routes."""
     status = status_or_none(stack, name)
     if status is None or status["deployment"] != deployment:
-        return None
+        return NotYet(f"ps: {status and status['deployment']!r}")
     (group,) = status["groups"]
     active = [r for r in group["replicas"] if r["status"] not in FINISHED]
+    rows = [(r["replica"], r["submission"], r["status"], r["ready"], r["deployment"]) for r in group["replicas"]]
     if group["desired"] != count or len(active) != count:
-        return None
+        return NotYet(f"ps: desired {group['desired']}, rows {rows}")
     if not all(r["status"] == "running" and r["ready"] and r["deployment"] == deployment for r in active):
-        return None
+        return NotYet(f"ps: rows {rows}")
     in_ps = {f"{name}/{group['name']}/r{r['replica']}-s{r['submission']}" for r in active}
     live = live_instances(stack, name)
     procs = {wd: n for wd, n in app_processes(stack.home).items() if f"/replicas/{name}/" in wd}
     routes = routes_or_none(stack, name)
     numbers = Counter(rid.rsplit("/", 1)[1].split("-")[0] for rid in live)
     if set(live) != in_ps or routes != in_ps or any(n > 1 for n in numbers.values()):
-        return None
+        return NotYet(f"ps {sorted(in_ps)}, live {sorted(live)}, routes {routes and sorted(routes)}")
     if procs != {inst.work_dir: 1 for inst in live.values()}:  # one app per replica, no orphan
-        return None
+        return NotYet(f"apps {procs}")
     return {"status": status, "replicas": sorted(in_ps), "live": live}
+
+
+def evidence(stack: Stack, name: str) -> str:
+    """What a failed convergence is explained by: the service's events and the end of the worker's log."""
+    events = stack.cli("events", name, timeout=60)
+    log = stack.home / "logs" / "worker.log"
+    tail = log.read_text(errors="replace").splitlines()[-80:] if log.exists() else []
+    return "\n".join(["events:", events.stdout + events.stderr, "worker.log (end):", *tail])
 
 
 def app_processes(home: Path) -> dict[str, int]:
@@ -248,7 +266,10 @@ def _run_case(stack: Stack, name: str, component: str, act, started, count: int,
         old = kill(stack, component)
         killed = time.monotonic()
         restart = await_restart(stack, component, old, url, token, killed)
-        picture = until(lambda: converged(stack, name, count, deployment), CONVERGE, 0.5, "convergence")
+        try:
+            picture = until(lambda: converged(stack, name, count, deployment), CONVERGE, 0.5, "convergence")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{evidence(stack, name)}") from None
         done = time.monotonic()
     finally:
         counts = load.stop()
