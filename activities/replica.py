@@ -38,7 +38,7 @@ from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.replica_cloud import CloudReplicas
 from activities.runtime import local_limits
-from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report, unless_quick
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
@@ -49,6 +49,7 @@ from models.run import (Down, Instance, Launched, LaunchInput, MonitorInput, NoC
 from models.service import ProbeSpec
 
 log = logging.getLogger("durastack.replica")
+QUICK_SECONDS = 1.0  # see ReplicaActivities
 READY_POLL_SECONDS = 0.2  # an app that just started answers within a few of these
 # The first polls come sooner, growing to READY_POLL_SECONDS: most apps answer within a second of their spawn, and
 # a fixed 0.2 s poll added 0.1 s on average (up to 0.2 s) to every replica's readiness.
@@ -170,9 +171,11 @@ class LocalReplicas:
 
 class ReplicaActivities:
     def __init__(self, local: Optional[LocalBackend], gateway: GatewayClient, cloud: Optional[CloudReplicas] = None,
-                 local_replicas: bool = True):
+                 local_replicas: bool = True, quick_seconds: float = QUICK_SECONDS):
         """``local``: this machine (None on a cloud-only worker). ``cloud``: the clouds this worker calls itself
-        (worker.py builds it). ``local_replicas``: False on cluster workers (DURASTACK_LOCAL_REPLICAS=off)."""
+        (worker.py builds it). ``local_replicas``: False on cluster workers (DURASTACK_LOCAL_REPLICAS=off).
+        ``quick_seconds``: a launch step shorter than this is not reported on its own."""
+        self.quick_seconds = quick_seconds
         self.local = LocalReplicas(local, local_replicas) if local is not None else None
         self.gateway = gateway
         self.cloud = cloud
@@ -195,7 +198,9 @@ class ReplicaActivities:
         r, job = inp.replica, inp.replica.job
         # Each report is a round trip to Temporal (10–100 ms on a loaded machine), so it goes out while the next
         # step runs rather than before it; each is awaited before the next is sent, so they still arrive in order.
-        sent = asyncio.ensure_future(report(r.service_workflow_id, job, PROVISIONING, "provisioning"))
+        # `provisioning` only when placing takes a while (a cloud instance), not for a local one.
+        provisioning = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONING,
+                                                                   "provisioning"))
         try:
             if r.backends is not None and inp.backend not in r.backends:
                 raise no_capacity(NoCapacity(backend=inp.backend, tried=False, reasons=[
@@ -203,7 +208,7 @@ class ReplicaActivities:
             backend = self._backend(inp.backend, launching=True)
             placement, instance = await backend.place(r, inp.backend)
         finally:
-            await sent
+            await provisioning()
         sent = asyncio.ensure_future(report(r.service_workflow_id, job, PROVISIONED, "running", placement=placement,
                                             instance=instance))
         try:

@@ -9,7 +9,10 @@ gone, Temporal is briefly away) is logged and dropped: it must never fail the wo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from typing import Awaitable, Callable
 
 from temporalio import activity
 
@@ -38,3 +41,26 @@ async def report(service_workflow_id: str, job: JobSpec, seq: int, status: Repli
     except Exception as e:  # noqa: BLE001 — see the module doc: a report never fails its activity
         log.warning("%s: could not report %s (seq %d) to %s: %s", job.replica_id, status, seq,
                     service_workflow_id, e)
+
+
+def unless_quick(delay: float, send: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """Send a report only if the step it announces is still going after ``delay`` seconds; returns what to await
+    when the step ends. A step that ends sooner is told by the next report alone (its seq is higher): a local
+    replica's processes start in milliseconds, and each report costs the service a workflow task."""
+    sending = delay <= 0
+
+    async def later() -> None:
+        nonlocal sending
+        if not sending:
+            await asyncio.sleep(delay)
+            sending = True
+        await send()
+
+    task = asyncio.ensure_future(later())
+
+    async def settle() -> None:
+        if not sending:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return settle

@@ -553,7 +553,7 @@ def _replica_activities(aws_backend, ledger, gateway, address: str, catalog=(G4,
     config = BackendsConfig(aws=AWSConfig(regions=aws_backend.regions, ami_owners=["self"]))
     cloud = CloudReplicas(config, {"aws": aws_backend}, ledger, catalog=list(catalog),
                           address=lambda _: address, poll_seconds=0.1)
-    return ReplicaActivities(None, gateway, cloud=cloud)
+    return ReplicaActivities(None, gateway, cloud=cloud, quick_seconds=0)  # moto places in milliseconds
 
 
 def _launch_input(j=None) -> LaunchInput:

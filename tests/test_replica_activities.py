@@ -21,6 +21,7 @@ from temporalio.exceptions import ApplicationError
 from activities.local import LocalBackend
 from activities import replica as replica_activities
 from activities.replica import LocalReplicas, ReplicaActivities
+from activities.report import unless_quick
 from models.loader import load_config_text
 from models.replica import LocalInstance
 from models.run import Down, LaunchInput, MonitorInput, NoCapacity, ReplicaInput, TeardownInput, Watched
@@ -61,16 +62,18 @@ async def _launch(acts: ReplicaActivities, client: FakeClient, inp: ReplicaInput
 
 # --- launch and teardown ----------------------------------------------------------------------------
 
-async def test_launch_places_once_waits_until_ready_registers_and_reports_each_step(local):
+@pytest.mark.parametrize("quick_seconds", [0, 60])
+async def test_launch_places_once_waits_until_ready_registers_and_reports_each_step(local, quick_seconds):
+    """Every step is reported, except `provisioning` when placing took less than ``quick_seconds``."""
     gateway, client = FakeGateway(), FakeClient()
-    acts = ReplicaActivities(local, gateway)
+    acts = ReplicaActivities(local, gateway, quick_seconds=quick_seconds)
     inp = _input()
     launched = await _launch(acts, client, inp)
     assert launched.placement.backend == "local" and launched.instance.kind == "local"
     assert local.status(launched.instance).state == "running"
     assert gateway.routed == {inp.job.replica_id: launched.placement.address}
-    assert client.reports() == [(1, "provisioning", False, False), (2, "running", False, False),
-                                (3, "running", True, True)]
+    steps = [(2, "running", False, False), (3, "running", True, True)]
+    assert client.reports() == ([(1, "provisioning", False, False)] if quick_seconds == 0 else []) + steps
     assert {wf for wf, _, _ in client.signals} == {"service/svc"}
     assert {name for _, name, _ in client.signals} == {"replica_changed"}
     assert client.signals[-1][2].instance == launched.instance  # the service can tear it down itself
@@ -79,7 +82,7 @@ async def test_launch_places_once_waits_until_ready_registers_and_reports_each_s
         service_workflow_id="service/svc", job=inp.job, backend="local", instance=launched.instance,
         reason="scaled_down"))
     assert gateway.routed == {} and local.status(launched.instance).state != "running"
-    assert [(u.seq, u.status, u.reason) for _, _, u in client.signals[3:]] == [
+    assert [(u.seq, u.status, u.reason) for _, _, u in client.signals if u.seq >= 10] == [
         (10, "terminating", "scaled_down"), (11, "terminated", "scaled_down")]
 
 
@@ -141,13 +144,26 @@ async def test_teardown_without_an_instance_stops_what_a_dead_launch_started(loc
     assert [c[0] for c in gateway.calls] == ["unregister", "unregister"]
 
 
+async def test_a_step_is_reported_only_once_it_outlasts_the_quick_delay():
+    sent = asyncio.Event()
+
+    async def send() -> None:
+        sent.set()
+
+    await unless_quick(60, send)()  # the step ended at once: nothing sent, nothing left pending
+    assert not sent.is_set()
+    settle = unless_quick(0.01, send)
+    await asyncio.wait_for(sent.wait(), 10)  # the step goes on: its report goes out meanwhile
+    await settle()
+
+
 # --- NoCapacity -------------------------------------------------------------------------------------
 
 async def test_a_machine_that_does_not_fit_raises_no_capacity_with_typed_details(local):
     client = FakeClient()
     inp = _input(config=CONFIG + "resources:\n  cpu: 100000\n")
     with pytest.raises(ApplicationError) as refused:
-        await _launch(ReplicaActivities(local, FakeGateway()), client, inp)
+        await _launch(ReplicaActivities(local, FakeGateway(), quick_seconds=0), client, inp)
     details = _no_capacity(refused.value)
     assert details.backend == "local" and not details.tried
     assert len(details.reasons) == 1 and "this machine does not fit" in details.reasons[0]
