@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from activities.local_init import host_route
+
 NETNS_DIR = Path("/run/netns")
 BRIDGE = "br0"
 REPLICA_DEV = "eth0"
@@ -156,30 +158,30 @@ def release_gateway_namespace(home: Path) -> bool:
 
 def listener_in(netns: Path, host: str, port: int) -> socket.socket:
     """A listening TCP socket made inside the network namespace at ``netns``."""
-    return _made_in(netns, lambda: socket.create_server((host, port), backlog=511))
+    return _in_netns(netns, lambda: socket.create_server((host, port), backlog=511))
 
 
 def socket_in(netns: Path, family: int = socket.AF_INET) -> socket.socket:
     """A TCP socket made inside the network namespace at ``netns``: it connects from there."""
-    return _made_in(netns, lambda: socket.socket(family, socket.SOCK_STREAM))
+    return _in_netns(netns, lambda: socket.socket(family, socket.SOCK_STREAM))
 
 
-def _made_in(netns: Path, make) -> socket.socket:
-    """``make()`` run by a thread that enters ``netns`` (setns(2) moves only the calling thread) and ends there: the
-    socket stays in that namespace, the process in its own."""
+def _in_netns(netns: Path, work):
+    """``work()`` run by a thread that enters ``netns`` (setns(2) moves only the calling thread) and ends there;
+    the process stays in its own namespace."""
     made: list = []
 
-    def enter_and_make() -> None:
+    def enter_and_work() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             with open(netns) as f:
                 if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
                     raise OSError(ctypes.get_errno(), f"setns {netns}: {os.strerror(ctypes.get_errno())}")
-            made.append(make())
+            made.append(work())
         except OSError as e:
             made.append(e)
 
-    thread = threading.Thread(target=enter_and_make, name="socket-in-netns")
+    thread = threading.Thread(target=enter_and_work, name="in-netns")
     thread.start()
     thread.join()
     if isinstance(made[0], OSError):
@@ -343,8 +345,10 @@ class ServiceNetwork:
             if "File exists" not in str(e):
                 raise
             _batch([self.ip, "-n", gw.name], setup)  # linked by an earlier attempt
-        _batch(["nsenter", f"--net=/proc/{pid}/ns/net", "--", self.ip], [
-            f"link set {GATEWAY_DEV} up", f"route replace {self.gateway_ip}/32 dev {GATEWAY_DEV}"])
+        try:  # the replica's end: by ioctl from a thread in its namespace, no nsenter and ip to spawn
+            _in_netns(Path(f"/proc/{pid}/ns/net"), lambda: host_route(GATEWAY_DEV, self.gateway_ip))
+        except OSError as e:
+            raise NetworkError(f"{replica_id}: {GATEWAY_DEV} in the replica: {e}") from e
         marker = self.dir / "gw" / peer
         marker.parent.mkdir(exist_ok=True, mode=0o700)
         marker.write_text(ident)
@@ -383,10 +387,14 @@ class ServiceNetwork:
         keeps the namespace from being torn down. So replicas starting together link in parallel (each replica's
         ``local_init`` waits for this link before it runs the commands)."""
         veth = self.veth_name(replica_id)
-        if _run([self.ip, "-n", self.ns, "link", "show", veth], check=False).returncode != 0:
-            _run([self.ip, "-n", self.ns, "link", "add", veth, "type", "veth", "peer", "name", REPLICA_DEV,
-                  *(["address", mac_for(ip)] if ip else []), "netns", str(pid)])
-            _run([self.ip, "-n", self.ns, "link", "set", veth, "master", BRIDGE, "up"])
+        attach = f"link set {veth} master {BRIDGE} up"
+        try:  # one process: an apply of 16 links 16 replicas at once
+            _batch([self.ip, "-n", self.ns], [f"link add {veth} type veth peer name {REPLICA_DEV}"
+                                              f"{f' address {mac_for(ip)}' if ip else ''} netns {pid}", attach])
+        except NetworkError as e:
+            if "File exists" not in str(e):
+                raise
+            _batch([self.ip, "-n", self.ns], [attach])  # linked by an earlier attempt
 
     def serve(self) -> None:
         """Return once the stream proxy listens on the socket of every lease saved before this call. Takes
