@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Awaitable, Callable, Optional, TypeVar
 from urllib.parse import quote
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
@@ -20,6 +20,7 @@ from models.run import ServiceStatus
 from models.settings import Settings
 from workflows.service import ServiceRunWorkflow, service_workflow_id
 
+T = TypeVar("T")
 RPC = timedelta(seconds=5)
 QUERY_PATIENCE = 25.0  # seconds `ps` and friends keep asking a service that its worker may be replacing
 
@@ -57,6 +58,24 @@ async def ask(handle: WorkflowHandle, query):
         except RPCError as e:
             if time.monotonic() >= deadline:
                 raise ControlPlaneDown(f"the worker does not answer ({e.message}); is `durastack server` up?") from e
+            await asyncio.sleep(0.2)
+
+
+def not_ready(e: RPCError) -> bool:
+    """The server's WorkflowNotReady: the workflow task that was to take an update failed (one meeting the run's
+    continue-as-new does); the update was not delivered, so asking again is safe."""
+    return any(d.type_url.endswith("WorkflowNotReadyFailure") for d in e.grpc_status.details)
+
+
+async def deliver(update: Callable[[], Awaitable[T]], patience: float = QUERY_PATIENCE) -> T:
+    """``update()``, asked again while the server answers WorkflowNotReady and ``patience`` lasts."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return await update()
+        except RPCError as e:
+            if not not_ready(e) or time.monotonic() >= deadline:
+                raise
             await asyncio.sleep(0.2)
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Awaitable, Optional
 
 import typer
 from rich.live import Live
@@ -23,7 +23,7 @@ from temporalio.service import RPCError
 
 from cli.client import ControlPlaneDown, connect, run
 from cli.console import FileOption, err, out, print_errors, user_error
-from cli.control import RPC, ask, live_status, running, service_url, ui_link
+from cli.control import RPC, ask, deliver, live_status, running, service_url, ui_link
 from cli.render import ps_table
 from models.loader import load_config_file
 from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, ServiceStatus
@@ -187,16 +187,20 @@ def apply_update_id(config: ServiceConfiguration, seen: Optional[int]) -> str:
 async def _apply_with_start(client: Client, settings: Settings, config: ServiceConfiguration,
                             seen: Optional[int]) -> ApplyResult:
     name = config.name or ""
-    # USE_EXISTING: two concurrent applies never make two runs of one service; the workflow runs their updates
-    # one at a time, so each gets its own deployment number.
-    start = WithStartWorkflowOperation(
-        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
-        id=service_workflow_id(name), id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        task_queue=settings.task_queue, static_summary=f"service **{name}**")
-    try:
-        return await client.execute_update_with_start_workflow(
+
+    def request() -> Awaitable[ApplyResult]:
+        # USE_EXISTING: two concurrent applies never make two runs of one service; the workflow runs their updates
+        # one at a time, so each gets its own deployment number. A start operation serves one request only.
+        start = WithStartWorkflowOperation(
+            ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
+            id=service_workflow_id(name), id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            task_queue=settings.task_queue, static_summary=f"service **{name}**")
+        return client.execute_update_with_start_workflow(
             ServiceRunWorkflow.apply, ApplyRequest(config=config), start_workflow_operation=start,
             id=apply_update_id(config, seen), rpc_timeout=RPC)
+
+    try:
+        return await deliver(request)
     except WorkflowUpdateFailedError as e:
         raise user_error(f"update refused: {getattr(e.cause, 'message', e.cause)}")
     except WorkflowUpdateRPCTimeoutOrCancelledError as e:
@@ -246,7 +250,7 @@ def rollback(
 async def _rollback(settings: Settings, name: str, detach: bool) -> None:
     client, handle = await running(settings, name)
     try:
-        result = await handle.execute_update(ServiceRunWorkflow.rollback, rpc_timeout=RPC)
+        result = await deliver(lambda: handle.execute_update(ServiceRunWorkflow.rollback, rpc_timeout=RPC))
     except WorkflowUpdateFailedError as e:
         raise user_error(f"update refused: {getattr(e.cause, 'message', e.cause)}")
     _print_result(name, result)
@@ -322,8 +326,8 @@ def scale(
 async def _scale(settings: Settings, name: str, group: str, count: int) -> None:
     _, handle = await running(settings, name)
     try:
-        desired = await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group=group, count=count),
-                                              rpc_timeout=RPC)
+        desired = await deliver(lambda: handle.execute_update(
+            ServiceRunWorkflow.scale, ScaleRequest(group=group, count=count), rpc_timeout=RPC))
     except WorkflowUpdateFailedError as e:
         raise user_error(f"scale refused: {getattr(e.cause, 'message', e.cause)}")
     out.print(f"{name}: group={group} desired={desired}")

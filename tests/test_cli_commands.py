@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from cli.main import GROUPS, group_commands
 
@@ -87,3 +88,42 @@ def test_exec_names_the_running_replicas_when_the_one_asked_for_has_ended(capfd)
         _replica(svc, 1, running=True)
     assert refused.value.exit_code == 1
     assert "svc: replica 1 is terminated; running replicas: 2, 3" in capfd.readouterr().err
+
+
+def _rpc_error(detail) -> RPCError:
+    from google.protobuf.any_pb2 import Any
+    from temporalio.api.common.v1 import GrpcStatus
+
+    packed = Any()
+    packed.Pack(detail)
+    status = GrpcStatus(code=RPCStatusCode.FAILED_PRECONDITION, message="refused", details=[packed])
+    return RPCError("refused", RPCStatusCode.FAILED_PRECONDITION, status.SerializeToString())
+
+
+def test_an_update_the_server_was_not_ready_for_is_asked_again_and_no_other_failure_is():
+    """WorkflowNotReady (the task that was to take the update failed, e.g. at a continue-as-new): the update was
+    not delivered, so `scale`, `apply` and `rollback` ask again; any other refusal goes to the user at once."""
+    import asyncio
+
+    from temporalio.api.errordetails.v1 import NamespaceNotFoundFailure, WorkflowNotReadyFailure
+
+    from cli.control import deliver
+
+    calls = []
+
+    def update(failures: list):
+        async def once():
+            calls.append(1)
+            if failures:
+                raise failures.pop(0)
+            return "done"
+        return lambda: once()
+
+    assert asyncio.run(deliver(update([_rpc_error(WorkflowNotReadyFailure())] * 2))) == "done"
+    assert len(calls) == 3
+    with pytest.raises(RPCError) as refused:
+        asyncio.run(deliver(update([_rpc_error(NamespaceNotFoundFailure())])))
+    assert refused.value.message == "refused" and len(calls) == 4
+    with pytest.raises(RPCError):  # patience ends: the last answer is the user's
+        asyncio.run(deliver(update([_rpc_error(WorkflowNotReadyFailure())] * 100), patience=0.5))
+    assert 5 < len(calls) < 104

@@ -474,7 +474,7 @@ def test_two_workers_share_the_work_and_one_finishes_a_rollout_alone(stack: Stac
             stopped = {f"{name}/g/r{r['replica']}-s{r['submission']}" for r in status["groups"][0]["replicas"]
                        if r["status"] in ("terminating", "terminated")}
             assert set(gone) <= stopped, (gone, status)
-            final = until(lambda: converged(stack, name, SHARED, 1), CONVERGE, 0.5, "the rollout finished by the first")
+            until(lambda: converged(stack, name, SHARED, 1), CONVERGE, 0.5, "the rollout finished by the first")
             done = time.monotonic()
         finally:
             counts = load.stop()

@@ -11,6 +11,7 @@ import pytest
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 
+from cli.control import deliver
 from models.loader import load_config_file, load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from tests.conftest import eventually, last_run_result
@@ -215,21 +216,6 @@ async def cloud_dev(dev_env):
         yield fake
 
 
-async def _scale_across_a_hop(handle, request: ScaleRequest) -> None:
-    """An update that arrives as the run continues as new: the server fails the task that would end the run and
-    answers WorkflowNotReady ("unexpected workflow task failure") until the new run takes it; ask again (bounded)."""
-    from temporalio.service import RPCError
-
-    for attempt in range(50):
-        try:
-            await handle.execute_update(ServiceRunWorkflow.scale, request)
-            return
-        except RPCError as e:
-            if "workflow task failure" not in str(e) or attempt == 49:
-                raise
-            await asyncio.sleep(0.1)
-
-
 async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev):
     """On the dev server: the time-skipping one can lose a hop's last events (tests/conftest.py)."""
     ts_env, cloud = dev_env, cloud_dev
@@ -237,7 +223,8 @@ async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev):
     await wait_ready(handle, {"0": [0], "1": []})
     runs = {(await handle.describe()).run_id}
     for count in (1, 2, 3, 2, 1, 2, 3):
-        await _scale_across_a_hop(handle, ScaleRequest(group="1", count=count))
+        # A scale meeting a hop is answered WorkflowNotReady: asked again, as the CLI does.
+        await deliver(lambda: handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=count)))
         await eventually(lambda: _group_ready(handle, "1", count))
         runs.add((await handle.describe()).run_id)
     assert len(runs) >= 3, "expected several continue-as-new hops"
