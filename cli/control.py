@@ -47,6 +47,16 @@ async def live_status(client: Client, name: str) -> Optional[ServiceStatus]:
     return await ask(handle, ServiceRunWorkflow.status)
 
 
+async def last_run(client: Client, name: str) -> Optional[str]:
+    """The id of the service's latest run, running or closed; None if it never ran."""
+    try:
+        return (await client.get_workflow_handle(service_workflow_id(name)).describe(rpc_timeout=RPC)).run_id
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise ControlPlaneDown(f"control plane error: {e}") from e
+
+
 async def ask(handle: WorkflowHandle, query):
     """A query of the service's workflow, asked again while QUERY_PATIENCE lasts: a query can meet a
     continue-as-new hop, and right after a worker died the server still hands the service's queries to that

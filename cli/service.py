@@ -23,7 +23,7 @@ from temporalio.service import RPCError
 
 from cli.client import ControlPlaneDown, connect, run
 from cli.console import FileOption, err, out, print_errors, user_error
-from cli.control import RPC, ask, deliver, live_status, running, service_url, ui_link
+from cli.control import RPC, ask, deliver, last_run, live_status, running, service_url, ui_link
 from cli.render import ps_table
 from models.loader import load_config_file
 from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, ServiceStatus
@@ -158,7 +158,8 @@ async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, de
             _confirm("Update the run?", yes)
     else:
         _confirm(f"Submit the service {name}?", yes)
-    result = await _apply_with_start(client, settings, config, seen)
+    after = await last_run(client, name) if seen is None else None
+    result = await _apply_with_start(client, settings, config, apply_update_id(config, seen, after))
     if not result.changed and (seen is not None or result.deployment > 0):
         other = "" if result.deployment == seen else ", from another apply"
         out.print(f"Active run {name} already exists. Detected no changes (deployment {result.deployment}{other}).")
@@ -172,20 +173,25 @@ async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, de
     _print_access(settings, config)
 
 
-def apply_update_id(config: ServiceConfiguration, seen: Optional[int]) -> str:
-    """The id of the `apply` update: the configuration's hash and the deployment it was applied over.
+def apply_update_id(config: ServiceConfiguration, seen: Optional[int], after: Optional[str] = None) -> str:
+    """The id of the `apply` update: the configuration's hash and the deployment it was applied over, or, when no
+    run was open, the run it follows (``after``, the last closed run's id; none for a service never run).
 
     The same file applied over the same deployment (a retry, or two people applying it at once) is one update,
     which Temporal runs once. The deployment is part of it because a run remembers the ids of its past updates:
     with the hash alone, applying A, then B, then A again would get back the answer of the first A and change
-    nothing. Secret values count (a new token is a change), hashed as the workflow hashes replica specs."""
+    nothing. The closed run is part of it because Temporal answers an update-with-start whose id completed in the
+    workflow's last run with that old answer, and starts nothing: `stop`, then the same file again, would start
+    no service. Secret values count (a new token is a change), hashed as the workflow hashes replica specs."""
     payload = config.model_dump(mode="json", context=REVEAL)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-    return f"apply-{digest}-" + ("new" if seen is None else f"d{seen}")
+    if seen is not None:
+        return f"apply-{digest}-d{seen}"
+    return f"apply-{digest}-" + ("new" if after is None else f"after-{after}")
 
 
 async def _apply_with_start(client: Client, settings: Settings, config: ServiceConfiguration,
-                            seen: Optional[int]) -> ApplyResult:
+                            update_id: str) -> ApplyResult:
     name = config.name or ""
 
     def request() -> Awaitable[ApplyResult]:
@@ -197,7 +203,7 @@ async def _apply_with_start(client: Client, settings: Settings, config: ServiceC
             task_queue=settings.task_queue, static_summary=f"service **{name}**")
         return client.execute_update_with_start_workflow(
             ServiceRunWorkflow.apply, ApplyRequest(config=config), start_workflow_operation=start,
-            id=apply_update_id(config, seen), rpc_timeout=RPC)
+            id=update_id, rpc_timeout=RPC)
 
     try:
         return await deliver(request)

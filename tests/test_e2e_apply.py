@@ -100,6 +100,17 @@ def test_reapplying_the_running_file_changes_nothing(stack: Stack, tmp_path: Pat
     assert stack.cli("stop", "again", "-y").returncode == 0
 
 
+def test_the_same_file_applied_after_a_stop_starts_the_service_again(stack: Stack, tmp_path: Path):
+    """Temporal keeps a closed run's update answers: the second apply must not get the first one's back."""
+    file = write(tmp_path, "revived", "1")
+    for _ in range(2):
+        result = stack.cli("apply", "-f", str(file), "-y")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "Submitted" in result.stdout
+        assert stack.ps("revived")["groups"][0]["replicas"][-1]["status"] == "running"
+        assert stack.cli("stop", "revived", "-y").returncode == 0
+
+
 def test_concurrent_applies_of_a_new_service_make_one_run(stack: Stack, tmp_path: Path):
     files = [write(tmp_path, "fresh", "a"), write(tmp_path, "fresh", "b")]
     results = apply_together(stack, files)
