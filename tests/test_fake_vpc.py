@@ -114,3 +114,22 @@ def test_gcp_firewall_rules_are_honoured(gce, vpc, listeners):
     by = {(i.owner[0], i.owner[2]): hosts[i.instance_id] for i in gcp.list_tagged() + elsewhere.list_tagged()
           if i.tags.get("durastack-installation") in ("h-one", "h-two")}
     check(vpc, listeners, by[("a", "r0-s0")], by[("a", "r1-s0")], by[("b", "r0-s0")], by[("c", "r0-s0")])
+
+
+def test_a_terminated_instance_powers_off_and_stops_answering(fake_ec2, vpc):
+    """As a cloud's: once the instance is terminated its host no longer answers, and its address is free."""
+    import boto3
+
+    from tests.e2e import until
+
+    fake_ec2.seed_amis("us-east-1")
+    aws = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False))
+    aws.create(job("a"), AWS_M5, provisioning_key("a", "web", 0, 0, AWS_M5))
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        (host,) = until(lambda: list(vpc.hosts.values()), 60, 0.2, "the instance booted")
+        assert reaches(None, host, 22, vpc)
+        boto3.client("ec2", region_name="us-east-1").terminate_instances(InstanceIds=[host.name])
+        until(lambda: host.name not in vpc.hosts, 60, 0.2, "the host powered off")
+    assert not booter.errors, booter.errors
+    assert host.server.poll() is not None and not reaches(None, host, 22, vpc)
+    assert host.netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

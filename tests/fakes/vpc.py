@@ -34,7 +34,7 @@ import sys
 import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from ruamel.yaml import YAML
 
@@ -90,6 +90,7 @@ def boot_script_of(user_data: str) -> str:
 class SimHost:
     name: str
     netns: str
+    veth: str  # its link's end on the VPC's bridge
     address: str
     root: Path
     server: subprocess.Popen
@@ -120,6 +121,7 @@ class SimulatedVPC:
     admitted: dict[str, tuple[Admit, ...]] = field(default_factory=dict)  # host → what its firewall takes
     _ns: list[str] = field(default_factory=list)
     _link: Optional[str] = None
+    _booted: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # hosts ever booted: unique names
 
     def __post_init__(self) -> None:
         self.netns = f"dsvpc-{self.tag}"
@@ -138,7 +140,7 @@ class SimulatedVPC:
         that firewall from the start (without, open: the bare host of tests/test_ssh_path.py)."""
         if name in self.hosts:
             return self.hosts[name]
-        n = len(self.hosts) + 1
+        n = next(self._booted)
         netns, veth = f"dsh-{self.tag}-{n}", f"v{self.tag[-6:]}h{n}"[:15]
         _ip("netns", "add", netns)
         self._ns.append(netns)
@@ -173,7 +175,7 @@ class SimulatedVPC:
         if line.strip() != "ready":
             server.kill()
             raise RuntimeError(f"simulated host {name} did not start: {(root / 'sshd.log').read_text()[-2000:]}")
-        host = SimHost(name=name, netns=netns, address=address, root=root, server=server)
+        host = SimHost(name=name, netns=netns, veth=veth, address=address, root=root, server=server)
         self.hosts[name] = host
         return host
 
@@ -207,12 +209,24 @@ class SimulatedVPC:
 
     def cut(self, host: SimHost) -> None:
         """Take the host's link down (a network partition): its SSH connections die."""
-        _ip("-n", self.netns, "link", "set", f"v{self.tag[-6:]}h{list(self.hosts).index(host.name) + 1}"[:15],
-            "down")
+        _ip("-n", self.netns, "link", "set", host.veth, "down")
 
     def heal(self, host: SimHost) -> None:
-        _ip("-n", self.netns, "link", "set", f"v{self.tag[-6:]}h{list(self.hosts).index(host.name) + 1}"[:15],
-            "up")
+        _ip("-n", self.netns, "link", "set", host.veth, "up")
+
+    def power_off(self, name: str) -> None:
+        """The cloud terminated (or stopped) instance ``name``: its host, its processes and its address go away,
+        and its address may come back on another instance. Its files stay for tests to read."""
+        host = self.hosts.pop(name)
+        self.admitted.pop(name, None)
+        host.stop()
+        subprocess.run(["ip", "netns", "delete", host.netns], capture_output=True, timeout=30)  # its veth with it
+        self._ns.remove(host.netns)
+        subprocess.run(["ip", "-n", self.netns, "route", "del", f"{host.address}/32"], capture_output=True,
+                       timeout=30)
+        if self._link:
+            subprocess.run(["ip", "route", "del", f"{host.address}/32", "dev", self._link], capture_output=True,
+                           timeout=30)
 
     # --- the gateway's side -------------------------------------------------------------------------
 
@@ -319,7 +333,7 @@ def gce_instances(gce) -> list[tuple[str, str, str, list[Admit]]]:
     for inst in instances:
         items = {i["key"]: i["value"] for i in inst.get("metadata", {}).get("items", [])}
         name = inst["name"]
-        if "startup-script" not in items or not ip_of[name]:
+        if "startup-script" not in items or not ip_of[name] or inst.get("status") != "RUNNING":
             continue
         admits = []
         for rule in rules:
@@ -360,7 +374,10 @@ class Booter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                for name, address, user_data, *admits in self.list_instances():
+                running = self.list_instances()
+                for name in set(self.vpc.hosts) - {name for name, *_ in running}:
+                    self.vpc.power_off(name)  # terminated or stopped: it no longer answers
+                for name, address, user_data, *admits in running:
                     admits = admits[0] if admits else None  # without: an open host
                     if name not in self.vpc.hosts:
                         self.user_data[name] = user_data
