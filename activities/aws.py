@@ -246,7 +246,10 @@ class AWSBackend:
                                          "retried)", code=e.code) from e
                     if e.code != "InvalidGroup.NotFound":
                         raise
-            self._groups = {k: v for k, v in self._groups.items() if not (k[0] == region and k[1] == service)}
+            self._forget_groups(region, service)
+
+    def _forget_groups(self, region: str, service: str) -> None:
+        self._groups = {k: v for k, v in self._groups.items() if not (k[0] == region and k[1] == service)}
 
     @staticmethod
     def _find_group(ec2, name: str, vpc_id: str) -> Optional[str]:
@@ -352,6 +355,12 @@ class AWSBackend:
                 found = self.find_key(region, key)
                 if found:
                     return found.model_copy(update={"price": offer.price})
+            if e.code == "InvalidGroup.NotFound":
+                # The service's last teardown released its group after this launch had looked it up: the retry
+                # makes it again.
+                self._forget_groups(region, job.service)
+                raise CloudError(ErrorKind.TRANSIENT, f"{e.message} (released by a teardown meanwhile; made again "
+                                 "on the retry)", code=e.code) from e
             if e.kind is ErrorKind.QUOTA:
                 e.scope = QuotaScope(backend="aws", region=region, spot_only=True) \
                     if e.code == "MaxSpotInstanceCountExceeded" else \

@@ -280,6 +280,23 @@ def test_root_volume_is_at_least_the_ami_snapshot(aws, fake_ec2):
     assert int(run["BlockDeviceMapping.1.Ebs.VolumeSize"]) == max(8, snapshot)
 
 
+def test_a_group_released_after_the_launch_looked_it_up_is_made_again_on_the_retry(aws, fake_ec2):
+    """A spot replacement launching while the teardown of the replica it replaces releases the service's group
+    (its last instance gone): EC2 refuses RunInstances with the deleted group; the launch fails retryably and
+    its retry makes the group again, with its rules."""
+    first = aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    aws.terminate(first)
+    AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"])).release("svc")  # the teardown's worker
+    key = provisioning_key("svc", "llm", 0, 1, G5)
+    with pytest.raises(CloudError) as refused:
+        aws.create(job(submission=1), G5, key)  # this worker still has the group it looked up
+    assert refused.value.code == "InvalidGroup.NotFound" and refused.value.kind is ErrorKind.TRANSIENT
+    assert aws.create(job(submission=1), G5, key)
+    (raw,) = all_instances()
+    group = group_of(raw)["GroupId"]
+    assert sg_rules(group) == {("tcp", 22, ("203.0.113.7/32",), ()), ("-1", None, (), (group,))}
+
+
 def test_spot_offer_uses_instance_market_options(aws, fake_ec2):
     spot = offer("g5.xlarge", 0.41, spot=True)
     inst = aws.create(job(), spot, provisioning_key("svc", "llm", 0, 0, spot))

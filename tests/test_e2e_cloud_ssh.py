@@ -6,8 +6,8 @@ reaches only over SSH (``DURASTACK_SSH_NETNS``: its connections are made inside 
 `durastack apply -y` of a two-group service (a GPU group and a CPU group) brings up the right instance types,
 every replica becomes ready through the SSH data path, authenticated traffic through the gateway gets 200s,
 `exec` and `logs` work, no secret value appears in user data, metadata or history; a killed container is
-unrouted and replaced; a cut tunnel is unrouted and reconnected; `stop` leaves no instance, security group or
-firewall rule.
+unrouted and replaced; a cut tunnel is unrouted and reconnected; a spot instance the cloud takes back is replaced
+and named in `durastack events`; `stop` leaves no instance, security group or firewall rule.
 """
 
 from __future__ import annotations
@@ -209,6 +209,90 @@ def _cheapest_cpu(backend: str, region: str) -> str:
     found = match_offers([o for o in load_catalog() if o.backend == backend and o.region == region],
                          ResourcesSpec.model_validate({"cpu": 2, "memory": "8GB"}))
     return found[0].instance_type
+
+
+SPOT_SERVICE = """\
+type: service
+name: spotsvc
+port: 8000
+backends: [aws]
+spot_policy: spot
+env:
+  MODEL: tiny
+resources:
+  cpu: 2
+  memory: 8GB
+replicas: 1
+commands:
+  - |
+{app}
+"""
+
+
+def test_aws_spot_interruption_is_replaced_and_named(tmp_path, monkeypatch, fake_ec2, vpc):
+    """The cloud takes a spot instance back behind durastack's back (terminated in moto, powered off in the VPC):
+    the monitor sees it, a replacement comes up on a new instance and serves through the gateway, and
+    `durastack events` names the spot interruption."""
+    fake_ec2.seed_amis("us-east-1")
+    stack = _stack(tmp_path, monkeypatch, vpc, "backends:\n  aws:\n    regions: [us-east-1]\n"
+                                               "    ami_owners: [self]\n    public_ip: false\n")
+    path = tmp_path / "spotsvc.yml"
+    path.write_text(SPOT_SERVICE.format(app=textwrap.indent(APP, " " * 4)))
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    headers = lambda: {"Authorization": f"Bearer {stack.token()}"}  # noqa: E731
+
+    def serving() -> list[dict]:
+        return [r for g in stack.ps("spotsvc")["groups"] for r in g["replicas"]
+                if r["status"] == "running" and r["ready"]]
+
+    def instance_of(replica: dict) -> str:
+        res = ec2.describe_instances(Filters=[
+            {"Name": "instance-state-name", "Values": ["pending", "running"]},
+            {"Name": "tag:durastack:replica", "Values": [f"r{replica['replica']}-s{replica['submission']}"]},
+            {"Name": "tag:durastack:service", "Values": ["spotsvc"]}])
+        (found,) = [i for r in res["Reservations"] for i in r["Instances"]]
+        assert found.get("InstanceLifecycle") == "spot", found
+        return found["InstanceId"]
+
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        try:
+            until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+            result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
+            if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
+                result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
+            assert result.returncode == 0, result.stdout + result.stderr
+            (first,) = until(lambda: serving() or None, 120, 0.5, "the spot replica ready")
+            victim = instance_of(first)
+
+            ec2.terminate_instances(InstanceIds=[victim])  # the spot market takes it back
+
+            def replaced():
+                now = serving()
+                return now if now and (now[0]["replica"], now[0]["submission"]) != (
+                    first["replica"], first["submission"]) else None
+
+            try:
+                (second,) = until(replaced, 180, 0.5, "a replacement ready")
+            except AssertionError as e:
+                log = (stack.home / "logs" / "worker.log").read_text(errors="replace").splitlines()[-60:]
+                raise AssertionError("\n".join([str(e), stack.cli("ps", "spotsvc", "-v").stdout,
+                                                 stack.cli("events", "spotsvc").stdout, f"booter: {booter.errors}",
+                                                 f"hosts: {list(vpc.hosts)}", *log])) from None
+            assert instance_of(second) != victim
+            until(lambda: httpx.get(f"{stack.gateway}/services/spotsvc/", headers=headers(),
+                                    timeout=10).status_code == 200, 60, 0.5, "the replacement serving")
+            assert httpx.get(f"{stack.gateway}/services/spotsvc/", headers=headers(), timeout=10).text == "tiny 0"
+            events = stack.cli("events", "spotsvc")
+            assert events.returncode == 0, events.stderr
+            assert "spot interruption" in events.stdout, events.stdout
+            assert not booter.errors, booter.errors
+
+            result = stack.cli("stop", "spotsvc", "-y", timeout=300)
+            assert result.returncode == 0, result.stdout + result.stderr
+        finally:
+            stack.stop()
+    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
 
 
 PRIVATE_SERVICE = """\

@@ -4,6 +4,8 @@
 * real ClientToken semantics: same token + same params → the original reservation; other params →
   IdempotentParameterMismatch; instance terminated → IdempotentInstanceTerminated; > 64 chars → invalid;
 * "lost responses": the instance is launched, then the client gets a 503 (as if the reply never came);
+* RunInstances naming a security group that does not exist gets InvalidGroup.NotFound, as from EC2 (moto would
+  make an empty group of that name and launch into it);
 * a log of RunInstances requests, so tests can count what reached EC2.
 
 Served by werkzeug on 127.0.0.1:<ephemeral> in a thread; ``ec2_server`` (session) and ``fake_ec2`` (per test:
@@ -33,6 +35,7 @@ CPU_AMI = "ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-20250101"
 _STATUS = {"InsufficientInstanceCapacity": 500, "InternalError": 500, "ServiceUnavailable": 503,
            "RequestLimitExceeded": 503}
 _REGION = re.compile(r"Credential=[^/]+/\d+/([a-z0-9-]+)/ec2/")
+_GROUP_PARAM = re.compile(r"(NetworkInterface\.\d+\.)?SecurityGroupId\.\d+")
 
 
 @dataclass
@@ -112,6 +115,9 @@ class EC2FaultMiddleware:
             if any(_moto_state(region, i) == "terminated" for i in launch.instance_ids):
                 return _error("IdempotentInstanceTerminated", "The instance launched with this token is terminated")
             return self._maybe_lose(200, launch.headers, launch.body)
+        missing = [g for k, g in params.items() if _GROUP_PARAM.fullmatch(k) and not _moto_group(region, g)]
+        if missing:  # moto would make an empty group of that name; EC2 refuses
+            return _error("InvalidGroup.NotFound", f"The security group '{missing[0]}' does not exist")
         for fault in self.faults:
             if fault.matches(params, region):
                 if fault.times is not None:
@@ -137,6 +143,13 @@ class EC2FaultMiddleware:
             self.lose -= 1
             return _error("ServiceUnavailable", "response lost (injected; the instance was launched)", 503)
         return status, headers, body
+
+
+def _moto_group(region: str, group_id: str) -> bool:
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    return ec2_backends[DEFAULT_ACCOUNT_ID][region].get_security_group_from_id(group_id) is not None
 
 
 def _moto_state(region: str, instance_id: str) -> str:
