@@ -297,6 +297,18 @@ def test_a_group_released_after_the_launch_looked_it_up_is_made_again_on_the_ret
     assert sg_rules(group) == {("tcp", 22, ("203.0.113.7/32",), ()), ("-1", None, (), (group,))}
 
 
+def test_the_fake_refuses_deleting_a_group_an_instance_holds_as_ec2_does(aws, fake_ec2):
+    """A teardown's release racing a launch into the group: EC2 refuses, the teardown retries, sees the instance
+    and keeps the group (moto alone deleted it and left the instance with no rules)."""
+    from botocore.exceptions import ClientError
+
+    aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    group = group_of(all_instances()[0])["GroupId"]
+    with pytest.raises(ClientError) as refused:
+        ec2().delete_security_group(GroupId=group)
+    assert refused.value.response["Error"]["Code"] == "DependencyViolation"
+
+
 def test_spot_offer_uses_instance_market_options(aws, fake_ec2):
     spot = offer("g5.xlarge", 0.41, spot=True)
     inst = aws.create(job(), spot, provisioning_key("svc", "llm", 0, 0, spot))

@@ -111,14 +111,20 @@ def _history_has(stack: Stack, text: str) -> bool:
     return asyncio.run(scan())
 
 
+def _apply(stack: Stack, path) -> None:
+    """`apply -y` once the control plane answers; a worker slow to start can time the first one out, and the same
+    file again is the same update."""
+    until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+    result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
+    if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
+        result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str], network=None) -> None:
     """``network()``: asserts the service's own network rules while it runs."""
     try:
-        until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
-        result = stack.cli("apply", "-f", str(service), "-y", timeout=600)
-        if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
-            result = stack.cli("apply", "-f", str(service), "-y", timeout=600)  # a worker slow to start: same update
-        assert result.returncode == 0, result.stdout + result.stderr
+        _apply(stack, service)
         assert not booter.errors, booter.errors
         replicas = until(lambda: (lambda r: r if len(r) == 2 else None)(_replicas(stack)), 120, 0.5, "2 ready")
         assert {g: r["instance_type"] for g, r in replicas.items()} == types
@@ -256,11 +262,7 @@ def test_aws_spot_interruption_is_replaced_and_named(tmp_path, monkeypatch, fake
 
     with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
         try:
-            until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
-            result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
-            if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
-                result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
-            assert result.returncode == 0, result.stdout + result.stderr
+            _apply(stack, path)
             (first,) = until(lambda: serving() or None, 120, 0.5, "the spot replica ready")
             victim = instance_of(first)
 
@@ -333,11 +335,7 @@ def test_aws_private_data_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc
     ec2 = boto3.client("ec2", region_name="us-east-1")
     with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
         try:
-            until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
-            result = stack.cli("apply", "-f", str(service), "-y", timeout=600)
-            if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
-                result = stack.cli("apply", "-f", str(service), "-y", timeout=600)
-            assert result.returncode == 0, result.stdout + result.stderr
+            _apply(stack, service)
             replicas = until(lambda: (lambda r: r if len(r) == 1 else None)(_replicas(stack)), 120, 0.5, "ready")
             (router,) = replicas.values()
             (host,) = vpc.hosts.values()

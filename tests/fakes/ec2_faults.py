@@ -4,8 +4,9 @@
 * real ClientToken semantics: same token + same params → the original reservation; other params →
   IdempotentParameterMismatch; instance terminated → IdempotentInstanceTerminated; > 64 chars → invalid;
 * "lost responses": the instance is launched, then the client gets a 503 (as if the reply never came);
-* RunInstances naming a security group that does not exist gets InvalidGroup.NotFound, as from EC2 (moto would
-  make an empty group of that name and launch into it);
+* RunInstances naming a security group that does not exist gets InvalidGroup.NotFound, and DeleteSecurityGroup of
+  a group an instance still holds gets DependencyViolation, as from EC2 (moto would launch into an empty group of
+  that name, and delete a group in use);
 * a log of RunInstances requests, so tests can count what reached EC2.
 
 Served by werkzeug on 127.0.0.1:<ephemeral> in a thread; ``ec2_server`` (session) and ``fake_ec2`` (per test:
@@ -91,10 +92,14 @@ class EC2FaultMiddleware:
         params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True).items()}
         with self.lock:
             self.actions.append(params.get("Action", ""))
-        if params.get("Action") != "RunInstances":
-            return self.app(environ, start_response)
         m = _REGION.search(environ.get("HTTP_AUTHORIZATION", ""))
         region = m.group(1) if m else "us-east-1"
+        if params.get("Action") == "DeleteSecurityGroup" and _group_in_use(region, params.get("GroupId", "")):
+            status, headers, out = _error("DependencyViolation", f"resource {params['GroupId']} has a dependent object")
+            start_response(f"{status} ERROR", headers)
+            return [out]
+        if params.get("Action") != "RunInstances":
+            return self.app(environ, start_response)
         with self.lock:
             status, headers, out = self._run_instances(environ, params, region)
         start_response(f"{status} {'OK' if status == 200 else 'ERROR'}", headers)
@@ -150,6 +155,16 @@ def _moto_group(region: str, group_id: str) -> bool:
     from moto.ec2.models import ec2_backends
 
     return ec2_backends[DEFAULT_ACCOUNT_ID][region].get_security_group_from_id(group_id) is not None
+
+
+def _group_in_use(region: str, group_id: str) -> bool:
+    """Whether an instance not yet terminated holds the group (on itself or its interfaces)."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    return any(inst.state != "terminated" and group_id in {g.id for g in inst.security_groups} |
+               {g.id for nic in inst.nics.values() for g in nic.group_set}
+               for inst in ec2_backends[DEFAULT_ACCOUNT_ID][region].all_instances())
 
 
 def _moto_state(region: str, instance_id: str) -> str:
