@@ -246,7 +246,8 @@ async def test_service_run_history_holds_no_secret(dev_env, capsys):
         result = await handle.execute_update(ServiceRunWorkflow.apply,
                                              ApplyRequest(config=new))
         assert result.rolling == ["env"]
-        await eventually(lambda: _rolled_out(handle, result.deployment))
+        # A rollout on the dev server, with the suite's other tests beside it: CI once needed more than 30 s.
+        await eventually(lambda: _rolled_out(handle, result.deployment), 90)
         rolled = [e for r, e in cloud.envs.items() if r.startswith(f"{name}/web/") and e["HF_TOKEN"] == HF[::-1]]
         assert len(rolled) == 1 and rolled[0]["DATABASE"] == DB
         await _cli_shows_no_secret(ts_env, name, capsys)
