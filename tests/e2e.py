@@ -31,6 +31,14 @@ def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "cond
     raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
 
 
+def evidence(stack: "Stack", name: str) -> str:
+    """What a failed wait is explained by: the service's events and the end of the worker's log."""
+    events = stack.cli("events", name, timeout=60)
+    log = stack.home / "logs" / "worker.log"
+    tail = log.read_text(errors="replace").splitlines()[-80:] if log.exists() else []
+    return "\n".join(["events:", events.stdout + events.stderr, "worker.log (end):", *tail])
+
+
 class Stack:
     def __init__(self, home: Path, env: dict[str, str] | None = None):
         """``env``: more environment for the server and the CLI (e.g. DURASTACK_LOCAL_ISOLATION=off)."""

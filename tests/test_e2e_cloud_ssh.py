@@ -22,7 +22,7 @@ import boto3
 import httpx
 import pytest
 
-from tests.e2e import Stack, until
+from tests.e2e import Stack, evidence, until
 from tests.fakes import vpc as vpcs
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
@@ -276,10 +276,9 @@ def test_aws_spot_interruption_is_replaced_and_named(tmp_path, monkeypatch, fake
             try:
                 (second,) = until(replaced, 180, 0.5, "a replacement ready")
             except AssertionError as e:
-                log = (stack.home / "logs" / "worker.log").read_text(errors="replace").splitlines()[-60:]
                 raise AssertionError("\n".join([str(e), stack.cli("ps", "spotsvc", "-v").stdout,
-                                                 stack.cli("events", "spotsvc").stdout, f"booter: {booter.errors}",
-                                                 f"hosts: {list(vpc.hosts)}", *log])) from None
+                                                 f"booter: {booter.errors}", f"hosts: {list(vpc.hosts)}",
+                                                 evidence(stack, "spotsvc")])) from None
             assert instance_of(second) != victim
             until(lambda: httpx.get(f"{stack.gateway}/services/spotsvc/", headers=headers(),
                                     timeout=10).status_code == 200, 60, 0.5, "the replacement serving")

@@ -37,7 +37,7 @@ from temporalio.api.enums.v1 import PendingActivityState
 from activities.local import LocalBackend
 from activities.local_host import MARKER, is_alive, proc_stat
 from models.settings import Settings
-from tests.e2e import Load, Stack, running_stack, until
+from tests.e2e import Load, Stack, evidence, running_stack, until
 from activities import interface
 from workflows.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
@@ -178,14 +178,6 @@ def converged(stack: Stack, name: str, count: int, deployment: int) -> dict | No
     if procs != {inst.work_dir: 1 for inst in live.values()}:  # one app per replica, no orphan
         return NotYet(f"apps {procs}")
     return {"status": status, "replicas": sorted(in_ps), "live": live}
-
-
-def evidence(stack: Stack, name: str) -> str:
-    """What a failed convergence is explained by: the service's events and the end of the worker's log."""
-    events = stack.cli("events", name, timeout=60)
-    log = stack.home / "logs" / "worker.log"
-    tail = log.read_text(errors="replace").splitlines()[-80:] if log.exists() else []
-    return "\n".join(["events:", events.stdout + events.stderr, "worker.log (end):", *tail])
 
 
 def app_processes(home: Path) -> dict[str, int]:

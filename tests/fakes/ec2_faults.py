@@ -150,29 +150,28 @@ class EC2FaultMiddleware:
         return status, headers, body
 
 
-def _moto_group(region: str, group_id: str) -> bool:
+def _moto(region: str):
+    """moto's EC2 backend of ``region``, in this process (the server runs in a thread here)."""
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.ec2.models import ec2_backends
 
-    return ec2_backends[DEFAULT_ACCOUNT_ID][region].get_security_group_from_id(group_id) is not None
+    return ec2_backends[DEFAULT_ACCOUNT_ID][region]
+
+
+def _moto_group(region: str, group_id: str) -> bool:
+    return _moto(region).get_security_group_from_id(group_id) is not None
 
 
 def _group_in_use(region: str, group_id: str) -> bool:
     """Whether an instance not yet terminated holds the group (on itself or its interfaces)."""
-    from moto.core import DEFAULT_ACCOUNT_ID
-    from moto.ec2.models import ec2_backends
-
     return any(inst.state != "terminated" and group_id in {g.id for g in inst.security_groups} |
                {g.id for nic in inst.nics.values() for g in nic.group_set}
-               for inst in ec2_backends[DEFAULT_ACCOUNT_ID][region].all_instances())
+               for inst in _moto(region).all_instances())
 
 
 def _moto_state(region: str, instance_id: str) -> str:
-    from moto.core import DEFAULT_ACCOUNT_ID
-    from moto.ec2.models import ec2_backends
-
     try:
-        return ec2_backends[DEFAULT_ACCOUNT_ID][region].get_instance(instance_id).state
+        return _moto(region).get_instance(instance_id).state
     except Exception:  # unknown to moto: treat as gone
         return "terminated"
 
