@@ -128,6 +128,7 @@ class CloudReplicas:
         """Wait (bounded) for the instance's SSH and its boot, send the job, start it, open the tunnel."""
         target = self._target(instance)
         deadline = time.monotonic() + self.boot_timeout
+        said = ""
         while True:
             try:
                 conn = await self.ssh.connect(target)
@@ -145,6 +146,9 @@ class CloudReplicas:
                 why = str(e)
             if time.monotonic() > deadline:
                 raise self._boot_timeout(instance, ": no SSH", why)
+            if why != said:  # a boot that never answers is explained in the worker's log, once per reason
+                log.info("%s: %s: waiting for SSH: %s", inp.job.replica_id, instance.instance_id, why)
+                said = why
             activity.heartbeat(f"{instance.instance_id}: {why}")
             await asyncio.sleep(min(self.poll_seconds, 2.0))
         try:

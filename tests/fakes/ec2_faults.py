@@ -6,7 +6,8 @@
 * "lost responses": the instance is launched, then the client gets a 503 (as if the reply never came);
 * RunInstances naming a security group that does not exist gets InvalidGroup.NotFound, and DeleteSecurityGroup of
   a group an instance still holds gets DependencyViolation, as from EC2 (moto would launch into an empty group of
-  that name, and delete a group in use);
+  that name, and delete a group in use); the two are served one after the other, so a launch and the deletion
+  of its group never interleave;
 * a log of RunInstances requests, so tests can count what reached EC2.
 
 Served by werkzeug on 127.0.0.1:<ephemeral> in a thread; ``ec2_server`` (session) and ``fake_ec2`` (per test:
@@ -94,14 +95,13 @@ class EC2FaultMiddleware:
             self.actions.append(params.get("Action", ""))
         m = _REGION.search(environ.get("HTTP_AUTHORIZATION", ""))
         region = m.group(1) if m else "us-east-1"
-        if params.get("Action") == "DeleteSecurityGroup" and _group_in_use(region, params.get("GroupId", "")):
-            status, headers, out = _error("DependencyViolation", f"resource {params['GroupId']} has a dependent object")
-            start_response(f"{status} ERROR", headers)
-            return [out]
-        if params.get("Action") != "RunInstances":
+        if params.get("Action") not in ("RunInstances", "DeleteSecurityGroup"):
             return self.app(environ, start_response)
-        with self.lock:
-            status, headers, out = self._run_instances(environ, params, region)
+        with self.lock:  # one after the other, as EC2 orders a launch into a group and that group's deletion
+            if params["Action"] == "RunInstances":
+                status, headers, out = self._run_instances(environ, params, region)
+            else:
+                status, headers, out = self._delete_group(environ, params, region)
         start_response(f"{status} {'OK' if status == 200 else 'ERROR'}", headers)
         return [out]
 
@@ -129,17 +129,26 @@ class EC2FaultMiddleware:
                     fault.times -= 1
                 return _error(fault.code, fault.message or f"{fault.code} for {params.get('InstanceType')} "
                                                            f"in {region} (injected)")
+        status, headers, out = self._moto_answer(environ)
+        if status == 200:
+            ids = re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", out)
+            if token:
+                self.launches[cache_key] = _Launch(fingerprint, out, headers, [i.decode() for i in ids])
+            return self._maybe_lose(200, headers, out)
+        return status, headers, out
+
+    def _delete_group(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
+        if _group_in_use(region, params.get("GroupId", "")):
+            return _error("DependencyViolation", f"resource {params['GroupId']} has a dependent object")
+        return self._moto_answer(environ)
+
+    def _moto_answer(self, environ) -> tuple[int, list, bytes]:
         captured: dict = {}
 
         def capture(status, headers, exc_info=None):
             captured.update(status=int(status.split()[0]), headers=headers)
 
         out = b"".join(self.app(environ, capture))
-        if captured["status"] == 200:
-            ids = re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", out)
-            if token:
-                self.launches[cache_key] = _Launch(fingerprint, out, captured["headers"], [i.decode() for i in ids])
-            return self._maybe_lose(200, captured["headers"], out)
         return captured["status"], captured["headers"], out
 
     def _maybe_lose(self, status: int, headers: list, body: bytes) -> tuple[int, list, bytes]:
