@@ -198,7 +198,8 @@ class ReplicaActivities:
         r, job = inp.replica, inp.replica.job
         # Each report is a round trip to Temporal (10–100 ms on a loaded machine), so it goes out while the next
         # step runs rather than before it; each is awaited before the next is sent, so they still arrive in order.
-        # `provisioning` only when placing takes a while (a cloud instance), not for a local one.
+        # `provisioning` and `running, not ready` only when their step takes a while (a cloud instance, a model
+        # that loads), not for a local process that answers at once: the next report then says it all.
         provisioning = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONING,
                                                                    "provisioning"))
         try:
@@ -209,8 +210,8 @@ class ReplicaActivities:
             placement, instance = await backend.place(r, inp.backend)
         finally:
             await provisioning()
-        sent = asyncio.ensure_future(report(r.service_workflow_id, job, PROVISIONED, "running", placement=placement,
-                                            instance=instance))
+        sent = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONED, "running",
+                                                               placement=placement, instance=instance))
         try:
             await backend.wait_ready(instance, r.probes)
             if r.route:  # a worker behind the service's router group is reached by the router alone
@@ -218,7 +219,7 @@ class ReplicaActivities:
                 if hasattr(backend, "routed"):
                     backend.routed(instance, job.service, job.replica_id, job.group)
         finally:
-            await sent
+            await sent()
         await report(r.service_workflow_id, job, SERVING, "running", ready=True, registered=r.route,
                      placement=placement, instance=instance)
         log.info("%s: serving on %s at %s%s", job.replica_id, placement.backend, placement.address,

@@ -35,7 +35,7 @@ from typing import Optional
 
 from bench.stack import (BASE_PATH, BenchStack, code_note, cpu_spent, free_port, load_avg, load_note, median,
                          ready_replicas, replica_python, stack_cpu)
-from activities.report import PROVISIONED, SERVING
+from activities.report import SERVING
 from workflows import names
 
 SERVICE = """\
@@ -143,11 +143,11 @@ async def phases(stack: BenchStack, name: str, n: int, t0: float) -> dict[str, f
     out["route"] = _activities_done(svc)[names.ENSURE_ROUTE] - t0
     out["children"] = max(t for _, t, k, _ in svc if k == "child_workflow_execution_started_event_attributes") - t0
     # The launch activity reports its milestones to the service by signal (activities/report.py): the last
-    # replica's "provisioned" (its processes started) and "serving" (probes passed, registered) reports.
+    # replica's "serving" (probes passed, registered) report. (A replica ready within a second sends no
+    # "provisioned" report before it.)
     reports = [(t, json.loads(a.input.payloads[0].data)) for _, t, k, a in svc
                if k == "workflow_execution_signaled_event_attributes" and a.signal_name == "replica_changed"]
-    for key, seq in (("spawned", PROVISIONED), ("registered", SERVING)):
-        out[key] = max(t for t, u in reports if u.get("seq") == seq) - t0
+    out["registered"] = max(t for t, u in reports if u.get("seq") == SERVING) - t0
     # The service workflow knows all n are ready once the workflow task that handled the last ready report ends.
     ready: set[int] = set()
     last_signal = None
@@ -240,8 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ready = [r.t_ready for r in runs if r.n == n]
         print(f"N={n}: durastack adds {median(ready) - own[n]:.2f} s (median; max {max(ready) - own[n]:.2f} s) beyond "
               f"the replicas' own start of {own[n]:.2f} s" + (" (goal ≤ 1.5 s)" if n == 16 else ""))
-    keys = ["submitted", "route", "children", "spawned", "registered", "ready"]
-    print("\nmilestones, median seconds after `apply` was invoked (last replica for spawned/registered)")
+    keys = ["submitted", "route", "children", "registered", "ready"]
+    print("\nmilestones, median seconds after `apply` was invoked (last replica for registered)")
     print(f"{'N':>3} " + " ".join(f"{k:>10}" for k in keys) + f" {'stop':>10}")
     for n in counts:
         rs = [r for r in runs if r.n == n]

@@ -125,7 +125,7 @@ def run_apply(stack: BenchStack, n: int, repeat: int, own_repeat: int) -> list[s
             " ".join(f"{k}={v:.2f}" for k, v in r.phases.items()))
         runs.append(r)
     ready, applied = [r.t_ready for r in runs], [r.t_apply for r in runs]
-    keys = ["submitted", "route", "children", "spawned", "registered", "ready"]
+    keys = ["submitted", "route", "children", "registered", "ready"]
     return [
         f"apply -y of one group of {n} local replicas ({repeat} runs; own({n}) = {own:.2f} s, the same app started "
         f"{n} times at once without durastack, median of {own_repeat}):",
