@@ -78,6 +78,12 @@ async def test_groups_start_at_min_with_run_global_numbers(ts_env, cloud):
     # The replica registered with the gateway only after it was ready.
     rid = "svc-start/0/r0-s0"
     assert cloud.log.index(("ready", rid)) < cloud.log.index(("register", rid))
+    # The route and the first replica's start went out in one workflow task: the route (a gateway reload) does
+    # not delay the replicas, which register only once they answer.
+    kinds = [e.WhichOneof("attributes") for e in (await handle.fetch_history()).events]
+    route = kinds.index("activity_task_scheduled_event_attributes")
+    child = kinds.index("start_child_workflow_execution_initiated_event_attributes")
+    assert "workflow_task_completed_event_attributes" not in kinds[min(route, child):max(route, child)], kinds
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
 

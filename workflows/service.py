@@ -32,6 +32,10 @@ with workflow.unsafe.imports_passed_through():
 
 
 
+# Patches (CONTRIBUTING.md): ids of changes that histories recorded before them must not take.
+ROUTE_BESIDE_REPLICAS = "route-beside-replicas"  # the gateway route is put beside the replicas' starts
+
+
 def service_workflow_id(name: str) -> str:
     return f"service/{name}"
 
@@ -59,6 +63,7 @@ class ServiceRunWorkflow:
         self.children = Children(self.state, inp.heartbeat_seconds)
         self.publisher = views.Publisher()
         self.route = Route()
+        self.route_beside = False  # the route is put beside the pass's replica starts (set in _begin)
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -163,6 +168,10 @@ class ServiceRunWorkflow:
 
     async def _begin(self) -> None:
         state = self.state
+        # Runs from before this patch put the route first, then started the replicas a workflow task later; a
+        # replica registers only once it answers, long after the route (a gateway reload) is there. Asked first:
+        # the marker is then the run's first command, ahead of the local activity below.
+        self.route_beside = workflow.patched(ROUTE_BESIDE_REPLICAS)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
@@ -170,7 +179,8 @@ class ServiceRunWorkflow:
         state.groups = sync_groups(state.config, state.groups)
         state.backends = await workflow.execute_local_activity(
             interface.served_backends, start_to_close_timeout=timedelta(seconds=10), summary="backends")
-        self._note(await self.route.sync(state))
+        if not self.route_beside:
+            self._note(await self.route.sync(state))
 
     async def _pass(self) -> None:
         self.dirty = False  # cleared before the pass, so a message during it is never lost
@@ -179,13 +189,29 @@ class ServiceRunWorkflow:
             self._note(expired)
             return
         await self._judge_signals()
-        self._note(await self.route.sync(self.state))
+        if self.route_beside:  # the route and the replicas' starts go out in one workflow task
+            routing = asyncio.ensure_future(self.route.sync(self.state))
+            try:
+                await self._act()
+            finally:
+                self._note(await routing)
+        else:
+            self._note(await self.route.sync(self.state))
+            await self._act()
+        if self.state.failure:  # a failure `retry` does not cover, in this pass or by signal: the shutdown follows
+            return
+        if not self._should_continue():  # a watcher started now would only be abandoned by the hop
+            self.watchers.refresh(self.state)
+        await self.publisher.publish(self.state)
+
+    async def _act(self) -> None:
+        """What the watchers saw, then the planner's starts and stops."""
         snapshot, downs = self.watchers.take()
         if snapshot is not None:
             self.state.stats = snapshot
         for down in downs:
             await self._replace(down)
-        if self.state.failure:  # a failure `retry` does not cover, in this pass or by signal: the shutdown follows
+        if self.state.failure:
             return
         lifecycle.end_backoffs(self.state, workflow.now())
         self._note(lifecycle.autoscale(self.state, workflow.now(), fresh=snapshot is not None))
@@ -193,9 +219,6 @@ class ServiceRunWorkflow:
         self._note(lifecycle.remember_waits(self.state, plan))
         if plan:
             await self._apply(plan)
-        if not self._should_continue():  # a watcher started now would only be abandoned by the hop
-            self.watchers.refresh(self.state)
-        await self.publisher.publish(self.state)
 
     async def _idle(self) -> None:
         """Sleep until a message, a watcher's news, a continue-as-new, or a back-off, a delay or `max_duration`
