@@ -474,6 +474,26 @@ async def test_a_replica_workflow_terminated_from_outside_is_torn_down_and_repla
     await handle.result()
 
 
+async def test_a_replica_workflow_terminated_before_it_serves_is_torn_down_and_replaced(dev_env, cloud_dev):
+    """Terminated from the Web UI while its launch seems stuck: the monitor, which watches serving replicas only,
+    never sees it, but the service sees its child close, tears down what the launch made (before it reported
+    where) and starts another. On the dev server: the time-skipping one never tells a parent its child was
+    terminated."""
+    env, cloud = dev_env, cloud_dev
+    rid = "svc-stuck/0/r0-s0"
+    cloud.hang.add(rid)
+    handle = await start(env, cloud, "svc-stuck")
+    await eventually(lambda: _true(cloud.instances.get(rid) == "running"))
+    await env.client.get_workflow_handle(f"service/{rid}").terminate(reason="from the Web UI")
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    assert [r.submission for r in status.groups[0].replicas] == [1]
+    assert cloud.instances[rid] == "terminated"
+    messages = [e.message for e in await handle.query(ServiceRunWorkflow.events)]
+    assert "replica 0 down: replica workflow terminated; unrouted, replacing" in messages
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):
     """A broken command crash-loops into the longest back-off; the corrected file is applied: it serves
     without waiting for the back-off to end, and `ps` showed the wait while it lasted."""

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
-from temporalio import workflow
+from temporalio import exceptions, workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
-from temporalio.workflow import ParentClosePolicy
+from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.failures import NO_OFFERS
-    from models.run import Replica, ReplicaUpdate, ServiceState, Step, StopRequest, TeardownInput
+    from models.run import Down, Replica, ReplicaUpdate, ServiceState, Step, StopRequest, TeardownInput
     from workflows import lifecycle
     from workflows.jobs import job_spec, replica_input, replica_workflow_id
     from workflows.names import backend_queue
@@ -25,6 +26,10 @@ TEARDOWN_RETRY = RetryPolicy(maximum_interval=timedelta(minutes=1))  # never giv
 class Children:
     def __init__(self, state: ServiceState, heartbeat_seconds: int) -> None:
         self.state, self.heartbeat_seconds = state, heartbeat_seconds
+        self.handles: dict[tuple[int, int], ChildWorkflowHandle] = {}  # this run's children, until they close
+        # Whether closed children are noticed and torn down even before they were placed (patch watch-children,
+        # set by the service's run: runs recorded before it never did).
+        self.watch = False
 
     async def start(self, replica: Replica) -> list[lifecycle.Note]:
         """Start the replica's workflow; one that cannot start fails at once (and counts as a failure)."""
@@ -32,13 +37,13 @@ class Children:
         inp = replica_input(state.config, state.name, workflow.info().workflow_id, replica.group,
                             replica.replica_num, replica.submission_num, replica.deployment_num, replica.refs)
         inp.heartbeat_seconds = self.heartbeat_seconds
-        inp.launch_on = [b for b in state.backends if inp.backends is None or b in inp.backends]
+        inp.launch_on = self._launch_on()
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for
             return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
                                          f"($DURASTACK_HOME/config.yml; this deployment serves "
                                          f"{', '.join(state.backends) or 'none'})")
         try:
-            await workflow.start_child_workflow(
+            self.handles[replica.key] = await workflow.start_child_workflow(
                 ReplicaWorkflow.run, inp, id=self._id(replica), parent_close_policy=ParentClosePolicy.ABANDON,
                 static_summary=f"**{state.name}** group={replica.group} replica={replica.replica_num}",
                 search_attributes=TypedSearchAttributes([SearchAttributePair(SA_SERVICE, state.name),
@@ -46,6 +51,36 @@ class Children:
         except Exception as e:  # noqa: BLE001 — e.g. an orphan with the same id is still running
             return self._failed(replica, f"could not start: {e}")
         return []
+
+    def closed(self) -> list[Down]:
+        """Replicas whose workflow closed before they finished (terminated from the Web UI, failed), serving or not:
+        their workflow tore nothing down. Only this run's children; after a continue-as-new the monitor still
+        finds those that serve."""
+        downs: list[Down] = []
+        if not self.watch:
+            return downs
+        for key, handle in list(self.handles.items()):
+            if not handle.done():
+                continue
+            del self.handles[key]
+            failure = handle.exception() if not handle.cancelled() else None
+            if not self._finished(key) and failure is not None:
+                downs.append(Down(replica_num=key[0], submission_num=key[1], workflow_closed=True,
+                                  reason=f"replica workflow {_closed_how(failure)}"))
+        return downs
+
+    def any_closed(self) -> bool:
+        """Whether :meth:`closed` has news (a child that ended after its replica finished is none)."""
+        return self.watch and any(handle.done() and not self._finished(key) for key, handle in self.handles.items())
+
+    def _finished(self, key: tuple[int, int]) -> bool:
+        replica = self.state.find(*key)
+        return replica is None or replica.finished
+
+    def _launch_on(self) -> list[str]:
+        """The backends a replica may be launched on: this deployment's, narrowed by the service's `backends`."""
+        wanted = self.state.config.backends
+        return [b for b in self.state.backends if not wanted or b in wanted]
 
     def _failed(self, replica: Replica, reason: str) -> list[lifecycle.Note]:
         """A replica that never got a workflow: failed at once, counted as a failure like any other."""
@@ -62,23 +97,35 @@ class Children:
             await self.teardown_orphan(replica, request)
 
     async def teardown_orphan(self, replica: Replica, request: StopRequest) -> None:
-        """Tear down a replica whose workflow is gone; the teardown reports its end as a child's would.
-        Without a placement nothing was made; without its group the reaper finds what is left."""
+        """Tear down a replica whose workflow is gone; the teardown reports its end as a child's would. Without a
+        placement, on every backend it may have been launched on (its launch may have made something before it
+        reported: each backend finds that by the replica's tags); without its group the reaper finds what is left."""
         state = self.state
         if replica.finished:
             return
-        if replica.placement is None or state.config.group(replica.group) is None:
+        backends = [replica.placement.backend] if replica.placement else self._launch_on() if self.watch else []
+        if not backends or state.config.group(replica.group) is None:
             replica.status, replica.finished_at = "failed" if request.failed else "terminated", workflow.now()
             return
         job = job_spec(state.config, state.name, replica.group, replica.replica_num, replica.submission_num)
-        await workflow.execute_activity(
+        await asyncio.gather(*[workflow.execute_activity(
             interface.teardown_replica,
-            TeardownInput(service_workflow_id=workflow.info().workflow_id, job=job, backend=replica.placement.backend,
+            TeardownInput(service_workflow_id=workflow.info().workflow_id, job=job, backend=backend,
                           instance=replica.instance, reason=request.reason,
                           final="failed" if request.failed else "terminated"),
-            task_queue=backend_queue(workflow.info().task_queue, replica.placement.backend),
+            task_queue=backend_queue(workflow.info().task_queue, backend),
             start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=self.heartbeat_seconds),
-            retry_policy=TEARDOWN_RETRY, summary="tear down an orphan")
+            retry_policy=TEARDOWN_RETRY, summary="tear down an orphan") for backend in backends])
 
     def _id(self, replica: Replica) -> str:
         return replica_workflow_id(self.state.name, replica.group, replica.replica_num, replica.submission_num)
+
+
+def _closed_how(failure: BaseException) -> str:
+    """"terminated", "cancelled", "timed out" or "failed: …": how a child workflow closed, from its failure."""
+    cause = failure.cause if isinstance(failure, exceptions.ChildWorkflowError) and failure.cause else failure
+    for kind, how in ((exceptions.TerminatedError, "terminated"), (exceptions.CancelledError, "cancelled"),
+                      (exceptions.TimeoutError, "timed out")):
+        if isinstance(cause, kind):
+            return how
+    return f"failed: {getattr(cause, 'message', None) or cause}"

@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
 
 # Patches (CONTRIBUTING.md): ids of changes that histories recorded before them must not take.
 ROUTE_BESIDE_REPLICAS = "route-beside-replicas"  # the gateway route is put beside the replicas' starts
+WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its replica finished is torn down
 
 
 def service_workflow_id(name: str) -> str:
@@ -172,6 +173,7 @@ class ServiceRunWorkflow:
         # replica registers only once it answers, long after the route (a gateway reload) is there. Asked first:
         # the marker is then the run's first command, ahead of the local activity below.
         self.route_beside = workflow.patched(ROUTE_BESIDE_REPLICAS)
+        self.children.watch = workflow.patched(WATCH_CHILDREN)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
@@ -207,6 +209,7 @@ class ServiceRunWorkflow:
     async def _act(self) -> None:
         """What the watchers saw, then the planner's starts and stops."""
         snapshot, downs = self.watchers.take()
+        downs += self.children.closed()  # the monitor watches serving replicas only, and their workflows every 5 s
         if snapshot is not None:
             self.state.stats = snapshot
         for down in downs:
@@ -229,7 +232,8 @@ class ServiceRunWorkflow:
                    views.store_retry_seconds(self.state, self.inp.store_retry_seconds) or float("inf"))
         try:
             await workflow.wait_condition(
-                lambda: self.dirty or self.state.stopping or self._should_continue() or self.watchers.done(),
+                lambda: self.dirty or self.state.stopping or self._should_continue() or self.watchers.done()
+                or self.children.any_closed(),
                 timeout=timedelta(seconds=max(1.0, wait)), timeout_summary="until something changes")
         except asyncio.TimeoutError:
             pass  # the safety tick, a back-off, a scaling delay or `max_duration` has ended: decide again
@@ -286,7 +290,14 @@ class ServiceRunWorkflow:
             replica.stop_requested, replica.reason = True, "stopped"
         await asyncio.gather(*[self.children.stop(r, StopRequest(reason="stopped")) for r in leaving])
         await self.publisher.publish(self.state)
-        await workflow.wait_condition(lambda: all(r.finished for r in self.state.replicas))
+        def finished() -> bool:
+            return all(r.finished for r in self.state.replicas)
+
+        while not finished():  # a replica whose workflow closes meanwhile is torn down here
+            await workflow.wait_condition(lambda: finished() or self.children.any_closed())
+            for down in self.children.closed():
+                replica = self.state.find(down.replica_num, down.submission_num)
+                await self.children.teardown_orphan(replica, StopRequest(reason=replica.reason or down.reason))
         await self.route.remove(self.state)
         self._note([lifecycle.Note("stop", "service stopped (failed)" if self.state.failure else "service stopped")])
         await self.publisher.publish(self.state)

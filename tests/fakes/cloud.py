@@ -64,6 +64,7 @@ class FakeCloud:
         self.queue = ""
         self.addresses = 0  # instances given an address so far
         self.ips: dict[str, str] = {}  # each instance's address (the order instances start in is a race)
+        self.hang: set[str] = set()  # replica ids whose launch makes the instance, then never gets further
 
     @staticmethod
     def _poll_again(message: str, delay: Optional[timedelta]) -> ApplicationError:
@@ -123,6 +124,8 @@ class FakeCloud:
             self.commands[rid] = list(r.job.commands)
             self.instances[rid] = "running"
             self.log.append(("provision", rid))
+            if rid in self.hang:  # e.g. an image pull that never ends: cancelled with its worker
+                await asyncio.Event().wait()
             group = r.job.group
             alive = sum(1 for x, st in self.instances.items() if st == "running" and x.split("/")[1] == group)
             self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
