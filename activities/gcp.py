@@ -221,16 +221,47 @@ class GCPBackend:
 
     def release(self, service: str) -> None:
         """Remove the service's rules once none of its instances is left, and the SSH rule once no durastack
-        instance of this control plane is left."""
+        instance of this control plane is left. GCE deletes a rule whatever instances it targets, so a launch
+        may have checked the rules just before they went: the instances are listed again after each deletion
+        (and ``create`` looks at the rules again after its insert), so one of the two always sees the other."""
         if self.list_tagged(service=service):
             return
         self._delete_rule(self.service_tag(service))
         self._delete_rule(self.gateway_rule(service))  # data_path: private (gone already is success)
         self._service_rules.discard(service)
+        late = self.list_tagged(service=service)
+        if late:
+            self.ensure_service_firewall(service, int(late[0].tags.get(LABELS["port"]) or 0))
+            return
         if self.list_tagged():
             return
         self._delete_rule(self.firewall_name)
         self._firewall_ready = False
+        if self.list_tagged():
+            self.ensure_firewall()
+
+    def _rules_after_insert(self, job: JobSpec) -> None:
+        """The rules again, now that the instance exists (see ``release``): any gone is made again."""
+        names = [self.firewall_name, self.service_tag(job.service)]
+        if self.config.data_path == "private":
+            names.append(self.gateway_rule(job.service))
+        if all(self._rule_exists(name) for name in names):
+            return
+        self._firewall_ready = False
+        self._service_rules.discard(job.service)
+        self.ensure_firewall()
+        self.ensure_service_firewall(job.service, job.port)
+
+    def _rule_exists(self, name: str) -> bool:
+        self._clients()
+        try:
+            with _errors(f"firewall {name}"):
+                self._firewalls.get(project=self.project, firewall=name)
+        except CloudError as e:
+            if e.code == "notFound":
+                return False
+            raise
+        return True
 
     def _wait_global(self, op: compute_v1.Operation, what: str) -> None:
         deadline = time.monotonic() + self.config.operation_timeout
@@ -251,6 +282,11 @@ class GCPBackend:
         """Insert in each of the offer's zones until one has capacity; raises CloudError."""
         self.ensure_firewall()
         self.ensure_service_firewall(job.service, job.port)
+        instance = self._insert_in_a_zone(job, offer, key, nvcc)
+        self._rules_after_insert(job)
+        return instance
+
+    def _insert_in_a_zone(self, job: JobSpec, offer: InstanceOffer, key: str, nvcc: bool) -> CloudInstance:
         zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
         exhausted = []
         for zone in zones:

@@ -281,6 +281,32 @@ def test_stopping_the_service_leaves_no_instance_labelled_for_it(gcp, ledger, gc
     assert gce.firewall_rules() == []  # no durastack instance left: the rules go too
 
 
+def test_rules_a_release_deleted_just_before_an_insert_are_made_again_after_it(gcp, ledger, gce):
+    """GCE deletes a rule whatever instances it targets: another worker's release (its service's last replica torn
+    down) deleted the rules after this worker had checked them (still remembered as made) and before its insert."""
+    walk(gcp, ledger, [G2], j=job(0))
+    releasing = GCPBackend(GCPConfig(project_id="proj", regions=["us-central1"], endpoint=gce.url))
+    for name in (gcp.firewall_name, gcp.service_tag("Svc.One")):
+        releasing._delete_rule(name)
+    walk(gcp, ledger, [G2], j=job(1))
+    assert sorted(r["name"] for r in gce.firewall_rules()) == sorted([gcp.firewall_name, gcp.service_tag("Svc.One")])
+
+
+def test_a_release_that_meets_an_instance_launched_meanwhile_puts_the_rules_back(gcp, ledger, gce, monkeypatch):
+    """The other order: the release listed no instance, a launch inserted one (its rules checked before they went),
+    then the release deleted the rules; it lists again after deleting and makes them again."""
+    walk(gcp, ledger, [G2], j=job(0))
+    looks, real = [], gcp.list_tagged
+
+    def list_tagged(*args, **kwargs):
+        looks.append(kwargs)
+        return [] if len(looks) == 1 else real(*args, **kwargs)  # the first look came before the insert
+
+    monkeypatch.setattr(gcp, "list_tagged", list_tagged)
+    gcp.release("Svc.One")
+    assert sorted(r["name"] for r in gce.firewall_rules()) == sorted([gcp.firewall_name, gcp.service_tag("Svc.One")])
+
+
 def test_ssh_sources_follow_gateway_cidrs_and_the_address_replicas_are_dialled_at(gce, caplog):
     def sources(**config):
         backend = GCPBackend(GCPConfig(project_id="proj", endpoint=gce.url, **config))
