@@ -27,6 +27,16 @@ def test_a_report_not_newer_than_the_last_is_dropped():
     assert st.replicas[0].status == "running" and st.replicas[0].serves
 
 
+def test_settled_only_when_no_replica_is_between_steps():
+    """What a continue-as-new waits for: reports of a replica launching or stopping could otherwise be lost."""
+    st = state(replicas=[replica(0, "a"), replica(1, "a", status="terminated", ready=False, registered=False)])
+    assert lifecycle.settled(st)
+    for leaving in (dict(status="provisioning", ready=False, registered=False),  # launching
+                    dict(status="running", ready=False, registered=False),  # started, not ready yet
+                    dict(stop_requested=True)):  # serving, asked to stop: its teardown will report
+        assert not lifecycle.settled(state(replicas=[replica(0, "a"), replica(2, "a", **leaving)])), leaving
+
+
 def test_a_replica_that_fails_on_its_own_counts_once_and_backs_off_the_second_time():
     st = state(replicas=[replica(0, "a"), replica(1, "a")])
     lifecycle.on_replica_update(st, update(0, "terminating", 10, reason="exited (1)"), NOW)

@@ -256,6 +256,13 @@ def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
     return min((d for d in dues if d > now), default=None)
 
 
+def settled(state: ServiceState) -> bool:
+    """No replica is between two steps (launching, stopping): none is about to report. A continue-as-new waits for
+    this: reports that reach a run while the workflow task deciding to continue is in flight can be lost (the
+    server refuses that task and the SDK's replay takes the decision again before it applies them)."""
+    return all(r.finished or r.serves for r in state.replicas)
+
+
 def route(state: ServiceState) -> RouteInput:
     """The gateway route the configuration asks for. The service puts it at start and again whenever an
     apply changes it (rate limits, prefix, Authorization header, cold-start timeout)."""

@@ -35,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
 # Patches (CONTRIBUTING.md): ids of changes that histories recorded before them must not take.
 ROUTE_BESIDE_REPLICAS = "route-beside-replicas"  # the gateway route is put beside the replicas' starts
 WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its replica finished is torn down
+CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
 
 
 def service_workflow_id(name: str) -> str:
@@ -65,6 +66,7 @@ class ServiceRunWorkflow:
         self.publisher = views.Publisher()
         self.route = Route()
         self.route_beside = False  # the route is put beside the pass's replica starts (set in _begin)
+        self.settle_first = False  # a continue-as-new waits for lifecycle.settled (set in _begin)
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -174,6 +176,7 @@ class ServiceRunWorkflow:
         # the marker is then the run's first command, ahead of the local activity below.
         self.route_beside = workflow.patched(ROUTE_BESIDE_REPLICAS)
         self.children.watch = workflow.patched(WATCH_CHILDREN)
+        self.settle_first = workflow.patched(CONTINUE_WHEN_SETTLED)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
@@ -239,8 +242,12 @@ class ServiceRunWorkflow:
             pass  # the safety tick, a back-off, a scaling delay or `max_duration` has ended: decide again
 
     def _should_continue(self) -> bool:
+        """Past the history limit (or suggested), once the replicas are settled; at twice the limit regardless."""
         info = workflow.info()
-        return info.is_continue_as_new_suggested() or info.get_current_history_length() > self.inp.history_limit
+        length = info.get_current_history_length()
+        if not (info.is_continue_as_new_suggested() or length > self.inp.history_limit):
+            return False
+        return not self.settle_first or lifecycle.settled(self.state) or length > 2 * self.inp.history_limit
 
     async def _judge_signals(self) -> None:
         while self.signals:
