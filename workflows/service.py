@@ -171,9 +171,10 @@ class ServiceRunWorkflow:
 
     async def _begin(self) -> None:
         state = self.state
-        # Runs from before this patch put the route first, then started the replicas a workflow task later; a
-        # replica registers only once it answers, long after the route (a gateway reload) is there. Asked first:
-        # the marker is then the run's first command, ahead of the local activity below.
+        # The patches (CONTRIBUTING.md), asked first: their markers are then the run's first commands, ahead of the
+        # local activity below. Runs recorded before them put the route first and started the replicas a workflow
+        # task later (a replica registers only once it answers, long after the route is there), noticed only
+        # serving replicas' workflows closing, and continued as new as soon as they were past the limit.
         self.route_beside = workflow.patched(ROUTE_BESIDE_REPLICAS)
         self.children.watch = workflow.patched(WATCH_CHILDREN)
         self.settle_first = workflow.patched(CONTINUE_WHEN_SETTLED)
