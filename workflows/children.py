@@ -57,14 +57,12 @@ class Children:
         their workflow tore nothing down. Only this run's children; after a continue-as-new the monitor still
         finds those that serve."""
         downs: list[Down] = []
-        if not self.watch:
-            return downs
         for key, handle in list(self.handles.items()):
             if not handle.done():
                 continue
-            del self.handles[key]
+            del self.handles[key]  # also in runs without the patch: they would keep every child's handle
             failure = handle.exception() if not handle.cancelled() else None
-            if not self._finished(key) and failure is not None:
+            if self.watch and not self._finished(key) and failure is not None:
                 downs.append(Down(replica_num=key[0], submission_num=key[1], workflow_closed=True,
                                   reason=f"replica workflow {_closed_how(failure)}"))
         return downs
