@@ -30,6 +30,8 @@ from models.run import (
     Verdict,
 )
 
+from models.router import RouterSyncInput, RouterView
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -72,6 +74,14 @@ async def teardown_replica(inp: TeardownInput) -> None:
 async def monitor_replicas(inp: MonitorInput) -> list[Down]:
     """Heartbeat while every watched replica serves; return those that stopped (their process, container or
     instance died, or their workflow closed), each already unrouted."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def sync_router(inp: RouterSyncInput) -> RouterView:
+    """Keep each router replica's worker list equal to ``inp.workers`` (adding with the role each worker's engine
+    reports, removing the rest); return once what the routers know differs from ``inp.known`` or the sync changed
+    something. Heartbeats meanwhile; a router that cannot be reached is retried, and said in the view."""
     raise NotImplementedError
 
 

@@ -35,7 +35,8 @@ from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive
 from activities.local import LocalBackend, UnsupportedJobError
 from activities.metrics import provisioning_failed
-from activities.probes import ProbeStreaks, answers_http
+from activities.probes import Connect, ProbeStreaks, answers_http
+from activities.router import RouterActivities
 from activities.replica_cloud import CloudReplicas
 from activities.runtime import local_limits
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report, unless_quick
@@ -75,6 +76,7 @@ class Backend(Protocol):
     min_poll_seconds: float  # liveness checks no more often than this (cloud APIs are slow and rate-limited)
 
     async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
+    def reach(self, instance) -> tuple[str, Optional[Connect]]: ...
     async def wait_ready(self, instance, probes: list[ProbeSpec]) -> None: ...
     async def down(self, instances: list) -> list[Optional[str]]: ...
     async def stop(self, job: JobSpec, backend: str, instance) -> None: ...
@@ -133,6 +135,10 @@ class LocalReplicas:
             return recorded
         return self.local.start(job)
 
+    def reach(self, instance: LocalInstance) -> tuple[str, None]:
+        """Where this worker reaches the app (as the probes do): its socket on the host."""
+        return instance.address, None
+
     async def wait_ready(self, instance: LocalInstance, probes: list[ProbeSpec]) -> None:
         """Probe until ready; fail (not retried) if the app exits first."""
         streaks = ProbeStreaks(probes)
@@ -181,10 +187,11 @@ class ReplicaActivities:
         self.cloud = cloud
         if cloud is not None:
             cloud.gateway = gateway  # its SSH tunnels unroute a replica while down and route it back
+        self.router = RouterActivities(self._reach)
 
     def backend_activities(self) -> list:
         """What a ``<queue>-<backend>`` worker runs: the replica's life on that backend."""
-        return [self.launch, self.teardown, self.monitor]
+        return [self.launch, self.teardown, self.monitor, self.router.sync]
 
     def route_activities(self) -> list:
         """What the main queue runs: the service's gateway route."""
@@ -234,6 +241,8 @@ class ReplicaActivities:
         job = inp.job
         await report(inp.service_workflow_id, job, TERMINATING, "terminating", reason=inp.reason)
         backend = self._backend(inp.backend)
+        if inp.router is not None and inp.instance is not None:  # behind a synced router: out of it, then drain
+            await self.router.leave(inp.backend, inp.router, inp.drain_seconds, inp.instance)
         if hasattr(backend, "unroute"):  # a tunnel coming back during the drain must not route it again
             backend.unroute(inp.instance)
         # Unregistering returns once nginx serves a configuration without this replica; requests already in
@@ -306,6 +315,12 @@ class ReplicaActivities:
         await self.gateway.delete_service(inp.service)
 
     # --- helpers ------------------------------------------------------------------------------------
+
+    def _reach(self, name: str):
+        try:
+            return self._backend(name).reach
+        except ApplicationError:
+            return None
 
     def _backend(self, name: str, launching: bool = False) -> Backend:
         if name == "local" and self.local is not None:

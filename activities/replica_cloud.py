@@ -102,6 +102,10 @@ class CloudReplicas:
         """The gateway's upstream: the tunnel's socket, or ``<private IP>:<port>`` with ``data_path: private``."""
         return self._private_address(instance) if self.private_path(instance) else self._tunnel_address(instance)
 
+    def reach(self, instance: CloudInstance):
+        """Where this worker reaches the app (as the probes do): the tunnel's socket, or its private address."""
+        return self.address(instance), self._connect(instance)
+
     def _connect(self, instance: CloudInstance):
         """How the probes connect to a private address: as SSH does (``DURASTACK_SSH_NETNS``), else directly."""
         return self.ssh.socket_factory if self.ssh is not None and self.private_path(instance) else None

@@ -8,6 +8,7 @@ from typing import Optional
 from rich.table import Table
 from rich.text import Text
 
+from models.router import RouterView
 from models.run import ReplicaView, ServiceStatus
 
 
@@ -80,7 +81,22 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
             if group.retry_after is not None:
                 wait = f"   {label} waits on a back-off until {group.retry_after:%H:%M:%S} UTC (after failures in a row)"
                 table.add_row(Text(wait, style="yellow"), *[""] * (len(table.columns) - 1))
+        if verbose and status.router is not None:
+            for line in router_lines(status.router):
+                table.add_row(Text("   " + line, style="cyan"), *[""] * (len(table.columns) - 1))
     return table
+
+
+def router_lines(view: RouterView) -> list[str]:
+    """What each router replica lists: its workers, their role and health (`ps -v`)."""
+    out = []
+    for r in view.routers:
+        if not r.reachable:
+            out.append(f"router replica={r.replica_num} not reached: {r.error}")
+            continue
+        workers = ", ".join(f"{w.url} {w.worker_type}{'' if w.healthy else ' (unhealthy)'}" for w in r.workers)
+        out.append(f"router replica={r.replica_num} knows {len(r.workers)} worker(s){': ' + workers if workers else ''}")
+    return out
 
 
 def store_note(status: ServiceStatus) -> str:
@@ -97,6 +113,7 @@ def status_json(status: ServiceStatus, url: str) -> dict:
         "name": status.name, "status": status.status, "deployment": status.deployment, "url": url,
         "unrecorded": status.unrecorded, "store_error": status.store_error or None,
         "store_failing_since": status.store_failing_since.isoformat() if status.store_failing_since else None,
+        "router": status.router.model_dump(mode="json")["routers"] if status.router else None,
         "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max, "role": g.role,
                     "waiting": g.waiting,
                     "retry_after": g.retry_after.isoformat() if g.retry_after else None,

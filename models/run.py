@@ -59,13 +59,16 @@ class Replica(BaseModel):
                                            "group, never registered, which serves once it is ready.")
     refs: dict[str, str] = Field(default_factory=dict, description=(
         "The replica addresses its commands were started with, by reference (models.interpolation)."))
+    synced: Optional[bool] = Field(None, description=(
+        "A worker behind a router whose worker list durastack keeps (`router: {type: sglang}`): False until a "
+        "router lists it healthy, then True; it serves only then. None: not behind such a router."))
 
     @property
     def serves(self) -> bool:
         """Ready, routed by the gateway (or a worker behind the router), and not asked to stop: the one spelling
         of "this replica serves"."""
         return self.status == "running" and self.ready and (self.registered or not self.routed) \
-            and not self.stop_requested
+            and self.synced is not False and not self.stop_requested
 
     @property
     def active(self) -> bool:
@@ -134,6 +137,8 @@ class ServiceState(BaseModel):
     backends: list[str] = Field(default_factory=list, description="Backends this deployment serves (served_backends).")
     routed: Optional[bool] = Field(None, description="The gateway route: None not put yet, True put, False refused.")
     stats: Optional["StatsSnapshot"] = Field(None, description="Latest gateway snapshot; None = no stats yet.")
+    router_view: Optional["RouterView"] = Field(None, description="What the router replicas list, as last synced "
+                                                                  "(`router: {type: sglang}`).")
 
     def latest(self) -> list[Replica]:
         """The latest submission of every replica number."""
@@ -283,6 +288,7 @@ class ServiceStatus(BaseModel):
     unrecorded: int = Field(0, description="Decision-log entries waiting for the store (it failed or is behind).")
     store_failing_since: Optional[datetime] = Field(None, description="Since when writes to the store fail.")
     store_error: str = Field("", description="Why the last write to the store failed.")
+    router: Optional["RouterView"] = Field(None, description="The router replicas' worker lists, as last synced.")
 
 
 # --- activity inputs --------------------------------------------------------------------------------
@@ -369,7 +375,8 @@ from models.replica import LocalInstance  # noqa: E402
 
 Instance = Annotated[Union[LocalInstance, CloudInstance], Field(discriminator="kind")]
 
-ServiceState.model_rebuild()
+from models.router import RouterLeave, RouterView  # noqa: E402 — it needs Instance, above
+
 ServiceRecord.model_rebuild()
 
 
@@ -407,6 +414,8 @@ class TeardownInput(BaseModel):
     drain_seconds: int = 0
     reason: str = ""
     final: Literal["terminated", "failed"] = "terminated"
+    router: Optional["RouterLeave"] = Field(None, description="A worker behind a synced router: leave it first, then "
+                                                               "wait for its in-flight requests.")
 
 
 class Watched(BaseModel):
@@ -449,6 +458,7 @@ class StopRequest(BaseModel):
 
     reason: str = "stopped"
     failed: bool = False
+    router: Optional["RouterLeave"] = Field(None, description="A worker behind a synced router: leave it first.")
 
 
 class SignalInput(BaseModel):
@@ -467,3 +477,6 @@ class Verdict(BaseModel):
     reason: str = Field("", description="Why it was refused; empty when accepted.")
     scale: Optional[ScaleRequest] = None
     apply: Optional[ApplyRequest] = None
+
+for _model in (StopRequest, ServiceState, ServiceStatus, ServiceRecord):
+    _model.model_rebuild()

@@ -250,7 +250,12 @@ class ModelSpec(Model):
 
 
 class RouterSpec(Model):
-    type: Literal["sglang", "dynamo"] = Field(description="In-service router this group runs.")
+    type: Literal["sglang", "dynamo"] = Field(description=(
+        "In-service router this group runs. `sglang`: SGLang's model gateway, started with no workers "
+        "(`smg launch --pd-disaggregation …`); durastack keeps its worker list equal to the service's ready "
+        "workers through its worker API (role from each worker's /server_info), a worker leaves it before it "
+        "stops, and without probes of the service's own the router is ready once `GET /readiness` passes. "
+        "`dynamo`: the workers find the router themselves, at $DSTACK_ROUTER_INTERNAL_IP."))
 
 
 class RetrySpec(Model):

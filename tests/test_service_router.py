@@ -90,9 +90,18 @@ async def test_only_the_router_group_is_registered_and_ps_says_which_routes(ts_e
     await handle.result()
 
 
+async def router_lists(handle, count: int):
+    """The router replica lists ``count`` healthy workers (the workers serve only then)."""
+    async def check():
+        view = (await status_of(handle)).router
+        return view is not None and [len(r.healthy()) for r in view.routers] == [count]
+    await eventually(check)
+
+
 async def test_workers_roll_one_at_a_time_behind_the_router(ts_env, cloud):
     handle = await start(ts_env, cloud, "pd-roll")
     await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    await router_lists(handle, 2)
     result = await handle.execute_update(ServiceRunWorkflow.apply,
                                          ApplyRequest(config=pd_config("pd-roll", decode="decode v2")))
     assert result.rolling == ["groups.decode.commands"] and (result.kept, result.replacing) == (2, 1)
@@ -127,6 +136,7 @@ async def test_a_reference_waits_for_an_address_and_is_substituted(ts_env, cloud
 async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(ts_env, cloud):
     handle = await start(ts_env, cloud, "pd-move", prefill=f"prefill --router {ROUTER}")
     await ready(handle, {"router": [0], "prefill": [2], "decode": [1]})
+    await router_lists(handle, 2)
     # The router's configuration changes: it rolls, gets a new address, and the prefill worker follows it.
     await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=pd_config(
         "pd-move", version="v2", prefill=f"prefill --router {ROUTER}")))

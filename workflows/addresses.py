@@ -58,7 +58,7 @@ def peer_ip(placement: Placement) -> str:
     return host if sep and port.isdigit() and host and "/" not in host else ""
 
 
-def _port(placement: Placement, service_port: int) -> str:
+def peer_port(placement: Placement, service_port: int) -> str:
     host, sep, port = placement.address.rpartition(":")
     if sep and port.isdigit() and host and "/" not in host:
         return port  # reached at host:port (e.g. its own port on a shared host: a local replica without isolation)
@@ -89,7 +89,7 @@ def resolve(state: ServiceState, group: str) -> Resolution:
                                 f"({target.status}{', ' + NO_NETWORK if target.placement else ''})")
             continue
         assert target.placement is not None
-        out.values[key] = ip if attr == "IP_ADDRESS" else _port(target.placement, state.config.port.container_port)
+        out.values[key] = ip if attr == "IP_ADDRESS" else peer_port(target.placement, state.config.port.container_port)
     return out
 
 

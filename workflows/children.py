@@ -110,7 +110,7 @@ class Children:
             interface.teardown_replica,
             TeardownInput(service_workflow_id=workflow.info().workflow_id, job=job, backend=backend,
                           instance=replica.instance, reason=request.reason,
-                          final="failed" if request.failed else "terminated"),
+                          final="failed" if request.failed else "terminated", router=request.router),
             task_queue=backend_queue(workflow.info().task_queue, backend),
             start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=self.heartbeat_seconds),
             retry_policy=TEARDOWN_RETRY, summary="tear down an orphan") for backend in backends])

@@ -6,7 +6,7 @@ from typing import Optional
 
 from models.replica import JobSpec
 from models.run import ReplicaInput
-from models.service import ServiceConfiguration
+from models.service import ProbeSpec, ReplicaGroup, ServiceConfiguration
 from workflows.addresses import commands as resolved_commands
 
 # The replica's coordinates, in its env on every backend. Its own address (DURASTACK_REPLICA_IP) is set by
@@ -58,7 +58,7 @@ def replica_input(config: ServiceConfiguration, service: str, service_workflow_i
         job=job_spec(config, service, group_name, replica_num, submission_num, refs),
         deployment_num=deployment_num,
         resources=group.resources,
-        probes=config.effective_probes(),
+        probes=config.effective_probes() or router_probes(group),
         backends=list(config.backends) if config.backends else None,
         regions=list(config.regions) if config.regions else None,
         spot_policy=group.spot_policy or config.spot_policy or "on-demand",
@@ -66,3 +66,11 @@ def replica_input(config: ServiceConfiguration, service: str, service_workflow_i
         stop_duration=config.stop_duration,
         route=config.routed(group_name),
     )
+
+
+def router_probes(group: ReplicaGroup) -> list[ProbeSpec]:
+    """A kept router (``router: {type: sglang}``) without probes of the service's own is ready once it answers
+    ``GET /readiness`` (the model gateway says 503 until it has healthy workers): it never takes traffic empty."""
+    if group.router is None or group.router.type != "sglang":
+        return []
+    return [ProbeSpec(type="http", url="/readiness", interval=5)]

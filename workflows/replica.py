@@ -135,7 +135,8 @@ class ReplicaWorkflow:
                 interface.teardown_replica,
                 TeardownInput(service_workflow_id=self.inp.service_workflow_id, job=self.inp.job, backend=backend,
                               instance=instance, drain_seconds=0 if request.failed else self.inp.stop_duration,
-                              reason=request.reason, final="failed" if request.failed else "terminated"),
+                              reason=request.reason, final="failed" if request.failed else "terminated",
+                              router=request.router),
                 task_queue=backend_queue(workflow.info().task_queue, backend),
                 start_to_close_timeout=timedelta(seconds=self.inp.stop_duration + 600),
                 heartbeat_timeout=self._heartbeat(), retry_policy=FOREVER, summary="leave the gateway, terminate")

@@ -22,7 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from models.run import (ApplyRequest, ApplyResult, Down, Event, Replica, ReplicaUpdate,
                             ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
-    from workflows import lifecycle, views
+    from workflows import lifecycle, routers, views
     from workflows.admission import Refused, check_apply, check_scale
     from workflows.children import Children
     from workflows.planner import Plan, prune, reconcile, sync_groups
@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
 ROUTE_BESIDE_REPLICAS = "route-beside-replicas"  # the gateway route is put beside the replicas' starts
 WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its replica finished is torn down
 CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
+ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 
 
 def service_workflow_id(name: str) -> str:
@@ -67,6 +68,7 @@ class ServiceRunWorkflow:
         self.route = Route()
         self.route_beside = False  # the route is put beside the pass's replica starts (set in _begin)
         self.settle_first = False  # a continue-as-new waits for lifecycle.settled (set in _begin)
+        self.router_sync = False  # an sglang router's worker list is kept (set in _begin)
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -178,6 +180,8 @@ class ServiceRunWorkflow:
         self.route_beside = workflow.patched(ROUTE_BESIDE_REPLICAS)
         self.children.watch = workflow.patched(WATCH_CHILDREN)
         self.settle_first = workflow.patched(CONTINUE_WHEN_SETTLED)
+        if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
+            self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
@@ -212,10 +216,12 @@ class ServiceRunWorkflow:
 
     async def _act(self) -> None:
         """What the watchers saw, then the planner's starts and stops."""
-        snapshot, downs = self.watchers.take()
+        snapshot, downs, view = self.watchers.take()
         downs += self.children.closed()  # the monitor watches serving replicas only, and their workflows every 5 s
         if snapshot is not None:
             self.state.stats = snapshot
+        if view is not None:
+            self._note(routers.on_view(self.state, view))
         for down in downs:
             await self._replace(down)
         if self.state.failure:
@@ -270,34 +276,41 @@ class ServiceRunWorkflow:
         self._note(notes)
         if replica is None:
             return
+        request = StopRequest(reason=down.reason, failed=True, router=self._leave(replica))
         if down.workflow_closed:  # terminated from the Web UI: nobody else will tear its instance down
-            await self.children.teardown_orphan(replica, StopRequest(reason=down.reason, failed=True))
+            await self.children.teardown_orphan(replica, request)
         else:
-            await self.children.stop(replica, StopRequest(reason=down.reason, failed=True))
+            await self.children.stop(replica, request)
 
     async def _apply(self, plan: Plan) -> None:
         state = self.state
         added, notes = lifecycle.add_replicas(state, plan, workflow.now())
         self._note(notes)
+        if self.router_sync:  # a worker behind the router serves once the router lists it
+            for replica in added:
+                if replica.group != routers.synced(state.config):
+                    replica.synced = False
         work = [self._start(replica) for replica in added]
         for s in plan.stop:
             replica = state.find(s.replica_num, s.submission_num)
             if replica is not None:
                 replica.stop_requested, replica.reason = True, s.reason
-                work.append(self.children.stop(replica, StopRequest(reason=s.reason)))
+                work.append(self.children.stop(replica, StopRequest(reason=s.reason, router=self._leave(replica))))
         await asyncio.gather(*work)
 
     async def _start(self, replica: Replica) -> None:
         self._note(await self.children.start(replica))
 
     async def _shutdown(self) -> None:
-        """Stop every replica, wait until each has torn down, then drop the gateway route."""
+        """Stop every replica, wait until each has torn down, then drop the gateway route. Behind a kept router, the
+        router first: once it left the gateway and finished its requests, the workers behind it stop."""
         self.watchers.stop()
-        leaving = [r for r in self.state.replicas if not r.finished and not r.stop_requested]
-        for replica in leaving:
-            replica.stop_requested, replica.reason = True, "stopped"
-        await asyncio.gather(*[self.children.stop(r, StopRequest(reason="stopped")) for r in leaving])
-        await self.publisher.publish(self.state)
+        router = routers.synced(self.state.config) if self.router_sync else None
+        if router is not None:
+            await self._stop_all(lambda r: r.group == router)
+            await workflow.wait_condition(lambda: all(r.finished for r in self.state.replicas if r.group == router)
+                                          or self.children.any_closed())
+        await self._stop_all(lambda r: True)
         def finished() -> bool:
             return all(r.finished for r in self.state.replicas)
 
@@ -309,6 +322,17 @@ class ServiceRunWorkflow:
         await self.route.remove(self.state)
         self._note([lifecycle.Note("stop", "service stopped (failed)" if self.state.failure else "service stopped")])
         await self.publisher.publish(self.state)
+
+    async def _stop_all(self, which) -> None:
+        leaving = [r for r in self.state.replicas if not r.finished and not r.stop_requested and which(r)]
+        for replica in leaving:
+            replica.stop_requested, replica.reason = True, "stopped"
+        await asyncio.gather(*[self.children.stop(r, StopRequest(reason="stopped")) for r in leaving])
+        await self.publisher.publish(self.state)
+
+    def _leave(self, replica: Replica):
+        """How a worker leaves the kept router before it stops (None: it is behind none)."""
+        return routers.leave(self.state, replica) if self.router_sync else None
 
     # --- what the service shows and records -------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The long activities a service keeps running while it serves: one stats watcher while some group
-autoscales, and one replica monitor per backend that has serving replicas.
+autoscales, one replica monitor per backend that has serving replicas, and one router sync while a router whose
+worker list durastack keeps runs (``workflows/routers.py``).
 
 Each returns only when something changed (a group's wanted count, a replica that died), so an idle
 service writes no history. Each is restarted when what it watches changes, with a cancel request the
@@ -19,7 +20,9 @@ from temporalio.workflow import ActivityCancellationType, ActivityHandle
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.replica import replica_id
+    from models.router import RouterView
     from models.run import Down, GroupWatch, MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched
+    from workflows import routers
     from workflows.autoscaler import wanted
     from workflows.jobs import replica_workflow_id
     from workflows.names import backend_queue
@@ -30,14 +33,15 @@ RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 class Watchers:
     def __init__(self, heartbeat: timedelta) -> None:
         self.heartbeat = heartbeat
-        self.running: dict[str, tuple[Any, ActivityHandle]] = {}  # "stats" or a backend → (what it watches, handle)
+        self.running: dict[str, tuple[Any, ActivityHandle]] = {}  # "stats", "router" or a backend → (what, handle)
+        self.sync_router = False  # whether a router's worker list is kept (patch router-sync, set by the service)
 
     def done(self) -> bool:
         return any(handle.done() for _, handle in self.running.values())
 
-    def take(self) -> tuple[Optional[StatsSnapshot], list[Down]]:
+    def take(self) -> tuple[Optional[StatsSnapshot], list[Down], Optional[RouterView]]:
         """What the finished watchers saw; each is started again by the next ``refresh``."""
-        snapshot, downs = None, []
+        snapshot, downs, view = None, [], None
         for key, (_, handle) in list(self.running.items()):
             if not handle.done():
                 continue
@@ -49,13 +53,15 @@ class Watchers:
                 continue
             if key == "stats":
                 snapshot = result
+            elif key == "router":
+                view = result
             else:
                 downs += result
-        return snapshot, downs
+        return snapshot, downs, view
 
     def refresh(self, state: ServiceState) -> None:
         """Start, restart or stop each watcher so that it watches what the state has now."""
-        wanted_now = {} if state.stopping else _wanted(state)
+        wanted_now = {} if state.stopping else _wanted(state, self.sync_router)
         for key in set(self.running) - set(wanted_now):
             self._cancel(key)
         for key, what in wanted_now.items():
@@ -75,6 +81,11 @@ class Watchers:
             entry[1].add_done_callback(_forget)
 
     def _start(self, key: str, what: Any) -> ActivityHandle:
+        if key == "router":
+            return workflow.start_activity(
+                interface.sync_router, what, task_queue=backend_queue(workflow.info().task_queue, what.backend),
+                start_to_close_timeout=timedelta(days=3650), heartbeat_timeout=self.heartbeat, retry_policy=RETRY,
+                cancellation_type=ActivityCancellationType.TRY_CANCEL, summary="keep the router's worker list")
         if key == "stats":
             return workflow.start_activity(
                 interface.watch_stats, what, start_to_close_timeout=timedelta(hours=1),
@@ -86,15 +97,20 @@ class Watchers:
             cancellation_type=ActivityCancellationType.TRY_CANCEL, summary=f"watch replicas on {key}")
 
 
-def _wanted(state: ServiceState) -> dict[str, Any]:
-    """What each watcher should watch now: keys are "stats" and the backends with serving replicas."""
+def _wanted(state: ServiceState, sync_router: bool = False) -> dict[str, Any]:
+    """What each watcher should watch now: keys are "stats", "router" and the backends with serving replicas (and
+    ready workers a router does not list yet)."""
     out: dict[str, Any] = {}
     stats = _stats_watch(state)
     if stats is not None:
         out["stats"] = stats
+    sync = routers.sync_input(state) if sync_router else None
+    if sync is not None:
+        out["router"] = sync
     by_backend: dict[str, list[Watched]] = {}
     for r in state.replicas:
-        if r.serves and r.instance is not None and r.placement is not None:
+        up = r.serves or (r.synced is False and r.ready and r.active and r.status == "running")
+        if up and r.instance is not None and r.placement is not None:
             by_backend.setdefault(r.placement.backend, []).append(Watched(
                 replica_num=r.replica_num, submission_num=r.submission_num, group=r.group,
                 workflow_id=replica_workflow_id(state.name, r.group, r.replica_num, r.submission_num),

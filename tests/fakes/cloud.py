@@ -29,6 +29,7 @@ from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERM
 from activities.signals import judge_signal
 from activities.stats import changed
 from models.replica import LocalInstance
+from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
 from models.run import (Down, Event, Launched, LaunchInput, MonitorInput, Placement, RecordResult, RouteInput,
                         ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
 from workflows.names import backend_queue
@@ -65,6 +66,8 @@ class FakeCloud:
         self.addresses = 0  # instances given an address so far
         self.ips: dict[str, str] = {}  # each instance's address (the order instances start in is a race)
         self.hang: set[str] = set()  # replica ids whose launch makes the instance, then never gets further
+        self.router_lists: dict[str, dict[str, str]] = {}  # router replica id → worker url → worker type
+        self.router_down: set[str] = set()  # router replica ids whose worker API does not answer
 
     @staticmethod
     def _poll_again(message: str, delay: Optional[timedelta]) -> ApplicationError:
@@ -148,6 +151,10 @@ class FakeCloud:
         async def teardown(inp: TeardownInput) -> None:
             rid = inp.job.replica_id
             await report(inp.service_workflow_id, inp.job, TERMINATING, "terminating", reason=inp.reason)
+            if inp.router is not None:  # the worker leaves the routers before it stops
+                for target in inp.router.routers:
+                    if self.router_lists.get(target.instance.replica_id, {}).pop(inp.router.url, None):
+                        self.log.append(("router_leave", rid))
             if rid in self.routed:
                 self.routed.discard(rid)
                 self.log.append(("unregister", rid))
@@ -167,7 +174,43 @@ class FakeCloud:
                 activity.heartbeat()
                 await asyncio.sleep(0.2)
 
-        return [launch, teardown, monitor]
+        @implements(interface.sync_router)
+        async def sync_router(inp: RouterSyncInput) -> RouterView:
+            """A router's worker list in memory: put right at once, each worker healthy, its type its group's name."""
+            while True:
+                changes, routers = [], []
+                for t in inp.routers:
+                    rid = t.instance.replica_id
+                    if rid in self.router_down:
+                        routers.append(RouterState(replica_num=t.replica_num, submission_num=t.submission_num,
+                                                   reachable=False, error="connection refused"))
+                        continue
+                    known = self.router_lists.setdefault(rid, {})
+                    wanted = {w.url: w for w in inp.workers}
+                    for url in [u for u in known if u not in wanted]:
+                        del known[url]
+                        changes.append(f"router r{t.replica_num}: removed {url}")
+                        self.log.append(("router_remove", url))
+                    for url, w in wanted.items():
+                        if url not in known:
+                            known[url] = w.group
+                            changes.append(f"router r{t.replica_num}: added {w.group} replica {w.replica_num}")
+                            self.log.append(("router_add", url))
+                    routers.append(RouterState(replica_num=t.replica_num, submission_num=t.submission_num,
+                                               workers=[RouterEntry(url=u, worker_type=k, healthy=True)
+                                                        for u, k in sorted(known.items())]))
+                view = RouterView(routers=routers, changes=changes)
+                if changes or view.without_changes() != inp.known.without_changes():
+                    # A real router's calls take a while: one returning the instant it starts races the service's
+                    # cancel of it, which the time-skipping server cannot take (ACTIVITY_UNKNOWN).
+                    await asyncio.sleep(0.3)
+                    return view
+                if self.polling:
+                    raise self._poll_again("router in sync; poll again", self._off_grid(self.poll_every))
+                activity.heartbeat()
+                await asyncio.sleep(0.2)
+
+        return [launch, teardown, monitor, sync_router]
 
     def activities(self):
         """The service's activities: what the main queue runs."""
