@@ -54,6 +54,7 @@ from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, LOCAL_
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
                                    send_signal, unshare_argv)
 from activities import local_net
+from activities.local_init import env_script, with_env
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 
 ENV_ISOLATION = "DURASTACK_LOCAL_ISOLATION"  # "0"/"off" forces isolation off, e.g. to test that mode
@@ -396,6 +397,10 @@ class LocalBackend:
         ip = net.lease(job.replica_id, str(wd), str(self._socket_path(wd)), port) if net else \
             ("" if self.isolated else "127.0.0.1")
         env, notes = self._env(job, wd, meta, port, ip)
+        try:
+            env_script(env)
+        except ValueError as e:
+            raise UnsupportedJobError(f"{job.replica_id}: {e}") from None
         if job.image:
             notes.append(f"image {job.image!r} is ignored: the local backend runs the commands on this machine")
         launch = {"replica_id": job.replica_id, "isolated": self.isolated, "port": port, "address": address, "ip": ip,
@@ -424,7 +429,9 @@ class LocalBackend:
                 log.write(f"[durastack] {line}\n".encode())
             log.flush()
             # A new session: the tree outlives the worker and is not hit by signals sent to the worker's group.
-            proc = subprocess.Popen(argv, cwd=wd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            # The launcher's env is fixed: unshare and local_init run as root in the host's namespaces, and the
+            # job's env (in the launch file) is applied by the commands' own shell, after the drop.
+            proc = subprocess.Popen(argv, cwd=wd, env=self.launcher_env(wd), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         started = proc_stat(proc.pid)  # read before registering: until then nobody can reap it
         with _spawned_lock:
@@ -452,6 +459,13 @@ class LocalBackend:
         elif short.is_symlink():  # left by a run without the proxy: binding there would fail
             short.unlink()
         return short
+
+    @staticmethod
+    def launcher_env(wd: Union[Path, str]) -> dict[str, str]:
+        """The whole env of the root processes that start and enter a replica (unshare, local_init, nsenter,
+        setpriv): an allow-list of our own values, nothing of the service's. The marker lets a /proc scan find
+        them with the replica's tree."""
+        return {"PATH": BASE_PATH, "LANG": "C.UTF-8", MARKER: str(wd)}
 
     def _env(self, job: JobSpec, wd: Path, meta: Path, port: int, ip: str = "") -> tuple[dict[str, str], list[str]]:
         notes: list[str] = []
@@ -562,7 +576,7 @@ class LocalBackend:
         env, cwd = launch["env"], launch.get("cwd", wd)
         if not os.path.isdir(cwd):
             cwd = wd  # the commands have not made it (yet)
-        cmd = list(argv)
+        inner_argv, enter = list(argv), []
         if inst.isolated:
             inner = self._namespace_init(inst)
             ns = ["-n", "-m", "-p"]
@@ -570,12 +584,18 @@ class LocalBackend:
                 ns = ["-U", "--preserve-credentials", *ns]  # unprivileged: its user namespace holds the others
             # Into a confined replica only as what its commands run as: as root, `exec` would undo it all.
             drop = launch.get("drop", [])
+            enter = [shutil.which("nsenter") or "nsenter", "-t", str(inner[0]), *ns, "--", *drop]
             # cd inside, not nsenter's --wd: that one is opened before entering, so the cwd would be the
             # host's view of the directory, which the namespace's root cannot name.
-            cmd = [shutil.which("nsenter") or "nsenter", "-t", str(inner[0]), *ns, "--", *drop,
-                   "/bin/sh", "-c", 'cd -- "$0" && exec "$@"', cwd, *argv]
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+            inner_argv = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', cwd, *argv]
+        # The env is applied by the shell that runs argv, after the drop: nsenter and setpriv run as root.
+        loaded, env_fd = with_env(inner_argv, env)
+        cmd = [*enter, *loaded]
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=self.launcher_env(wd), stdin=env_fd,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            os.close(env_fd)
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

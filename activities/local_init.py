@@ -1,7 +1,7 @@
 """The wrapper process of one local replica (PID 1 of its PID namespace when isolated).
 
-Run by path as ``python -I -S local_init.py <launch.json>`` with cwd = the work dir and the replica's
-environment; stdout/stderr are already ``replica.log``. Stdlib only, since ``-I`` hides the project (and ``-S``
+Run by path as ``python -I -S local_init.py <launch.json>`` with cwd = the work dir and the backend's fixed
+launcher environment (nothing of the service's); stdout/stderr are already ``replica.log``. Stdlib only, since ``-I`` hides the project (and ``-S``
 skips site-packages, whose setup cost more than the rest of this script's start).
 
 It sets up the namespaces' insides (loopback up, private /tmp, the Unix-socket bridge and, when the
@@ -9,7 +9,8 @@ replica is confined, the mounts that hide the control plane), runs the commands 
 ``/bin/sh -e -c`` (as the replica's own user when confined), forwards termination signals, and
 writes the commands' exit code to ``.durastack/exit_code`` *before* exiting, so the backend can
 tell "exited with 3" from "killed". It stays root itself: the commands, under another uid and
-without capabilities, can neither signal nor trace it.
+without capabilities, can neither signal nor trace it. The job's env reaches the commands only through
+``with_env`` (below), after the drop: no root process ever carries it.
 ``--selftest`` does only the namespace setup, to check that isolation works on this machine.
 """
 
@@ -20,6 +21,8 @@ import ctypes
 import fcntl
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import struct
@@ -36,6 +39,32 @@ _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8916, 0x891C
 _SIOCADDRT, _RTF_UP, _RTF_HOST = 0x890B, 0x1, 0x4
 NET_WAIT = 30.0  # how long the backend may take to move the replica's end of its veth in
 _PR_SET_CHILD_SUBREAPER = 36
+# The replica's env is applied by its own shell, started with the launcher's fixed env: it reads an export
+# script on its stdin, then runs the rest with stdin /dev/null. The root processes before it (unshare, this
+# wrapper, nsenter, setpriv) never carry a service's variables: an LD_PRELOAD or GCONV_PATH among them would run
+# its code as root in the host's namespaces.
+ENV_LOADER = '. /dev/stdin && exec "$@" </dev/null'
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_script(env: dict) -> bytes:
+    """The shell script that exports ``env`` (names were validated with the service; checked again, since a
+    name is not quoted)."""
+    bad = sorted(k for k in env if not _ENV_NAME.fullmatch(k))
+    if bad:
+        raise ValueError(f"invalid environment variable names: {', '.join(bad)}")
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()).encode()
+
+
+def with_env(argv: list, env: dict) -> tuple:
+    """(argv that runs ``argv`` with ``env`` set by the loader shell, the descriptor to give it as stdin). The
+    script is in an anonymous memory file: nothing on disk, not in any argv, gone once the shell is done."""
+    script = env_script(env)
+    fd = os.memfd_create("durastack-env")
+    while script:
+        script = script[os.write(fd, script):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return ["/bin/sh", "-c", ENV_LOADER, "sh", *argv], fd
 
 
 def log(msg: str) -> None:
@@ -316,7 +345,16 @@ def main() -> int:
     argv = ["/bin/sh", "-e", "-c", cfg["script"]]
     if cfg.get("cwd") and os.path.realpath(cfg["cwd"]) != os.path.realpath(os.getcwd()):
         argv = ["/bin/sh", "-c", _IN_DIR, "sh", cfg["cwd"], cfg["script"]]
-    app = subprocess.Popen([*cfg.get("drop", []), *argv], stdin=subprocess.DEVNULL, process_group=0)
+    try:
+        argv, env_fd = with_env(argv, cfg["env"])
+    except (OSError, ValueError) as e:
+        log(f"cannot pass the replica its env: {e}")
+        _write_exit_code(125)
+        return 125
+    try:
+        app = subprocess.Popen([*cfg.get("drop", []), *argv], stdin=env_fd, process_group=0)
+    finally:
+        os.close(env_fd)
     signals.app_pid = app.pid
     if signals.received:
         signals.handle(signals.received)  # it came while the app was being spawned

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 import secrets
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.nginx import NginxError
 from gateway.localhttp import LOOPBACK_NAMES, check_host, check_origin, own_hosts
-from gateway.render import INTERNAL_HEADER
+from gateway.render import HEALTH_SCOPE, INTERNAL_HEADER, activator_scope, scoped_secret
 from gateway.upstreams import UpstreamRefused
 from models.gateway import (CONTROL_TOKEN_FILE, TOKEN_PREFIX_CHARS, CreateTokenRequest, DuplicateToken, GatewayState, GatewayToken,
                             NewToken, PutServiceRequest, RegisterReplicaRequest, TokenList, UnknownToken,
@@ -23,6 +24,20 @@ OPEN_PATHS = frozenset({"/healthz"})
 
 if TYPE_CHECKING:
     from gateway.app import GatewayServer, Op
+
+_ACTIVATOR_PATH = re.compile(r"/activator/(?P<service>[a-z0-9-]+)/.*")
+
+
+def nginx_scope(request: web.Request) -> str | None:
+    """The scope whose secret nginx may present on this exact path (gateway/render.py): its health probe on
+    /healthz, or the activator of the service the path names, the raw path and the routed one agreeing."""
+    raw = request.rel_url.raw_path
+    if raw == "/healthz":
+        return HEALTH_SCOPE
+    m = _ACTIVATOR_PATH.fullmatch(raw)
+    if m and request.match_info.get("service") == m["service"]:
+        return activator_scope(m["service"])
+    return None
 
 
 def make_app(gw: GatewayServer) -> web.Application:
@@ -110,13 +125,28 @@ def make_app(gw: GatewayServer) -> web.Application:
         draining = gw.draining()
         return web.json_response({"drained": draining == 0, "draining_workers": draining})
 
+    def passed_by_nginx(request: web.Request) -> str | None:
+        """The scope of the secret nginx sent with this request, or None: honoured only on the path of its scope,
+        the health probe's or one service's activator."""
+        scope = nginx_scope(request)
+        sent = request.headers.get(INTERNAL_HEADER, "").encode()
+        if scope is None or not hmac.compare_digest(sent, scoped_secret(gw.internal_secret, scope).encode()):
+            return None
+        return scope
+
+    async def activator(request: web.Request) -> web.StreamResponse:
+        # Checked again where it is used: the secret nginx sent is this very service's.
+        if passed_by_nginx(request) != activator_scope(request.match_info["service"]):
+            raise web.HTTPForbidden(text="the activator serves only requests that nginx passed on")
+        return await gw.activator.handle(request)
+
     @web.middleware
     async def control_auth(request: web.Request, handler):
         # Every local user reaches a loopback port, so the control API always needs its token: without it one
         # could mint gateway tokens, turn a service's auth off or send its traffic anywhere. Open: /healthz (a
         # generation number; nginx and the supervisor probe it). The activator serves a service's traffic, so
         # only nginx, after the route's own auth, may call it: nginx adds the internal secret.
-        from_nginx = hmac.compare_digest(request.headers.get(INTERNAL_HEADER, "").encode(), gw.internal_secret.encode())
+        from_nginx = passed_by_nginx(request) is not None
         if not from_nginx:  # nginx passes the client's Host on; it checked what it serves itself
             if gw.loopback:  # off loopback (a cluster) names vary, and the token is what guards
                 check_host(request, (*LOOPBACK_NAMES, gw.host))
@@ -148,7 +178,7 @@ def make_app(gw: GatewayServer) -> web.Application:
         web.delete("/api/services/{name}", delete_service),
         web.put("/api/services/{name}/replicas/{replica_id:.+}", register),
         web.delete("/api/services/{name}/replicas/{replica_id:.+}", unregister),
-        web.route("*", "/activator/{service}/{tail:.*}", gw.activator.handle),
+        web.route("*", "/activator/{service}/{tail:.*}", activator),
     ])
     return app
 

@@ -11,6 +11,7 @@ gets one such location per limit's prefix, with its ``limit_req`` (429 past the 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 
 from models.gateway import GatewayState, RouteRateLimit, ServiceRoute
@@ -44,10 +45,26 @@ ACCESS_LOG_BUFFER = "buffer=64k flush=500ms"
 # counts those requests itself when they arrive and the log collector skips "2" lines.
 LOG_FORMAT = "$msec $ds_hit $status $request_time $ds_service $upstream_addr"
 HIT_ACTIVATOR = "2"
-# nginx names itself to the activator with this header: the activator serves only what nginx authenticated.
-# Set (non-empty) only in locations that proxy to the activator; elsewhere the empty value drops whatever a
-# client sent under that name.
+# nginx names itself to the control app with this header: the activator serves only what nginx authenticated.
+# Set (non-empty) only in locations that proxy to the control app; elsewhere the empty value drops whatever a
+# client sent under that name. Each such location sends the secret of its own scope (``scoped_secret``) to a fixed
+# path, never the client's: the control app honours it only on that path (gateway/api.py), so no spelling of a
+# client's path (dot segments, percent-encoding, double slashes) takes one location's secret somewhere else.
 INTERNAL_HEADER = "X-Durastack-Gateway"
+HEALTH_SCOPE = "healthz"
+
+
+def activator_scope(service: str) -> str:
+    return f"activator/{service}"
+
+
+def scoped_secret(internal_secret: str, scope: str) -> str:
+    """The value of :data:`INTERNAL_HEADER` for ``scope`` (:data:`HEALTH_SCOPE` or :func:`activator_scope`)."""
+    if not internal_secret:
+        return ""
+    return hmac.new(internal_secret.encode(), scope.encode(), hashlib.sha256).hexdigest()
+
+
 # What a request to a replica may take between two reads/writes, through nginx or the activator.
 PROXY_TIMEOUT = 3600
 
@@ -81,7 +98,8 @@ def _service_body(route: ServiceRoute, target: str, indent: str, internal_secret
         # The activator holds the request up to the cold-start timeout before the replica's own
         # answer starts: nothing is read (nor the body sent) meanwhile. Streams pass unbuffered.
         hold = route.cold_start_timeout + PROXY_TIMEOUT
-        lines += [f'set $ds_internal "{internal_secret}";', f"set $ds_hit {HIT_ACTIVATOR};", f"proxy_read_timeout {hold}s;", f"proxy_send_timeout {hold}s;",
+        secret = scoped_secret(internal_secret, activator_scope(route.name))
+        lines += [f'set $ds_internal "{secret}";', f"set $ds_hit {HIT_ACTIVATOR};", f"proxy_read_timeout {hold}s;", f"proxy_send_timeout {hold}s;",
                   "proxy_buffering off;", f"proxy_pass {target};"]
     return "".join(f"{indent}{line}\n" for line in lines)
 
@@ -89,7 +107,7 @@ def _service_body(route: ServiceRoute, target: str, indent: str, internal_secret
 def _target(route: ServiceRoute, service_prefix: str, prefix: str = "/") -> str:
     # proxy_pass with a URI makes nginx replace the matched location (service_prefix + prefix) with that URI:
     # with strip_prefix, /services/x/a -> /a; without, the path stays whole. The activator takes the same
-    # path after its own /activator/<name>.
+    # path after its own /activator/<name>: nginx sends the normalized path there, never the client's raw one.
     uri = (service_prefix if not route.strip_prefix else "") + prefix
     if route.upstreams:
         return f"http://{_upstream_name(route.name)}{uri}"
@@ -238,9 +256,15 @@ def render_config(
         "            default_type text/plain;",
         f'            return 200 "{state.generation}";',
         "        }",
-        # With the internal secret: the control app checks Host and Origin only of requests not from nginx.
-        f'        location = /healthz {{ access_log off; set $ds_internal "{internal_secret}"; '
-        "proxy_pass http://ds_control; }",
+        # With its secret: the control app checks Host and Origin only of requests not from nginx. Only the literal
+        # path, to the fixed one: without a URI proxy_pass would pass the client's raw path on (dot segments that
+        # nginx resolved to /healthz, but the control app would route elsewhere, with this location's secret).
+        "        location = /healthz {",
+        "            access_log off;",
+        '            if ($request_uri !~ "^/healthz([?]|$)") { return 404; }',
+        f'            set $ds_internal "{scoped_secret(internal_secret, HEALTH_SCOPE)}";',
+        "            proxy_pass http://ds_control/healthz;",
+        "        }",
     ]
     for route in services:
         out += _locations(route, f"/services/{route.name}", " " * 8, internal_secret)

@@ -45,7 +45,8 @@ def _set(value: object) -> bool:
 
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
-    rules = [_service_level, _probes_and_limits, _rate_limits, _secrets, _bounds, _not_supported, _references]
+    rules = [_service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds, _not_supported,
+             _references]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 
@@ -76,6 +77,24 @@ def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:
                 yield Issue((field,), f"`{field}` and `docker: true` are mutually exclusive fields")
         if cfg.privileged is False:
             yield Issue(("privileged",), "`privileged: false` is incompatible with `docker: true`")
+
+
+# Variables with which the dynamic loader or libc loads code, or reads or writes files, of the value's choosing: the
+# names glibc itself ignores in a setuid program, but TMPDIR and TZDIR (settings of the app's own). Replicas get them
+# only from their own shell, never a root process (activities/local_init.py), yet a service file has no use for
+# them that a command cannot have: `export LD_LIBRARY_PATH=…` in `commands` sets one for the app alone.
+LOADER_ENV_PREFIXES = ("LD_",)
+LOADER_ENV = frozenset({"GLIBC_TUNABLES", "GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+                        "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RES_OPTIONS", "RESOLV_HOST_CONF"})
+
+
+def _loader_env(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    # A rule of the file, not of the model's type: a service running with one of these still reads its state back.
+    for name in cfg.env:
+        if name in LOADER_ENV or name.startswith(LOADER_ENV_PREFIXES):
+            yield Issue(("env", name), f"{name} changes what the dynamic loader or libc loads or writes, and is "
+                                       f"refused in `env`, as are LD_* and {', '.join(sorted(LOADER_ENV))}; if "
+                                       f"the app needs it, set it in `commands` (`export {name}=…`)")
 
 
 def _text_bytes(texts: list[str]) -> int:

@@ -483,6 +483,20 @@ def test_every_invalid_env_name_is_reported_at_its_line():
     assert len(errors(BASE + "commands: [x]\nenv: [A-B=1, OK=2, 9X=3]\n")) == 2
 
 
+def test_env_names_that_steer_the_dynamic_loader_or_libc_are_refused_at_their_line():
+    errs = errors(BASE + "commands: [x]\nenv:\n  LD_PRELOAD: /tmp/x.so\n  OK: 2\n  GCONV_PATH: /tmp\n"
+                         "  LD_LIBRARY_PATH: /opt/lib\n  GLIBC_TUNABLES: x\n")
+    assert [e.split(":")[0] for e in errs] == ["env.LD_PRELOAD", "env.GCONV_PATH", "env.LD_LIBRARY_PATH",
+                                               "env.GLIBC_TUNABLES"]
+    assert errs[0].startswith("env.LD_PRELOAD: LD_PRELOAD changes what the dynamic loader or libc loads")
+    assert errs[0].endswith("(line 5)") and errs[1].endswith("(line 7)")
+    assert "export LD_PRELOAD=" in errs[0]
+    assert [e.split(":")[0] for e in errors(BASE + "commands: [x]\nenv: [A=1, LD_AUDIT=/a.so, LOCPATH=/l]\n")] == \
+        ["env.LD_AUDIT", "env.LOCPATH"]
+    # names that merely look alike, and the app's own settings glibc also drops for setuid programs, are fine
+    assert ok(BASE + "commands: [x]\nenv: [OLD_PATH=1, MALLOC_ARENA_MAX=2, TMPDIR=/t, TZDIR=/z]\n").env["TMPDIR"]
+
+
 def test_https_without_a_certificate_is_refused():
     assert one_error(BASE + "commands: [x]\nhttps: true\n").startswith("https: `https: true` needs a TLS certificate")
 

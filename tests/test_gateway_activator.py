@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import hashlib
 import inspect
+import json
 import os
 import time
 
@@ -375,3 +376,61 @@ async def test_activator_serves_only_what_nginx_passed_on(gateway, client, upstr
         resp = await h.get(f"{gateway.url}/services/svc/echo", headers={**auth, **forged})
         assert "x-durastack-gateway" not in {k.lower() for k in resp.json()["headers"]}
     assert gateway.control_token not in gateway._nginx.conf_path.read_text()
+
+
+async def raw_request(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """GET ``path`` exactly as written (no client normalizes it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        lines = [f"GET {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Connection: close",
+                 *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def test_nginx_secret_opens_only_its_own_services_activator(gateway, client, upstream):
+    """Each location nginx sends to the control app carries the secret of its scope; the control app honours it on
+    that scope's path alone: not the health probe's on the activator, not one service's on another's, not on a
+    path whose raw form names another service."""
+    from gateway.render import HEALTH_SCOPE, INTERNAL_HEADER, activator_scope, scoped_secret
+
+    for name in ("svc", "other"):
+        await client.put_service(name, cold_start_timeout=0)
+        await register(client, upstream, name)
+    secret = lambda scope: {INTERNAL_HEADER: scoped_secret(gateway.internal_secret, scope)}  # noqa: E731
+    refused = [
+        ("/activator/svc/echo", {INTERNAL_HEADER: gateway.internal_secret}),  # what nginx sent everywhere before
+        ("/activator/svc/echo", secret(HEALTH_SCOPE)),
+        ("/activator/svc/echo", secret(activator_scope("other"))),
+        ("/activator/other/../svc/echo", secret(activator_scope("svc"))),
+        ("/activator/other/%2e%2e/svc/echo", secret(activator_scope("svc"))),
+        ("/healthz/../activator/svc/echo", secret(HEALTH_SCOPE)),
+        ("//activator/svc/echo", secret(activator_scope("svc"))),
+    ]
+    for path, headers in refused:
+        code, body = await raw_request(gateway.control_port, path, headers)
+        assert code in (401, 403, 404) and b'"replica"' not in body, (path, code, body)
+    code, body = await raw_request(gateway.control_port, "/activator/svc/echo", secret(activator_scope("svc")))
+    assert code == 200 and json.loads(body)["replica"] == "A"  # the one place it opens
+    conf = gateway._nginx.conf_path.read_text()
+    assert gateway.internal_secret not in conf and scoped_secret(gateway.internal_secret, HEALTH_SCOPE) in conf
+
+
+async def test_smuggled_paths_are_neither_held_nor_forwarded_for_a_service_at_zero(gateway, client, upstream, auth):
+    await client.put_service("svc", cold_start_timeout=30)
+    for path in ("/activator/svc/x/../../../healthz", "/activator/svc/x/%2e%2e/%2e%2e/%2e%2e/healthz",
+                 "/services/svc/../../healthz", "/services/svc/x", "//activator//svc//x/../../../healthz"):
+        code, body = await raw_request(gateway.listen_port, path, {})
+        assert code in (401, 403, 404), (path, code, body)
+    assert await held(client) == (0, 0)  # none reached the activator
+    # an authenticated request still starts the service from zero
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as h:
+        echo = asyncio.create_task(h.get(f"{gateway.url}/services/svc/echo", headers=auth))
+        await held(client, n=1)
+        await register(client, upstream)
+        resp = await echo
+    assert resp.status_code == 200 and resp.json()["replica"] == "A"

@@ -174,3 +174,25 @@ def test_render_empty_state_has_control_locations_and_404():
     conf = render_config(GatewayState(), **KW)
     assert "location = /healthz" in conf and "/api/" not in conf
     assert "location / { return 404; }" in conf and 'return 200 "0";' in conf
+
+
+def test_every_location_to_the_control_app_fixes_its_path_and_carries_its_own_secret():
+    """proxy_pass without a URI passes the client's raw path on (dot segments nginx resolved to this location):
+    every location that reaches the control app names its path, and sends the secret of that path's scope."""
+    import re
+
+    from gateway.render import HEALTH_SCOPE, activator_scope, scoped_secret
+    from models.gateway import RouteRateLimit
+
+    routes = (ServiceRoute(name="idle", auth=True, rate_limits=(RouteRateLimit(prefix="/v1", rps=1),)),
+              ServiceRoute(name="keep", auth=False, strip_prefix=False))
+    conf = render_config(state_with(*routes), **KW, internal_secret="base")
+    passes = re.findall(r"proxy_pass (http://ds_control\S*);", conf)
+    assert len(passes) == 1 + 2 * 2 + 2 and all(p.startswith("http://ds_control/") for p in passes), passes
+    assert "proxy_pass http://ds_control/healthz;" in conf and '"^/healthz([?]|$)") { return 404; }' in conf
+    secrets = set(re.findall(r'set \$ds_internal "(\w*)";', conf))
+    assert secrets == {"", *(scoped_secret("base", s) for s in (HEALTH_SCOPE, activator_scope("idle"),
+                                                                  activator_scope("keep")))}
+    for block in re.findall(r"location [^{]*\{(?:[^{}]|\{[^{}]*\})*\}", conf):
+        for target in re.findall(r"proxy_pass http://ds_control/activator/([a-z0-9-]+)/", block):
+            assert f'"{scoped_secret("base", activator_scope(target))}"' in block, block

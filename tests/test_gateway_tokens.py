@@ -228,3 +228,46 @@ async def test_control_api_refuses_foreign_hosts_and_origins(gateway):
         assert (await h.get(url, headers={**token, "Origin": own})).status_code == 200
         # Through nginx (which passes the client's Host on): its health probe still answers.
         assert (await h.get(f"{gateway.url}/healthz")).status_code == 200
+
+
+# What reached svc's replica through the /healthz location before: nginx resolved the dot segments to /healthz and
+# passed the raw path, with its secret, to the control app, whose activator forwarded it to the replica.
+SMUGGLED = [
+    "/activator/svc/x/../../../healthz",
+    "/activator/svc/x/%2e%2e/%2e%2e/%2e%2e/healthz",
+    "/activator/svc/x/%2E%2E/%2E%2E/%2E%2E/healthz",
+    "/activator/svc/x/..%2f..%2f..%2fhealthz",
+    "//activator//svc//x/../../../healthz",
+    "/activator/svc/x/../../..//healthz",
+    "/activator%2fsvc%2fx/../../healthz",
+    "/services/svc/../../healthz",
+    "/services/open/../svc/x",
+    "/services/open/../../activator/svc/x",
+    "/healthz/../activator/svc/x",
+    "/activator/svc/x",
+]
+
+
+async def raw_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """GET ``path`` exactly as written (no client normalizes it), on a connection of its own."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def test_no_spelling_of_a_path_reaches_a_replica_without_a_token(gateway, client):
+    for path in SMUGGLED:
+        code, body = await raw_get(gateway.listen_port, path)
+        assert code in (401, 403, 404), (path, code, body)
+    for path in ("/x/../healthz", "/x/%2e%2e/healthz", "/activator/svc/x"):  # svc's own host: its auth
+        assert (await raw_get(gateway.listen_port, path, "svc.localhost"))[0] == 401, path
+    # what must still work: the health probe, a token's requests, the open service
+    token = (await client.create_token("ci")).token
+    code, body = await raw_get(gateway.listen_port, "/healthz?probe=1")
+    assert code == 200 and json.loads(body)["status"] == "ok"
+    assert await status(gateway, token) == 200 and await status(gateway, None, "open") == 200

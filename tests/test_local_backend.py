@@ -591,6 +591,65 @@ def test_user_is_refused_when_the_backend_cannot_switch_users(replicas):
     assert backend.exec(inst, ["id", "-u"]) == (0, f"{os.geteuid()}\n")
 
 
+# ---- the service's env reaches the replica alone, never a root process that starts or enters it --------
+
+SERVICE_VAR = "DS_SERVICE_ONLY"
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_launcher_carries_none_of_the_services_env_the_replica_all_of_it(replicas, isolation):
+    from activities.local_host import MARKER, children
+
+    backend = replicas.backend(isolation)
+    path = "/service/bin:/usr/bin:/bin"
+    inst = replicas.start(backend, seed_job(1, 0, env={SERVICE_VAR: "x", "PATH": path}, commands=["sleep 300"]))
+    # unshare and local_init (PID 1 of the namespaces) when isolated; local_init alone when not
+    launchers = [inst.pid, *(children(inst.pid) if isolation else [])]
+    app = wait_until(lambda: [p for p in replica_pids(inst.work_dir)
+                                    if os.path.basename(cmdline(p)[0]) == "sleep"], what="the app")
+    for pid in launchers:
+        env = environ(pid)
+        assert env[MARKER] == inst.work_dir  # the right process, and its environ readable
+        assert SERVICE_VAR not in env and env["PATH"] != path, (cmdline(pid), env)
+    env = environ(app[0])
+    assert env[SERVICE_VAR] == "x" and env["PATH"].endswith(":" + path) and env["DURASTACK_GROUP"] == "replica-1"
+
+
+@needs_ns
+def test_exec_enters_without_the_services_env_and_runs_with_it(replicas):
+    import threading
+
+    backend = replicas.backend(None)
+    inst = replicas.start(backend, seed_job(1, 0, env={SERVICE_VAR: "x y'z"}, commands=["sleep 300"]))
+    go = Path(inst.work_dir) / "tmp" / "go"  # the replica's /tmp
+    result: list = []
+    waiting = 'echo "$DS_SERVICE_ONLY"; while [ ! -e /tmp/go ]; do sleep 0.05; done'
+    t = threading.Thread(target=lambda: result.append(backend.exec(inst, ["sh", "-c", waiting], timeout=20)))
+    t.start()
+    try:
+        def entering() -> list[int]:
+            return [p for p in find_tree(inst.work_dir) if os.path.basename(cmdline(p)[0]) == "nsenter"]
+        nsenter = wait_until(entering, what="exec's nsenter")
+        for pid in nsenter:
+            assert SERVICE_VAR not in environ(pid), cmdline(pid)
+    finally:
+        go.touch()
+        t.join(timeout=30)
+    assert result == [(0, "x y'z\n")]
+
+
 # ---- secrets on disk, modes ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isolation", MODES)
