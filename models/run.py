@@ -287,6 +287,8 @@ class ServiceStatus(BaseModel):
     unrecorded: int = Field(0, description="Decision-log entries waiting for the store (it failed or is behind).")
     store_failing_since: Optional[datetime] = Field(None, description="Since when writes to the store fail.")
     store_error: str = Field("", description="Why the last write to the store failed.")
+    unavailable: str = Field("", description="Why the service cannot serve (lifecycle.unavailable): the gateway "
+                                             "answers 503 with it instead of holding requests; '' when it may serve.")
 
 
 # --- activity inputs --------------------------------------------------------------------------------

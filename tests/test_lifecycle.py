@@ -359,3 +359,14 @@ def test_a_failed_service_is_unavailable_and_a_long_reason_is_bounded():
     st.failure = "replica 0 exited (1); not retried: " + "x" * 1000
     why = lifecycle.unavailable(st)
     assert why.startswith("service failed: replica 0 exited (1)") and len(why) == lifecycle.MAX_UNAVAILABLE
+
+
+def test_ps_shows_why_the_service_cannot_serve():
+    from workflows.views import details, status_view
+    from tests.test_planner import pd_state
+    st = pd_state([_starting(0, "router")], next_num=1)
+    assert status_view(st).unavailable == ""
+    lifecycle.on_replica_update(st, update(0, "failed", 11, reason="exited (1)"), NOW)
+    view = status_view(st)
+    assert view.unavailable == "router group 'router': replica 0 exited (1); a new replica is starting"
+    assert f"cannot serve: {view.unavailable}" in details(view)
