@@ -370,3 +370,11 @@ def test_ps_shows_why_the_service_cannot_serve():
     view = status_view(st)
     assert view.unavailable == "router group 'router': replica 0 exited (1); a new replica is starting"
     assert f"cannot serve: {view.unavailable}" in details(view)
+
+
+def test_a_serving_replica_that_reports_its_own_failure_is_no_failed_start():
+    from tests.test_planner import pd_state, worker
+    st = pd_state([replica(0, "router"), worker(1)], next_num=2)
+    lifecycle.on_replica_update(st, update(0, "terminating", 10, reason="exited (1)"), NOW)
+    assert st.groups["router"].failures == 1 and st.groups["router"].failed_start == ""
+    assert lifecycle.unavailable(st) == ""

@@ -92,6 +92,7 @@ def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime)
     replica = state.find(update.replica_num, update.submission_num)
     if replica is None or replica.finished or update.seq <= replica.seq:
         return []
+    served = replica.ready  # before this report: a failure after serving is no failed start
     replica.seq = update.seq
     replica.status, replica.ready, replica.registered = update.status, update.ready, update.registered
     replica.placement = update.placement or replica.placement
@@ -103,7 +104,7 @@ def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime)
     notes: list[Note] = []
     if update.status in ("terminating", "failed") and not replica.stop_requested and group is not None:
         replica.stop_requested = True  # counted once: a later report of the same failure finds it stopping
-        notes += _failed(state, group, replica, update.reason or "failed", now)
+        notes += _failed(state, group, replica, update.reason or "failed", now, served)
     if replica.finished:
         replica.finished_at = now
         notes.append(Note("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}",
@@ -125,13 +126,15 @@ def on_down(state: ServiceState, down: Down, now: datetime) -> tuple[Optional[Re
                           replica.group)] + failed
 
 
-def _failed(state: ServiceState, group: GroupState, replica: Replica, reason: str, now: datetime) -> list[Note]:
+def _failed(state: ServiceState, group: GroupState, replica: Replica, reason: str, now: datetime,
+            served: Optional[bool] = None) -> list[Note]:
     """A replica failed: back off before the group's next one, and stop a rollout whose new replica failed.
     A failure the configuration's `retry` does not cover fails the service instead (but never a rollout's
     new replica: the old replicas keep serving)."""
     count_failure(group, now)
     # A replica that was ready when it failed had served (the monitor saw it die): its replacement is a cold start.
-    group.failed_start = "" if replica.ready else f"replica {replica.replica_num} {reason}"
+    served = replica.ready if served is None else served
+    group.failed_start = "" if served else f"replica {replica.replica_num} {reason}"
     rollout = state.rolling(group.name) and replica.deployment_num == state.deployment_num
     if not rollout and not state.stopping:
         why = not_retried(state.config, group, reason, now)
