@@ -1,5 +1,5 @@
-"""A service's gateway route: put when the service starts and whenever an apply changes its settings,
-removed when the service stops."""
+"""A service's gateway route: put when the service starts, whenever an apply changes its settings and (patch
+route-unavailable) whenever why the service cannot serve changes; removed when the service stops."""
 
 from __future__ import annotations
 
