@@ -304,7 +304,7 @@ class ReplicaActivities:
         try:
             await self.gateway.put_service(inp.service, auth=inp.auth, cold_start_timeout=inp.cold_start_timeout,
                                            pass_authorization=inp.pass_authorization, strip_prefix=inp.strip_prefix,
-                                           rate_limits=inp.rate_limits)
+                                           rate_limits=inp.rate_limits, unavailable=inp.unavailable)
         except GatewayError as e:
             if 400 <= e.status < 500:  # e.g. an older gateway without a route setting: asking again changes nothing
                 raise ApplicationError(str(e), type="RouteRefused", non_retryable=True) from None

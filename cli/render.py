@@ -62,6 +62,8 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
         table.add_row(*row, *([""] if verbose else []))
         if status.unrecorded or status.store_failing_since:
             table.add_row(Text("   " + store_note(status), style="yellow"), *[""] * (len(table.columns) - 1))
+        if status.unavailable:  # the gateway answers 503 with it rather than hold requests
+            table.add_row(Text(f"   cannot serve: {status.unavailable}", style="red"), *[""] * (len(table.columns) - 1))
         for group in status.groups:
             label = f"group={group.name}" + (f" ({group.role})" if group.role else "")
             for i, r in enumerate(sorted(group.replicas, key=lambda r: r.replica)):
@@ -112,6 +114,7 @@ def status_json(status: ServiceStatus, url: str) -> dict:
     return {
         "name": status.name, "status": status.status, "deployment": status.deployment, "url": url,
         "unrecorded": status.unrecorded, "store_error": status.store_error or None,
+        "unavailable": status.unavailable or None,
         "store_failing_since": status.store_failing_since.isoformat() if status.store_failing_since else None,
         "router": status.router.model_dump(mode="json")["routers"] if status.router else None,
         "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max, "role": g.role,

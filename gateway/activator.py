@@ -8,6 +8,10 @@ registered upstreams (round-robin over the upstreams at that moment), its respon
 chunk by chunk. Requests already routed by nginx at that point stay on this path; new ones go
 straight to the replica.
 
+A route that says why the service cannot serve (``unavailable``: its replicas crash-loop, or it failed) is
+answered 503 at once with that reason (JSON ``reason`` and the ``X-Durastack-Unavailable`` header), and requests
+held when it is set are answered so too: waiting for a replica that keeps failing only delays the error.
+
 A request still held after the route's ``cold_start_timeout`` gets 503 with ``Retry-After: 5``.
 At most ``max_held`` requests wait per service; beyond that, 503 at once. A client that goes away
 while held is released (the gateway runs aiohttp with handler cancellation on).
@@ -40,6 +44,7 @@ log = logging.getLogger("durastack.gateway.activator")
 
 MAX_HELD = 1000  # per service
 RETRY_AFTER = "5"
+UNAVAILABLE_HEADER = "X-Durastack-Unavailable"
 CONNECT_TIMEOUT = 10.0  # as nginx's proxy_connect_timeout
 CHUNK = 1 << 16
 # RFC 9110 7.6.1, plus Proxy-Connection; the tokens a Connection header lists go too.
@@ -67,6 +72,13 @@ def rotate(upstreams: tuple[Upstream, ...], start: int) -> list[Upstream]:
 def _error(status: int, service: str, message: str, retry: bool = False) -> web.Response:
     headers = {"Retry-After": RETRY_AFTER} if retry else None
     return web.json_response({"error": message, "service": service}, status=status, headers=headers)
+
+
+def _unavailable(service: str, reason: str) -> web.Response:
+    """503 with why the service cannot serve; the header carries it in printable ASCII (a header takes no more)."""
+    header = "".join(c if " " <= c <= "~" else "?" for c in reason)
+    return web.json_response({"error": f"service {service} cannot serve now", "service": service, "reason": reason},
+                             status=503, headers={"Retry-After": RETRY_AFTER, UNAVAILABLE_HEADER: header})
 
 
 class Activator:
@@ -118,6 +130,8 @@ class Activator:
         route = self._state().services[name]
         if not route.upstreams:
             timeout = route.cold_start_timeout
+            if route.unavailable:
+                return _unavailable(name, route.unavailable)
             if self._stopping:
                 return _error(503, name, "gateway stopping", retry=True)
             if timeout <= 0:
@@ -128,13 +142,15 @@ class Activator:
             route = await self._hold(name, timeout)
             if route is None:
                 return _error(404, name, f"service {name} was deleted while the request waited")
+            if not route.upstreams and route.unavailable:
+                return _unavailable(name, route.unavailable)
             if not route.upstreams:
                 why = "gateway stopping" if self._stopping else f"no ready replica within {timeout}s"
                 return _error(503, name, f"service {name}: {why}, retry", retry=True)
         return await self._forward(request, name, route.upstreams)
 
     async def _hold(self, name: str, timeout: float) -> ServiceRoute | None:
-        """Wait until the service has an upstream, is deleted, the gateway stops, or ``timeout``."""
+        """Wait until the service has an upstream, is deleted, cannot serve, the gateway stops, or ``timeout``."""
         def route() -> ServiceRoute | None:
             return self._state().services.get(name)
 
@@ -144,7 +160,8 @@ class Activator:
         try:
             async with asyncio.timeout(timeout):
                 async with cond:
-                    await cond.wait_for(lambda: self._stopping or (r := route()) is None or bool(r.upstreams))
+                    await cond.wait_for(lambda: self._stopping or (r := route()) is None or bool(r.upstreams)
+                                        or bool(r.unavailable))
         except TimeoutError:
             pass
         finally:  # also when the client went away (cancelled)

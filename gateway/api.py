@@ -64,7 +64,7 @@ def make_app(gw: GatewayServer) -> web.Application:
     async def put_service(request: web.Request) -> web.Response:
         name, spec = request.match_info["name"], await body(request, PutServiceRequest)
         state = await change(lambda s: s.put_service(name, spec.auth, spec.cold_start_timeout, spec.pass_authorization,
-                                                     spec.strip_prefix, spec.rate_limits))
+                                                     spec.strip_prefix, spec.rate_limits, spec.unavailable))
         return _json(state.services[name])
 
     async def delete_service(request: web.Request) -> web.Response:

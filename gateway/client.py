@@ -50,12 +50,13 @@ class GatewayClient:
 
     async def put_service(self, name: str, auth: bool = True, cold_start_timeout: int | None = None,
                           pass_authorization: bool = False, strip_prefix: bool = True,
-                          rate_limits: Sequence[RouteRateLimit] = ()) -> ServiceRoute:
+                          rate_limits: Sequence[RouteRateLimit] = (), unavailable: str = "") -> ServiceRoute:
         """Create or update a route; with ``auth`` it accepts the gateway's tokens. ``cold_start_timeout``
         (seconds a request may wait for a first replica, 0: 503 at once): None keeps the route's current
         value (300 for a new route). ``pass_authorization``: with auth, the replica receives the client's
         Authorization header (the gateway token); by default it is dropped. ``strip_prefix``: false passes
-        /services/<name> on to the replica. ``rate_limits``: nginx answers 429 past a limit's burst."""
+        /services/<name> on to the replica. ``rate_limits``: nginx answers 429 past a limit's burst. ``unavailable``:
+        why the service cannot serve; while it has no replica, the gateway answers 503 with it at once."""
         body: dict = {"auth": auth}
         # Only what differs from the defaults, so an older gateway still takes the common route.
         if pass_authorization:
@@ -64,6 +65,8 @@ class GatewayClient:
             body["strip_prefix"] = False
         if rate_limits:
             body["rate_limits"] = [limit.model_dump(mode="json") for limit in rate_limits]
+        if unavailable:
+            body["unavailable"] = unavailable
         if cold_start_timeout is not None:
             body["cold_start_timeout"] = cold_start_timeout
         resp = await self._call("PUT", f"/api/services/{_seg(name)}", body)

@@ -25,6 +25,7 @@ TOKEN_PREFIX_CHARS = 6  # shown to tell tokens apart: 36 of a token's 256 random
 WINDOWS = (30, 60, 300)  # stats windows in seconds (spec 4.2)
 DEFAULT_COLD_START_TIMEOUT = 300  # seconds a request may wait in the activator for a first replica
 MAX_COLD_START_TIMEOUT = 86400
+MAX_UNAVAILABLE = 1024  # characters of a route's `unavailable` reason
 
 # The control API's bearer token, made on the gateway's first start in its runtime dir (mode 600) unless
 # DURASTACK_GATEWAY_CONTROL_TOKEN gives one; the CLI and the worker of the same home read it from there.
@@ -162,6 +163,9 @@ class ServiceRoute(Model):
     strip_prefix: bool = Field(True, description="Drop /services/<name> from the path before proxying to a replica; "
                                                  "false: the replica gets the path as the client sent it.")
     rate_limits: tuple[RouteRateLimit, ...] = Field((), max_length=64, description="Request-rate limits, unique by prefix.")
+    unavailable: str = Field("", max_length=MAX_UNAVAILABLE, description=(
+        "Why the service cannot serve now (its replicas crash-loop): with no upstream, the activator answers 503 "
+        "with it at once instead of holding the request; '' holds."))
 
     @field_validator("rate_limits")
     @classmethod
@@ -206,14 +210,14 @@ class GatewayState(Model):
 
     def put_service(self, name: str, auth: bool, cold_start_timeout: int | None = None,
                     pass_authorization: bool = False, strip_prefix: bool = True,
-                    rate_limits: tuple[RouteRateLimit, ...] = ()) -> "GatewayState":
+                    rate_limits: tuple[RouteRateLimit, ...] = (), unavailable: str = "") -> "GatewayState":
         """Create or update a route; its replicas stay. ``cold_start_timeout=None`` keeps the current one."""
         old = self.services.get(name)
         if cold_start_timeout is None:
             cold_start_timeout = old.cold_start_timeout if old else DEFAULT_COLD_START_TIMEOUT
         route = ServiceRoute(name=name, auth=auth, upstreams=old.upstreams if old else (),
                              cold_start_timeout=cold_start_timeout, pass_authorization=pass_authorization,
-                             strip_prefix=strip_prefix, rate_limits=rate_limits)
+                             strip_prefix=strip_prefix, rate_limits=rate_limits, unavailable=unavailable)
         return self._with({**self.services, name: route})
 
     def add_token(self, token: GatewayToken) -> "GatewayState":
@@ -284,6 +288,8 @@ class PutServiceRequest(Model):
                            "by default nginx drops it, since that token opens every service.")
     strip_prefix: bool = Field(True, description="Drop /services/<name> before proxying; false: pass the path unchanged.")
     rate_limits: tuple[RouteRateLimit, ...] = Field((), max_length=64, description="Request-rate limits, unique by prefix.")
+    unavailable: str = Field("", max_length=MAX_UNAVAILABLE, description=(
+        "Why the service cannot serve now: with no upstream, 503 with it at once instead of holding; '' holds."))
 
 
 

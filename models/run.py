@@ -99,6 +99,10 @@ class GroupState(BaseModel):
                                          "reference has no address); noted once.")
     readdressed: str = Field("", description="Why replicas of this group roll though their deployment is current "
                                              "(a replica they reference has a new address); noted once.")
+    failed_start: str = Field("", description=(
+        "The group's latest failure, when its replica failed before it served ('replica 3 exited (1)'); '' once a "
+        "replica of the group serves, and after a deployment or manual scale of the group. With none serving, the "
+        "gateway answers 503 with it instead of holding requests (lifecycle.unavailable)."))
 
 
 class Event(BaseModel):
@@ -289,6 +293,8 @@ class ServiceStatus(BaseModel):
     store_failing_since: Optional[datetime] = Field(None, description="Since when writes to the store fail.")
     store_error: str = Field("", description="Why the last write to the store failed.")
     router: Optional["RouterView"] = Field(None, description="The router replicas' worker lists, as last synced.")
+    unavailable: str = Field("", description="Why the service cannot serve (lifecycle.unavailable): the gateway "
+                                             "answers 503 with it instead of holding requests; '' when it may serve.")
 
 
 # --- activity inputs --------------------------------------------------------------------------------
@@ -339,6 +345,8 @@ class RouteInput(BaseModel):
     pass_authorization: bool = Field(False, description="With auth, the replicas get the client's Authorization header.")
     strip_prefix: bool = Field(True, description="Drop /services/<name> from the path the replicas get.")
     rate_limits: list[RouteRateLimit] = Field(default_factory=list, description="The gateway's request-rate limits.")
+    unavailable: str = Field("", description="Why the service cannot serve (its routed groups crash-loop, or it "
+                                             "failed): the gateway answers 503 with it at once; '' holds requests.")
 
 
 class GroupWatch(BaseModel):

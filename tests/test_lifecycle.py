@@ -302,3 +302,79 @@ def test_retry_and_max_duration_change_in_place_and_restart_nothing():
     result, _ = lifecycle.deploy(st, new)
     assert (result.in_place, result.rolling, result.kept, result.replacing) == (["max_duration", "retry"], [], 2, 0)
     assert lifecycle.next_due(st, NOW) == NOW + timedelta(hours=1)  # counted from the submission
+
+
+# --- unavailable: when the gateway answers 503 at once instead of holding --------------------------
+
+def _starting(num, group, **kw):
+    return replica(num, group, status="provisioning", ready=False, registered=False, **kw)
+
+
+def test_a_crash_looping_router_makes_the_service_unavailable_with_why_and_when():
+    from tests.test_planner import pd_state, worker
+    st = pd_state([_starting(0, "router"), worker(1)], next_num=2)
+    assert lifecycle.unavailable(st) == ""  # a first start in progress: held
+    lifecycle.on_replica_update(st, update(0, "failed", 11, reason="exited (1)"), NOW)
+    assert lifecycle.unavailable(st) == "router group 'router': replica 0 exited (1); a new replica is starting"
+    st.replicas.append(_starting(2, "router"))
+    lifecycle.on_replica_update(st, update(2, "failed", 11, reason="exited (1)"), NOW + timedelta(seconds=5))
+    assert lifecycle.unavailable(st) == ("router group 'router': replica 2 exited (1); next attempt at "
+                                         "12:00:20 UTC")
+    assert lifecycle.route(st, say_unavailable=True).unavailable == lifecycle.unavailable(st)
+    assert lifecycle.route(st).unavailable == ""  # runs without the patch put the route they always put
+    # A replica of it serves: the workers behind it do not matter, it is routed again.
+    st.replicas.append(_starting(3, "router"))
+    lifecycle.on_replica_update(st, update(3, "running", 3, ready=True, registered=True), NOW + timedelta(minutes=1))
+    assert lifecycle.unavailable(st) == "" and st.groups["router"].failed_start == ""
+
+
+def test_a_router_that_served_and_died_is_a_cold_start_not_a_crash_loop():
+    from tests.test_planner import pd_state, worker
+    st = pd_state([replica(0, "router"), worker(1)], next_num=2)
+    lifecycle.on_down(st, Down(replica_num=0, submission_num=0, reason="exited (137)"), NOW)
+    assert st.groups["router"].failures == 1 and lifecycle.unavailable(st) == ""
+
+
+def test_a_group_at_zero_is_held_and_a_group_that_may_serve_keeps_the_service_available():
+    st = state(a="1", b="0..4", desired={"b": 0},
+               replicas=[_starting(0, "a")], next_num=1)
+    lifecycle.on_replica_update(st, update(0, "failed", 11, reason="no offers"), NOW)
+    # Without a router every group is routed: `b` at zero may yet scale from zero on the held requests.
+    assert lifecycle.unavailable(st) == ""
+    st.groups["b"].desired = 1  # `b` should serve, and its first start is in progress: held
+    st.replicas.append(_starting(1, "b"))
+    assert lifecycle.unavailable(st) == ""
+    lifecycle.on_replica_update(st, update(1, "failed", 11, reason="exited (2)"), NOW)
+    assert lifecycle.unavailable(st) == ("group 'a': replica 0 no offers; a new replica is starting; "
+                                         "group 'b': replica 1 exited (2); a new replica is starting")
+    st.groups["a"].desired = st.groups["b"].desired = 0
+    assert lifecycle.unavailable(st) == ""  # at zero: scale from zero holds
+    st.groups["a"].desired = st.groups["b"].desired = 1
+    lifecycle.rescale(st, "a", 1, NOW)  # a manual scale forgives: the next start is a first start again
+    assert lifecycle.unavailable(st) == ""
+
+
+def test_a_failed_service_is_unavailable_and_a_long_reason_is_bounded():
+    st = state(replicas=[replica(0, "a")])
+    st.failure = "replica 0 exited (1); not retried: " + "x" * 1000
+    why = lifecycle.unavailable(st)
+    assert why.startswith("service failed: replica 0 exited (1)") and len(why) == lifecycle.MAX_UNAVAILABLE
+
+
+def test_ps_shows_why_the_service_cannot_serve():
+    from workflows.views import details, status_view
+    from tests.test_planner import pd_state
+    st = pd_state([_starting(0, "router")], next_num=1)
+    assert status_view(st).unavailable == ""
+    lifecycle.on_replica_update(st, update(0, "failed", 11, reason="exited (1)"), NOW)
+    view = status_view(st)
+    assert view.unavailable == "router group 'router': replica 0 exited (1); a new replica is starting"
+    assert f"cannot serve: {view.unavailable}" in details(view)
+
+
+def test_a_serving_replica_that_reports_its_own_failure_is_no_failed_start():
+    from tests.test_planner import pd_state, worker
+    st = pd_state([replica(0, "router"), worker(1)], next_num=2)
+    lifecycle.on_replica_update(st, update(0, "terminating", 10, reason="exited (1)"), NOW)
+    assert st.groups["router"].failures == 1 and st.groups["router"].failed_start == ""
+    assert lifecycle.unavailable(st) == ""

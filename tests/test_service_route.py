@@ -76,5 +76,28 @@ async def test_a_route_the_gateway_refuses_is_noted_and_the_service_goes_on(ts_e
     await handle.result()
 
 
+async def test_a_crash_looping_service_puts_why_on_its_route_and_a_fix_clears_it(ts_env, cloud):
+    """The gateway answers 503 with the reason instead of holding requests for replicas that keep failing; the
+    route is put once per change of the reason, not at every pass."""
+    name = "svc-route-crash"
+    state = ServiceState(name=name, config=config(CONFIG.replace("[serve]", "[crash]"), name))
+    handle = await ts_env.client.start_workflow(ServiceRunWorkflow.run, ServiceRunInput(state=state),
+                                                id=service_workflow_id(name), task_queue=cloud.queue)
+    await eventually(lambda: _true(any("next attempt at" in r.unavailable for r in cloud.routes)))
+    assert cloud.routes[0].unavailable == ""  # put at start, before any failure: a first start is held
+    why = next(r.unavailable for r in cloud.routes if r.unavailable)
+    assert why.startswith("group '0': replica 0 exited (1)"), why
+    events = await handle.query(ServiceRunWorkflow.events)
+    assert any(e.kind == "route" and "503" in e.message for e in events)
+    reasons = [r.unavailable for r in cloud.routes]
+    assert all(a != b for a, b in zip(reasons, reasons[1:])), reasons  # each put says something new
+
+    await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=config(CONFIG, name)))
+    await eventually(lambda: _true(len(cloud.running()) == 1))
+    await eventually(lambda: _true(cloud.routes[-1].unavailable == ""))  # the fix: held, then served
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def _true(value: bool):
     return value or None

@@ -83,6 +83,7 @@ def _forgive(group: GroupState) -> None:
     """A new deployment or a manual scale of the group: its next replica starts now, not after a back-off, and
     `retry.duration` counts afresh."""
     group.failures, group.retry_after, group.last_failed_at, group.failing_since = 0, None, None, None
+    group.failed_start = ""
 
 
 def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime) -> list[Note]:
@@ -91,16 +92,19 @@ def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime)
     replica = state.find(update.replica_num, update.submission_num)
     if replica is None or replica.finished or update.seq <= replica.seq:
         return []
+    served = replica.ready  # before this report: a failure after serving is no failed start
     replica.seq = update.seq
     replica.status, replica.ready, replica.registered = update.status, update.ready, update.registered
     replica.placement = update.placement or replica.placement
     replica.instance = update.instance or replica.instance
     replica.reason = update.reason or replica.reason
     group = state.groups.get(replica.group)
+    if replica.serves and group is not None:
+        group.failed_start = ""  # the group serves again: no longer crash-looping
     notes: list[Note] = []
     if update.status in ("terminating", "failed") and not replica.stop_requested and group is not None:
         replica.stop_requested = True  # counted once: a later report of the same failure finds it stopping
-        notes += _failed(state, group, replica, update.reason or "failed", now)
+        notes += _failed(state, group, replica, update.reason or "failed", now, served)
     if replica.finished:
         replica.finished_at = now
         notes.append(Note("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}",
@@ -122,11 +126,15 @@ def on_down(state: ServiceState, down: Down, now: datetime) -> tuple[Optional[Re
                           replica.group)] + failed
 
 
-def _failed(state: ServiceState, group: GroupState, replica: Replica, reason: str, now: datetime) -> list[Note]:
+def _failed(state: ServiceState, group: GroupState, replica: Replica, reason: str, now: datetime,
+            served: Optional[bool] = None) -> list[Note]:
     """A replica failed: back off before the group's next one, and stop a rollout whose new replica failed.
     A failure the configuration's `retry` does not cover fails the service instead (but never a rollout's
     new replica: the old replicas keep serving)."""
     count_failure(group, now)
+    # A replica that was ready when it failed had served (the monitor saw it die): its replacement is a cold start.
+    served = replica.ready if served is None else served
+    group.failed_start = "" if served else f"replica {replica.replica_num} {reason}"
     rollout = state.rolling(group.name) and replica.deployment_num == state.deployment_num
     if not rollout and not state.stopping:
         why = not_retried(state.config, group, reason, now)
@@ -263,14 +271,54 @@ def settled(state: ServiceState) -> bool:
     return all(r.finished or r.serves for r in state.replicas)
 
 
-def route(state: ServiceState) -> RouteInput:
+MAX_UNAVAILABLE = 500  # characters of the reason the gateway answers with (the gateway takes up to 1024)
+
+
+def route(state: ServiceState, say_unavailable: bool = False) -> RouteInput:
     """The gateway route the configuration asks for. The service puts it at start and again whenever an
-    apply changes it (rate limits, prefix, Authorization header, cold-start timeout)."""
+    apply changes it (rate limits, prefix, Authorization header, cold-start timeout), and, with
+    ``say_unavailable``, whenever why the service cannot serve changes (`unavailable`)."""
     cfg = state.config
     limits = [RouteRateLimit(prefix=lim.prefix, key=lim.key.type, header=lim.key.header, rps=lim.rps,
                              burst=lim.burst) for lim in cfg.rate_limits]
     return RouteInput(service=state.name, auth=cfg.auth, cold_start_timeout=cfg.cold_start_timeout,
-                      pass_authorization=cfg.pass_authorization, strip_prefix=cfg.strip_prefix, rate_limits=limits)
+                      pass_authorization=cfg.pass_authorization, strip_prefix=cfg.strip_prefix, rate_limits=limits,
+                      unavailable=unavailable(state) if say_unavailable else "")
+
+
+def unavailable(state: ServiceState) -> str:
+    """Why the service cannot serve, so that the gateway answers 503 with it at once rather than hold requests up
+    to the cold-start timeout; '' when it may yet serve. It cannot when it failed, or when each group the gateway
+    routes to (the router group; without one, every group) should have replicas, has none serving, and its latest
+    replica failed before it served (crash-looping). A group at zero (scale from zero) and a start with no failure
+    yet are held."""
+    if state.failure:
+        return _bounded(f"service failed: {state.failure}")
+    reasons = []
+    for spec in state.config.replica_groups:
+        if not state.config.routed(spec.name):
+            continue
+        why = _cannot_serve(state, spec.name)
+        if not why:
+            return ""
+        reasons.append(why)
+    return _bounded("; ".join(reasons))
+
+
+def _cannot_serve(state: ServiceState, name: str) -> str:
+    group = state.groups.get(name)
+    if group is None or group.desired < 1 or not group.failed_start:
+        return ""
+    if any(r.serves for r in state.replicas if r.group == name):
+        return ""
+    role = "router group" if state.config.router_group == name else "group"
+    then = (f"next attempt at {group.retry_after:%H:%M:%S} UTC" if group.retry_after is not None
+            else "a new replica is starting")
+    return f"{role} '{name}': {group.failed_start}; {then}"
+
+
+def _bounded(reason: str) -> str:
+    return reason if len(reason) <= MAX_UNAVAILABLE else reason[:MAX_UNAVAILABLE - 1] + "…"
 
 
 def log(state: ServiceState, event: Event) -> None:

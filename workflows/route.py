@@ -1,5 +1,5 @@
-"""A service's gateway route: put when the service starts and whenever an apply changes its settings,
-removed when the service stops."""
+"""A service's gateway route: put when the service starts, whenever an apply changes its settings and (patch
+route-unavailable) whenever why the service cannot serve changes; removed when the service stops."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 class Route:
     def __init__(self) -> None:
         self.routed: Optional[RouteInput] = None  # the route last put on the gateway by this run
+        self.say_unavailable = False  # the route says why the service cannot serve (patch, set by the service)
 
     async def sync(self, state: ServiceState) -> list[lifecycle.Note]:
         """Put the route if it is not on the gateway as the configuration wants it (its replicas stay routed).
         A gateway that refuses it (a 4xx: asking again changes nothing) is noted, not retried, and the service
         goes on with the route as it was."""
-        route = lifecycle.route(state)
+        route = lifecycle.route(state, self.say_unavailable)
         if route == self.routed:
             return []
+        notes = self._changed(route)
         self.routed = route
         try:
             await workflow.execute_activity(interface.ensure_route, route, retry_policy=RETRY,
@@ -37,7 +39,16 @@ class Route:
             state.routed = state.routed or False
             return [lifecycle.Note("rejected", f"the gateway refused the route: {e.cause or e}")]
         state.routed = True
-        return []
+        return notes
+
+    def _changed(self, route: RouteInput) -> list[lifecycle.Note]:
+        """A note when the gateway starts or stops answering 503 for the service."""
+        was = self.routed.unavailable if self.routed is not None else ""
+        if route.unavailable == was:
+            return []
+        if route.unavailable:
+            return [lifecycle.Note("route", f"the gateway answers 503 at once: {route.unavailable}")]
+        return [lifecycle.Note("route", "the gateway holds requests for a replica again")]
 
     @staticmethod
     async def remove(state: ServiceState) -> None:

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
 ROUTE_BESIDE_REPLICAS = "route-beside-replicas"  # the gateway route is put beside the replicas' starts
 WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its replica finished is torn down
 CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
+ROUTE_UNAVAILABLE = "route-unavailable"  # the route says why the service cannot serve: the gateway answers 503
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 
 
@@ -180,6 +181,7 @@ class ServiceRunWorkflow:
         self.route_beside = workflow.patched(ROUTE_BESIDE_REPLICAS)
         self.children.watch = workflow.patched(WATCH_CHILDREN)
         self.settle_first = workflow.patched(CONTINUE_WHEN_SETTLED)
+        self.route.say_unavailable = workflow.patched(ROUTE_UNAVAILABLE)
         if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
@@ -208,6 +210,8 @@ class ServiceRunWorkflow:
         else:
             self._note(await self.route.sync(self.state))
             await self._act()
+        if self.route.say_unavailable:  # what _act saw (a replica down, a back-off over) may change the reason
+            self._note(await self.route.sync(self.state))
         if self.state.failure:  # a failure `retry` does not cover, in this pass or by signal: the shutdown follows
             return
         if not self._should_continue():  # a watcher started now would only be abandoned by the hop
@@ -305,6 +309,8 @@ class ServiceRunWorkflow:
         """Stop every replica, wait until each has torn down, then drop the gateway route. Behind a kept router, the
         router first: once it left the gateway and finished its requests, the workers behind it stop."""
         self.watchers.stop()
+        if self.route.say_unavailable and self.state.failure:  # 503 with why, not held until the route goes
+            self._note(await self.route.sync(self.state))
         router = routers.synced(self.state.config) if self.router_sync else None
         if router is not None:
             await self._stop_all(lambda r: r.group == router)

@@ -12,6 +12,7 @@ from temporalio.common import RetryPolicy, SearchAttributeKey
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.run import GroupView, Replica, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
+    from workflows import lifecycle
 
 SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
@@ -94,7 +95,8 @@ def status_view(state: ServiceState) -> ServiceStatus:
                          auth=state.config.auth, submitted_at=state.submitted_at, groups=groups,
                          extra_replicas=[_replica_view(r) for r in latest if r.group not in names],
                          unrecorded=len(state.unrecorded), store_failing_since=state.store_failing_since,
-                         store_error=state.store_error, routed=state.routed, router=state.router_view)
+                         store_error=state.store_error, routed=state.routed, router=state.router_view,
+                         unavailable=lifecycle.unavailable(state))
 
 
 def details(view: ServiceStatus) -> str:
@@ -102,6 +104,8 @@ def details(view: ServiceStatus) -> str:
     lines = [f"**{view.name}** {view.status} · deployment {view.deployment}"]
     if view.store_failing_since is not None:
         lines.append(f"store failing since {view.store_failing_since:%H:%M:%S} UTC: {view.unrecorded} events wait")
+    if view.unavailable:
+        lines.append(f"cannot serve: {view.unavailable}")
     for g in view.groups:
         ready = sum(1 for r in g.replicas if r.ready and r.status == "running")
         wait = f" · back-off until {g.retry_after:%H:%M:%S}" if g.retry_after else ""
