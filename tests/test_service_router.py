@@ -10,7 +10,7 @@ import json
 import pytest
 
 from models.loader import load_config_text
-from models.run import ApplyRequest, ServiceState
+from models.run import ApplyRequest, ScaleRequest, ServiceState
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
@@ -157,3 +157,32 @@ async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(t
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_the_kept_router_learns_scale_steps_and_a_worker_leaves_it_before_it_stops(ts_env, cloud):
+    handle = await start(ts_env, cloud, "pd-sync")
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    await router_lists(handle, 2)
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=2))
+    await router_lists(handle, 3)
+    assert [m for m in await events(handle, "router") if "decode replica 3" in m] == [
+        "router r0: added decode replica 3"]
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=1))
+    await router_lists(handle, 2)
+    victim = next(rid for op, rid in cloud.log if op == "terminate" and "/decode/" in rid)
+    assert cloud.log.index(("router_leave", victim)) < cloud.log.index(("terminate", victim))
+    # A router that cannot be reached is said once and tried again; it is never restarted for it.
+    cloud.router_down.add("pd-sync/router/r0-s0")
+    await eventually(lambda: _any_event(handle, "router r0 not reached: connection refused (trying again)"))
+    cloud.router_down.clear()
+    await eventually(lambda: _any_event(handle, "router r0 reached again"))
+    assert cloud.provisions["pd-sync/router/r0-s0"] == 1
+    # Stop: the router leaves the gateway and stops first, then the workers behind it.
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+    terminated = [rid for op, rid in cloud.log if op == "terminate"]
+    assert terminated[-3] == "pd-sync/router/r0-s0" and len(terminated) == 4
+
+
+async def _any_event(handle, message: str) -> bool:
+    return message in await events(handle, "router")
