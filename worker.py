@@ -216,6 +216,7 @@ async def start_reaper(client: Client, settings: Settings, inp: ReaperInput) -> 
 
 async def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: the router sync's reads every second
     serves = worker_backends(argv)
     settings = Settings.from_env()
     clouds = load_clouds(settings, serves)

@@ -70,17 +70,20 @@ class WorkerAPI:
         _ok(r, "GET /list_workers")
         return {u: (u, RouterEntry(url=u, healthy=True)) for u in r.json().get("urls", [])}
 
-    async def add(self, url: str, worker_type: str, bootstrap_port: Optional[int]) -> None:
+    async def add(self, url: str, worker_type: str, bootstrap_port: Optional[int]) -> bool:
+        """Whether the router took it now (False: it had it already, its addition still pending when listed)."""
         extra = {"bootstrap_port": bootstrap_port} if worker_type == "prefill" and bootstrap_port else {}
         if not self.legacy:
             r = await self._call("POST", "/workers", json={"url": url, "worker_type": worker_type, **extra})
             if r.status_code != 404:
                 if r.status_code == 409 or "ALREADY_EXISTS" in r.text:
-                    return
-                return _ok(r, f"POST /workers {url}")
+                    return False
+                _ok(r, f"POST /workers {url}")
+                return True
             self.legacy = True
         params = {"url": url, **({"worker_type": worker_type} if worker_type != "regular" else {}), **extra}
         _ok(await self._call("POST", "/add_worker", params=params), f"POST /add_worker {url}")
+        return True
 
     async def remove(self, url: str, worker_id: str) -> None:
         """Gone already (404) is no error: another sync or a leaving worker removed it."""
@@ -125,7 +128,9 @@ class RouterActivities:
         """``reach(backend)``: how this worker reaches an instance's app on that backend (None: not served here):
         the backend's own ``reach``, as its probes connect."""
         self.reach = reach
-        self.roles: dict[str, tuple[str, Optional[int]]] = {}  # worker url → its role, read once
+        # A worker's role and bootstrap port, read once per replica submission (an address may be handed to another
+        # replica later, with another role or port).
+        self.roles: dict[tuple[int, int, str], tuple[str, Optional[int]]] = {}
         self.newest: dict[str, float] = {}  # service → the newest sync started here: an older one stops acting
 
     @implements(interface.sync_router)
@@ -162,11 +167,12 @@ class RouterActivities:
             for url, w in wanted.items():
                 if url in known:
                     continue
-                role = self.roles.get(url)
+                key = (w.replica_num, w.submission_num, url)
+                role = self.roles.get(key)
                 if role is None:
-                    role = self.roles[url] = await worker_role(*reach(w.instance))
-                await api.add(url, *role)
-                changes.append(f"{name}: added {w.group} replica {w.replica_num} ({url}, {role[0]})")
+                    role = self.roles[key] = await worker_role(*reach(w.instance))
+                if await api.add(url, *role):
+                    changes.append(f"{name}: added {w.group} replica {w.replica_num} ({url}, {role[0]})")
             if changes:
                 known = await api.workers()
             state.workers = sorted((e for _, e in known.values()), key=lambda e: e.url)

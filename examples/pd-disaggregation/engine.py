@@ -186,9 +186,10 @@ def main() -> None:
     p.parse_args(namespace=ARGS)
     server = ThreadingHTTPServer((ARGS.host, ARGS.port), Engine)
     server.daemon_threads = True
-    if _mode() == "prefill":
+    if _mode() == "prefill":  # port 0: any free one, which /server_info then tells the router
         boot = ThreadingHTTPServer((ARGS.host, ARGS.disaggregation_bootstrap_port), Bootstrap)
         boot.daemon_threads = True
+        ARGS.disaggregation_bootstrap_port = boot.server_address[1]
         threading.Thread(target=boot.serve_forever, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_drain_and_exit, args=(server,)).start())
     print(f"engine ({_mode()}) listening on {ARGS.host}:{ARGS.port}", flush=True)
