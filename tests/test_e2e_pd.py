@@ -1,23 +1,25 @@
-"""The PD-disaggregation stand-in (examples/pd-disaggregation/standin.yml) end to end on the local backend:
-every request through the gateway enters the router, which reaches workers of both groups; a killed decode
-worker is replaced and served from; the decode group scales on the service's rate.
+"""The PD-disaggregation stand-in (examples/pd-disaggregation/standin.yml) end to end, from the CLI: SGLang's real
+model gateway (`smg`) as the router group, started with no workers, and stand-in SGLang engines as the prefill and
+decode groups. durastack fills the router's worker list; every request through the gateway enters the router,
+which pairs a prefill and a decode worker; a decode scale step is learned by the router without restarting it;
+a killed worker is replaced and the router serves from the replacement.
 
-The workers reach the router at its replica address, so replicas must reach each other. Without isolation
-they all share the host's loopback (each with its own PORT); isolated (as root) they share their service's
-private network. Isolated without a service network (no root), the workers wait: that variant skips and says why.
+The replicas run isolated on their service's network (the default as root), so the router and the engines listen
+inside their own namespaces, never on the host.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from activities.local import isolation_available
-from tests.e2e import Load, Stack, ready, running_stack, until
+from tests.e2e import Stack, ready, running_stack, until
 
 pytestmark = pytest.mark.e2e
 
@@ -28,107 +30,77 @@ NAME = "pd-standin"
 
 
 @pytest.fixture(scope="module")
-def loopback_stack(tmp_path_factory):
-    """Replicas without isolation: on the host's loopback, each on a port of its own."""
-    stack_gen = running_stack(tmp_path_factory, {"DURASTACK_LOCAL_ISOLATION": "off", "PD_EXAMPLE": str(EXAMPLE)})
-    stack = next(stack_gen)
-    yield stack
-    next(stack_gen, None)
-    assert stand_in_processes(stack.home) == {}
+def stack(tmp_path_factory):
+    if not isolation_available():
+        pytest.skip("replicas are not isolated on this machine (not root): the stand-in's router and engines "
+                    "would listen on the host")
+    smg = Path(sys.executable).parent / "smg"
+    gen = running_stack(tmp_path_factory, {"PD_EXAMPLE": str(EXAMPLE), "SMG": str(smg)})
+    s = next(gen)
+    yield s
+    next(gen, None)
+    assert engines(s.home) == {}
 
 
-def stand_in_processes(home: Path) -> dict[int, str]:
-    """PID → group of this home's stand-in programs, read from /proc."""
+def engines(home: Path) -> dict[int, str]:
+    """PID → group of this home's stand-in engines, read from /proc."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             env = dict(e.split(b"=", 1) for e in (entry / "environ").read_bytes().split(b"\0") if b"=" in e)
-            cmdline = (entry / "cmdline").read_bytes()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        argv = cmdline.split(b"\0")
-        # The program itself, not the shell that runs the commands.
-        if env.get(b"DURASTACK_WORK_DIR", b"").decode().startswith(str(home)) and b"python" in \
-                Path(argv[0].decode()).name.encode() and any(a.endswith((b"worker.py", b"router.py")) for a in argv):
+        if env.get(b"DURASTACK_WORK_DIR", b"").decode().startswith(str(home)) and \
+                b"python" in Path(argv[0].decode()).name.encode() and any(a.endswith(b"engine.py") for a in argv):
             found[int(entry.name)] = env.get(b"DURASTACK_GROUP", b"").decode()
     return found
 
 
-def ask(stack: Stack, n: int = 1) -> list[dict]:
-    url = f"{stack.gateway}/services/{NAME}/generate"
-    headers = {"Authorization": f"Bearer {stack.token()}"}
-    with httpx.Client(timeout=10, headers=headers) as client:
-        responses = [client.get(url) for _ in range(n)]
-    return [r.json() if r.status_code == 200 else {"status": r.status_code, "body": r.text} for r in responses]
+def complete(stack: Stack, n: int = 1) -> list[httpx.Response]:
+    url = f"{stack.gateway}/services/{NAME}/v1/completions"
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {stack.token()}"}) as client:
+        return [client.post(url, json={"model": "standin", "prompt": f"hi {i}", "max_tokens": 4}) for i in range(n)]
 
 
-def serving(stack: Stack) -> bool:
-    answers = ask(stack, 3)
-    return all("decode" in a for a in answers)
+def router_workers(stack: Stack) -> list[dict]:
+    view = stack.ps(NAME).get("router") or []
+    return [w for w in view[0]["workers"] if w["healthy"]] if len(view) == 1 else []
 
 
-def test_stand_in_serves_through_the_router_replaces_a_worker_and_scales(loopback_stack):
-    stack = loopback_stack
+def test_the_real_router_learns_its_workers_scales_and_serves_from_a_replacement(stack):
     applied = stack.cli("apply", "-f", str(STANDIN), "-y")
     assert applied.returncode == 0, applied.stderr
-    until(lambda: ready(stack.ps(NAME)) == {"router": [0], "prefill": [2], "decode": [1]}
-          or ready(stack.ps(NAME)) == {"router": [0], "prefill": [1], "decode": [2]}, 120, 0.5, "all groups ready")
+    until(lambda: ready(stack.ps(NAME)) == {"router": [0], "prefill": [1], "decode": [2]}
+          or ready(stack.ps(NAME)) == {"router": [0], "prefill": [2], "decode": [1]}, 120, 0.5, "all groups ready")
     status = stack.ps(NAME)
     assert [g["role"] for g in status["groups"]] == ["router", "worker", "worker"]
-    # Only the router is an upstream of the gateway.
     assert [u["replica_id"] for u in stack.routes()[NAME]["upstreams"]] == [f"{NAME}/router/r0-s0"]
-    until(lambda: serving(stack), 30, 0.5, "the router reaches both groups")
-    answers = ask(stack, 5)
-    assert {a["router"].split("#")[0] for a in answers} == {"router/r0"}
-    assert all(a["prefill"].startswith("prefill/") and a["decode"].startswith("decode/") for a in answers)
-    old_decode = answers[0]["decode"]
+    assert sorted(w["worker_type"] for w in router_workers(stack)) == ["decode", "prefill"]
+    answers = complete(stack, 4)
+    assert [r.status_code for r in answers] == [200] * 4
+    assert all(r.json()["choices"][0]["text"].startswith("decoded ") for r in answers)  # prefill's KV, then decode
 
-    # Kill the decode worker: it is replaced, and the router serves from the new one.
-    pids = [p for p, group in stand_in_processes(stack.home).items() if group == "decode"]
-    assert pids
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    until(lambda: any(a.get("decode", old_decode) != old_decode for a in ask(stack, 2)), 90, 0.5,
-          "served by the replacement decode worker")
-    events = stack.cli("events", NAME).stdout
-    assert "down: exited" in events or "failed" in events, events
+    # decode 1 → 3: the router lists all three and sends requests to each, never restarted
+    assert stack.cli("scale", NAME, "decode", "3").returncode == 0
+    until(lambda: len(router_workers(stack)) == 4, 90, 0.5, "the router lists 3 decode workers")
+    decoders = {r.headers["x-smg-routed-worker-id"] for r in complete(stack, 12)}
+    assert len(decoders) == 3
+    assert all(r["submission"] == 0 for g in stack.ps(NAME)["groups"] if g["name"] == "router"
+               for r in g["replicas"])
+    verbose = stack.cli("ps", NAME, "-v").stdout
+    assert "router replica=0 knows 4 worker(s)" in verbose, verbose
 
-    # Traffic enters through the router alone; the decode group scales on the service's rate.
-    load = Load(f"{stack.gateway}/services/{NAME}/generate", stack.token(), rps=16).start()
-    try:
-        until(lambda: len(ready(stack.ps(NAME))["decode"]) >= 2, 90, 1.0, "decode scaled up")
-    finally:
-        counts = load.stop()
-    assert counts[200] > 0 and set(counts) <= {200, 503}, counts
+    # kill -9 of one decode engine: unrouted from the router, replaced, and the replacement listed
+    victim = next(pid for pid, group in engines(stack.home).items() if group == "decode")
+    os.kill(victim, signal.SIGKILL)
+    until(lambda: any("replica" in m and "down: exited" in m for m in [stack.cli("events", NAME).stdout]), 30, 0.5,
+          "the dead worker noticed")
+    until(lambda: len(router_workers(stack)) == 4 and len(engines(stack.home)) == 4, 90, 0.5, "a replacement listed")
+    assert [r.status_code for r in complete(stack, 6)] == [200] * 6
     events = stack.cli("events", NAME).stdout
-    assert "the service's rate: all its traffic enters through router group 'router'" in events, events
+    assert "router r0: removed" in events and "router r0: added decode replica" in events, events
     assert stack.cli("stop", NAME, "-y").returncode == 0
-    until(lambda: not stand_in_processes(stack.home), 60, 0.5, "stand-in processes gone")
-
-
-def test_isolated_replicas_need_a_service_network(tmp_path_factory):
-    if not isolation_available():
-        pytest.skip("replicas are not isolated on this machine: the loopback test covers this case")
-    gen = running_stack(tmp_path_factory, {"PD_EXAMPLE": str(EXAMPLE)})
-    stack = next(gen)
-    try:
-        applied = stack.cli("apply", "-f", str(STANDIN), "-y")
-        # `apply` follows until every group is ready, and gives up on workers that cannot start by themselves.
-        assert applied.returncode == 0 or "isolated with no service network" in applied.stderr + applied.stdout, \
-            applied.stderr
-
-        def outcome():
-            status = stack.ps(NAME)
-            waiting = {g["name"]: g.get("waiting", "") for g in status["groups"]}
-            if "isolated with no service network" in waiting.get("prefill", ""):
-                return "isolated"
-            return "ready" if all(ready(status).values()) and len(ready(status)) == 3 else None
-        if until(outcome, 120, 0.5, "the workers start or wait for a network") == "isolated":
-            pytest.skip("replicas are isolated without a service network (not root): the workers "
-                        "cannot reach the router's address (run with DURASTACK_LOCAL_ISOLATION=off)")
-        until(lambda: serving(stack), 30, 0.5, "the router reaches both groups")
-    finally:
-        stack.cli("stop", NAME, "-y")
-        next(gen, None)
+    until(lambda: not engines(stack.home), 60, 0.5, "the engines gone")
