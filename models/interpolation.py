@@ -6,6 +6,8 @@ at. ``PORT`` (also beyond dstack) is the port its app listens on there: the serv
 a service network, but a local replica without isolation shares the host's loopback and has a port of
 its own, which another replica cannot guess.
 
+``$${{`` is dstack's escape: a literal ``${{`` in the command run, never a reference.
+
 Used by the configuration's rules (models.validation) and by the workflow, which substitutes the values
 when it builds a replica's input (workflows.addresses).
 """
@@ -18,6 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 ATTRIBUTES = ("IP_ADDRESS", "PORT")
 _OPEN = "${{"
+_ESCAPED = "$${{"
 _EXPR = re.compile(
     r"""\$\{\{\s*groups\s*\[\s*(?:(?P<index>[0-9]+)|(?P<name>[a-z0-9][a-z0-9-]*)|(?P<q>["'])(?P<quoted>[^"']*)(?P=q))\s*\]"""
     r"""\s*\.\s*replicas\s*\[\s*(?P<replica>[0-9]+)\s*\]\s*\.\s*(?P<attr>[A-Za-z_]+)\s*\}\}""")
@@ -52,6 +55,9 @@ def find(text: str) -> Iterator[Found]:
         start = text.find(_OPEN, pos)
         if start < 0:
             return
+        if start > 0 and text[start - 1] == "$":  # `$${{`: a literal, left for `substitute` to unescape
+            pos = start + len(_OPEN)
+            continue
         m = _EXPR.match(text, start)
         if m is None:
             close = text.find("}}", start)
@@ -85,12 +91,13 @@ def group_name(names: Sequence[str], group: Union[int, str]) -> Optional[str]:
 
 
 def substitute(text: str, names: Sequence[str], value: Callable[[str], str]) -> str:
-    """``text`` with each reference replaced by ``value(key)``; malformed ones are left (validation refuses them)."""
+    """``text`` with each reference replaced by ``value(key)`` and each ``$${{`` by ``${{``; malformed references are
+    left (validation refuses them)."""
     out, pos = [], 0
     for f in find(text):
         name = group_name(names, f.ref.group) if f.ref is not None else None
         if f.ref is None or name is None:
             continue
-        out += [text[pos:f.start], value(f.ref.key(name))]
+        out += [text[pos:f.start].replace(_ESCAPED, _OPEN), value(f.ref.key(name))]
         pos = f.end
-    return "".join(out) + text[pos:]
+    return "".join(out) + text[pos:].replace(_ESCAPED, _OPEN)

@@ -575,6 +575,16 @@ def test_reference_by_index_or_name_is_valid(expr):
     assert "${{" in cfg.replica_groups[1].commands[0]
 
 
+def test_dollar_dollar_is_a_literal_left_as_the_expression_in_the_command_run():
+    from workflows.jobs import job_spec
+    # Even a malformed or unknown expression is no reference once escaped: it passes validation as text.
+    cfg = ok(PD % ("'echo $${{ groups[9].replicas[0].NOPE }} ${{ groups[router].replicas[0].IP_ADDRESS }}'",
+                   "'echo $${{ x }}'"))
+    spec = job_spec(cfg, "svc", "prefill", 1, 0, {"groups[router].replicas[0].IP_ADDRESS": "10.0.0.7"})
+    assert spec.commands == ["echo ${{ groups[9].replicas[0].NOPE }} 10.0.0.7"]
+    assert job_spec(cfg, "svc", "decode", 2, 0, {}).commands == ["echo ${{ x }}"]
+
+
 def test_reference_to_a_replica_below_the_minimum_is_valid():
     ok(PD % ("serve", "'serve --prefill ${{ groups[prefill].replicas[1].IP_ADDRESS }}'"))
 
