@@ -369,3 +369,35 @@ def test_ps_and_the_web_ui_say_which_group_routes():
     text = views.details(view)
     assert "group=router (router: the gateway routes here)" in text
     assert "group=decode (worker behind the router)" in text
+
+
+DYNAMO = """
+type: service
+name: svc
+port: 8000
+groups:
+  - name: router
+    replicas: 1
+    router: {type: dynamo}
+    commands: [frontend]
+  - name: decode
+    replicas: 1
+    commands: [worker]
+"""
+
+
+def test_workers_behind_a_dynamo_router_wait_for_it_then_get_its_address_in_their_env():
+    from workflows.jobs import job_spec
+    config = load_config_text(DYNAMO).config
+    st = ServiceState(name="svc", config=config)
+    st.groups = sync_groups(config, {})
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("router", 0, 0)] and "groups[router].replicas[0]" in plan.waits["decode"]
+    router = replica(0, "router", placement=Placement(backend="local", address="unix:/r.sock", ip="10.9.0.2"))
+    st = ServiceState(name="svc", config=config, replicas=[router], next_replica_num=1, groups=st.groups)
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("decode", 1, 0)]
+    refs = plan.refs["decode"]
+    env = job_spec(config, "svc", "decode", 1, 0, refs).env
+    assert env["DSTACK_ROUTER_INTERNAL_IP"] == env["DURASTACK_ROUTER_INTERNAL_IP"] == "10.9.0.2"
+    assert "DSTACK_ROUTER_INTERNAL_IP" not in job_spec(config, "svc", "router", 0, 0, {}).env

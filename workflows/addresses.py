@@ -35,13 +35,27 @@ class Resolution:
         return "; ".join(f"{replica} {why}" for replica, why in sorted(by_replica.items()))
 
 
+def router_key(config: ServiceConfiguration, group: str) -> Optional[str]:
+    """A worker behind a Dynamo router finds it at $DSTACK_ROUTER_INTERNAL_IP: the router replica's address, which
+    it needs as if its commands named it. None for the router itself and for other services."""
+    router = config.router_group
+    spec = config.group(router) if router else None
+    if spec is None or spec.router is None or spec.router.type != "dynamo" or group == router:
+        return None
+    return f"groups[{router}].replicas[0].IP_ADDRESS"
+
+
 def keys(config: ServiceConfiguration, group: str) -> list[str]:
-    """The references the commands of ``group`` make, by group name, in order, without repeats."""
+    """The references the commands of ``group`` make, by group name, in order, without repeats (and the router's
+    address, for a worker behind a Dynamo router)."""
     spec = config.group(group)
     if spec is None:
         return []
     names = [g.name or "" for g in config.replica_groups]
     out: dict[str, None] = {}
+    implicit = router_key(config, group)
+    if implicit is not None:
+        out[implicit] = None
     for command in spec.commands:
         for f in find(command):
             name = group_name(names, f.ref.group) if f.ref is not None else None

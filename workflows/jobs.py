@@ -7,7 +7,7 @@ from typing import Optional
 from models.replica import JobSpec
 from models.run import ReplicaInput
 from models.service import ProbeSpec, ReplicaGroup, ServiceConfiguration
-from workflows.addresses import commands as resolved_commands
+from workflows.addresses import commands as resolved_commands, router_key
 
 # The replica's coordinates, in its env on every backend. Its own address (DURASTACK_REPLICA_IP) is set by
 # the backend that places it: only the backend knows it before the commands run.
@@ -26,6 +26,9 @@ def job_spec(config: ServiceConfiguration, service: str, group_name: str, replic
     assert group is not None, group_name
     env = {k: v for k, v in config.env.items() if v is not None}
     env.update(zip(COORDINATES, (service, group_name, str(replica_num))))
+    router = router_key(config, group_name)
+    if router is not None and refs and router in refs:  # dstack's name, and ours
+        env["DSTACK_ROUTER_INTERNAL_IP"] = env["DURASTACK_ROUTER_INTERNAL_IP"] = refs[router]
     commands = resolved_commands(config, group_name, refs) if refs is not None else list(group.commands)
     return JobSpec(service=service, group=group_name, replica_num=replica_num, submission_num=submission_num,
                    commands=commands, env=env, secrets=[k for k in config.secrets if k in env],
