@@ -46,12 +46,14 @@ import signal
 import socket
 import subprocess
 import threading
+import logging
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 from activities.local_init import host_route
 
+log = logging.getLogger("durastack.net")
 NETNS_DIR = Path("/run/netns")
 BRIDGE = "br0"
 REPLICA_DEV = "eth0"
@@ -60,6 +62,7 @@ POOL = ipaddress.IPv4Network("10.0.0.0/8")  # every service range of every home
 PREFIX = 20  # 4094 addresses per service: a group's replicas, their surge and resubmissions
 POLL = 0.02
 TIMEOUT = 15.0
+QUARANTINE_SECONDS = 60  # a released address waits this long before another replica of the service gets it
 ARP_RETRANS_MS = 100
 ARP_PROBES = 10
 CLONE_NEWNET = 0x40000000
@@ -282,16 +285,41 @@ class ServiceNetwork:
         tmp.write_text(json.dumps(leases, indent=1, sort_keys=True))
         os.replace(tmp, self.dir / "leases.json")
 
+    def _released(self) -> dict[str, float]:
+        """Address → when its replica released it (within the last QUARANTINE_SECONDS)."""
+        try:
+            released = json.loads((self.dir / "released.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return {ip: at for ip, at in released.items() if time.time() - at < QUARANTINE_SECONDS}
+
+    def _quarantine(self, ips: list[str]) -> None:
+        released = {**self._released(), **{ip: time.time() for ip in ips}}
+        tmp = self.dir / "released.json.tmp"
+        tmp.write_text(json.dumps(released, indent=1, sort_keys=True))
+        os.replace(tmp, self.dir / "released.json")
+
     def lease(self, replica_id: str, work_dir: str, socket_path: str, port: int) -> str:
-        """The replica's address (the same again for the same replica). Needs :meth:`locked`."""
+        """The replica's address (the same again for the same replica). Needs :meth:`locked`. An address released
+        within QUARANTINE_SECONDS is handed out only when no other is free: a client of the replica that had it (a
+        router, a worker) may still call it, and must not reach a newcomer."""
         leases = self._leases()
         # Leases of replicas with no process left (killed with their starter, a crash) are taken back.
+        dead = [v["ip"] for rid, v in leases.items() if rid != replica_id and not _alive(v["work_dir"])]
         leases = {rid: v for rid, v in leases.items() if rid == replica_id or _alive(v["work_dir"])}
+        if dead:
+            self._quarantine(dead)
         if replica_id in leases:
             entry = leases[replica_id]
         else:
             taken = {v["ip"] for v in leases.values()} | {self.bridge_ip, self.gateway_ip}
-            free = next((str(a) for a in self.net.hosts() if str(a) not in taken), None)
+            fresh = [str(a) for a in self.net.hosts() if str(a) not in taken]
+            released = self._released()
+            free = next((ip for ip in fresh if ip not in released), None)
+            if free is None and fresh:
+                free = min(fresh, key=lambda ip: released[ip])
+                log.warning("service %s: every free address of %s was released within %d s; reusing %s",
+                            self.service, self.net, QUARANTINE_SECONDS, free)
             if free is None:
                 raise NetworkError(f"service {self.service}: no address left in {self.net}")
             entry = {"ip": free}
@@ -447,6 +475,8 @@ class ServiceNetwork:
             gone = leases.pop(replica_id, None)
             leases = {rid: v for rid, v in leases.items() if _alive(v["work_dir"])}
             self._save(leases)
+            if gone is not None:
+                self._quarantine([gone["ip"]])
             if not leases:
                 self._teardown()
             elif gone is not None:

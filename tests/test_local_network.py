@@ -167,9 +167,9 @@ def test_a_replica_cannot_reach_the_hosts_loopback_nor_the_gateway(net, tmp_path
         gw.wait(30)
 
 
-def test_a_replacement_at_the_same_address_is_reached_at_once(net):
-    """A killed replica's replacement gets its address back: its peers (and the stream proxy) reach it at once,
-    not once their neighbour entry for the dead one has aged out (a router's workers waited ~30 s)."""
+def test_a_replacement_gets_a_new_address_and_is_reached_at_once(net):
+    """A killed replica's replacement does not get its address back within a minute (a peer still calling the old
+    one must not reach a newcomer), and its peers (and the stream proxy) reach it at once."""
     backend, start = net
     a, b = start(job("alpha", 0)), start(job("alpha", 1))
     for inst in (a, b):
@@ -179,7 +179,7 @@ def test_a_replacement_at_the_same_address_is_reached_at_once(net):
     wait_until(lambda: backend.status(a).state != "running", what="a gone")
     backend.stop(a, grace_seconds=2)
     a2 = start(JobSpec(service="alpha", group="g", replica_num=0, submission_num=1, port=8000, commands=[SERVE]))
-    assert a2.ip == a.ip
+    assert a2.ip != a.ip
     t0 = time.monotonic()
     wait_until(lambda: backend.probe(a2, "/", timeout=2) == 200, 10, "the replacement through its socket")
     assert connect_from(backend, b, a2.ip, 8000).startswith("connected HTTP/1.0 200")
@@ -293,3 +293,18 @@ def test_service_ranges_of_a_home_never_overlap(tmp_path, monkeypatch):
     assert local_net.ServiceNetwork(home, "beta").net == beta.net  # read back, not allocated again
     hosts = {str(h) for h in alpha.net.hosts()}
     assert alpha.bridge_ip != alpha.gateway_ip and {alpha.bridge_ip, alpha.gateway_ip} < hosts
+
+
+def test_a_released_address_waits_a_minute_before_another_replica_of_the_service_gets_it(tmp_path, monkeypatch):
+    """A router or worker that knew the old replica may still call its address: a newcomer must not answer."""
+    net = local_net.ServiceNetwork(tmp_path, "svc")
+    now = [1_000_000.0]
+    monkeypatch.setattr(local_net.time, "time", lambda: now[0])
+    with net.locked():  # no process runs these work dirs: each lease finds the earlier ones gone
+        first = net.lease("svc/a/r0-s0", str(tmp_path / "gone-0"), str(tmp_path / "0.sock"), 8000)
+        second = net.lease("svc/a/r1-s0", str(tmp_path / "gone-1"), str(tmp_path / "1.sock"), 8000)
+        now[0] += 59
+        third = net.lease("svc/a/r2-s0", str(tmp_path / "gone-2"), str(tmp_path / "2.sock"), 8000)
+        assert len({first, second, third}) == 3  # released 0 s and 59 s ago: neither handed out again
+        now[0] += 2
+        assert net.lease("svc/a/r3-s0", str(tmp_path / "gone-3"), str(tmp_path / "3.sock"), 8000) == first
