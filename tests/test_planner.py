@@ -401,3 +401,42 @@ def test_workers_behind_a_dynamo_router_wait_for_it_then_get_its_address_in_thei
     env = job_spec(config, "svc", "decode", 1, 0, refs).env
     assert env["DSTACK_ROUTER_INTERNAL_IP"] == env["DURASTACK_ROUTER_INTERNAL_IP"] == "10.9.0.2"
     assert "DSTACK_ROUTER_INTERNAL_IP" not in job_spec(config, "svc", "router", 0, 0, {}).env
+
+
+BOUND = """
+type: service
+name: svc
+port: 8000
+groups:
+  - name: s
+    replicas: 1..3
+    scaling: {metric: rps, target: 10}
+    commands: [serve]
+  - name: w
+    replicas: 1
+    commands: ["work --peer ${{ groups[s].replicas[0].IP_ADDRESS }}"]
+"""
+
+
+def _placed(num, group, ip, sub=0, **kw):
+    return replica(num, group, sub=sub, placement=Placement(backend="local", address=f"unix:/{num}.sock", ip=ip),
+                   **kw)
+
+
+def test_a_reference_is_bound_to_its_replica_not_its_index():
+    config = load_config_text(BOUND).config
+    worker = _placed(5, "w", "10.0.0.9", refs={"groups[s].replicas[0].IP_ADDRESS": "10.0.0.3"})
+
+    def plan(*servers):
+        st = ServiceState(name="svc", config=config, replicas=[*servers, worker], next_replica_num=9)
+        st.groups = sync_groups(config, {})
+        st.groups["s"].desired = len(servers)
+        return reconcile(st, NOW)
+    # A scale step gave the group a replica with a lower number: index 0 is now it, but the worker's server still
+    # runs where it was: nobody rolls.
+    p = plan(_placed(0, "s", "10.0.0.4"), _placed(2, "s", "10.0.0.3"))
+    assert not p and not p.readdressed
+    # The server it named was replaced (a new submission, a new address): the worker rolls, and says why.
+    p = plan(_placed(2, "s", "10.0.0.5", sub=1))
+    assert p.readdressed["w"] == "groups[s].replicas[0].IP_ADDRESS 10.0.0.3 → 10.0.0.5"
+    assert [s.group for s in p.start] == ["w"]

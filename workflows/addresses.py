@@ -107,11 +107,33 @@ def resolve(state: ServiceState, group: str) -> Resolution:
     return out
 
 
-def readdressed(replica: Replica, now: Resolution) -> Optional[str]:
-    """Why ``replica`` must roll because an address it started with moved, or None."""
+def readdressed(replica: Replica, now: Resolution, state: Optional[ServiceState] = None) -> Optional[str]:
+    """Why ``replica`` must roll because a replica it named was replaced, or None. A reference is bound to the
+    replica it resolved to, not to its index: while that replica still runs at the address it was started with
+    (addresses are not handed out again for a while), a scale step that moved another replica to index j rolls
+    nobody. Without ``state``, any change of the j-th replica's address rolls it."""
+    alive = _running_addresses(state) if state is not None else {}
     moved = [f"{key} {old} → {now.values[key]}" for key, old in sorted(replica.refs.items())
-             if key in now.values and now.values[key] != old]
+             if key in now.values and now.values[key] != old and not _still_there(key, replica.refs, alive)]
     return "; ".join(moved) or None
+
+
+def _running_addresses(state: ServiceState) -> dict[str, set[tuple[str, str]]]:
+    """Group → the (ip, port) of its active replicas."""
+    out: dict[str, set[tuple[str, str]]] = {}
+    for r in state.latest():
+        if r.active and r.placement is not None and peer_ip(r.placement):
+            port = peer_port(r.placement, state.config.port.container_port)
+            out.setdefault(r.group, set()).add((peer_ip(r.placement), port))
+    return out
+
+
+def _still_there(key: str, refs: dict[str, str], alive: dict[str, set[tuple[str, str]]]) -> bool:
+    """Whether the replica ``key`` named when ``refs`` were taken still runs at that address."""
+    group = key[len("groups["):].split("].replicas[", 1)[0]
+    base = key.rsplit(".", 1)[0]
+    ip, port = refs.get(f"{base}.IP_ADDRESS"), refs.get(f"{base}.PORT")
+    return any((ip is None or ip == i) and (port is None or port == p) for i, p in alive.get(group, set()))
 
 
 def commands(config: ServiceConfiguration, group: str, values: dict[str, str]) -> list[str]:

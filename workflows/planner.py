@@ -89,7 +89,7 @@ def reconcile(state: ServiceState, now: datetime) -> Plan:
         mine = [r for r in latest if r.group == name]
         # A replica whose commands name another replica starts only once that one has an address.
         addresses = resolve(state, name)
-        moved = {r.key: why for r in mine if r.active and (why := readdressed(r, addresses))}
+        moved = {r.key: why for r in mine if r.active and (why := readdressed(r, addresses, state))}
         can_start = (group.retry_after is None or group.retry_after <= now) and not addresses.missing
         needed = 0
         if state.rolling(name) or moved:
