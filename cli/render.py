@@ -83,6 +83,9 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
             if group.retry_after is not None:
                 wait = f"   {label} waits on a back-off until {group.retry_after:%H:%M:%S} UTC (after failures in a row)"
                 table.add_row(Text(wait, style="yellow"), *[""] * (len(table.columns) - 1))
+        if verbose and status.place:
+            table.add_row(Text(f"   one place: every replica on {status.place} (they reach each other)", style="cyan"),
+                          *[""] * (len(table.columns) - 1))
         if verbose and status.router is not None:
             for line in router_lines(status.router):
                 table.add_row(Text("   " + line, style="cyan"), *[""] * (len(table.columns) - 1))
@@ -116,6 +119,7 @@ def status_json(status: ServiceStatus, url: str) -> dict:
         "unrecorded": status.unrecorded, "store_error": status.store_error or None,
         "unavailable": status.unavailable or None,
         "store_failing_since": status.store_failing_since.isoformat() if status.store_failing_since else None,
+        "place": status.place or None,
         "router": status.router.model_dump(mode="json")["routers"] if status.router else None,
         "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max, "role": g.role,
                     "waiting": g.waiting,

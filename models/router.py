@@ -7,11 +7,15 @@ equal to the service's ready, not-stopping workers (``activities/router.py`` doe
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from models.run import Instance
+from models.backends import CloudInstance
+from models.replica import LocalInstance
+
+# What a replica runs on: a local process tree or a cloud VM (models.run uses this one).
+Instance = Annotated[Union[LocalInstance, CloudInstance], Field(discriminator="kind")]
 
 
 class RouterWorker(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import IntEnum
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field
 
@@ -143,6 +143,9 @@ class ServiceState(BaseModel):
     stats: Optional["StatsSnapshot"] = Field(None, description="Latest gateway snapshot; None = no stats yet.")
     router_view: Optional["RouterView"] = Field(None, description="What the router replicas list, as last synced "
                                                                   "(`router: {type: sglang}`).")
+    one_place: bool = Field(False, description="Its replicas reach each other (a router, address references): all "
+                                               "of them go where the first one was placed (patch one-place).")
+    place: str = Field("", description="`backend/region` every replica goes to once `one_place` placed the first.")
 
     def latest(self) -> list[Replica]:
         """The latest submission of every replica number."""
@@ -293,6 +296,7 @@ class ServiceStatus(BaseModel):
     store_failing_since: Optional[datetime] = Field(None, description="Since when writes to the store fail.")
     store_error: str = Field("", description="Why the last write to the store failed.")
     router: Optional["RouterView"] = Field(None, description="The router replicas' worker lists, as last synced.")
+    place: str = Field("", description="`backend/region` all of the service's replicas go to (one place), if pinned.")
     unavailable: str = Field("", description="Why the service cannot serve (lifecycle.unavailable): the gateway "
                                              "answers 503 with it instead of holding requests; '' when it may serve.")
 
@@ -378,12 +382,9 @@ class StatsSnapshot(BaseModel):
         return self.rps.get(window, 0.0) + self.held / window
 
 
-from models.backends import CloudInstance  # noqa: E402 — after Placement: backends imports offers only
-from models.replica import LocalInstance  # noqa: E402
-
-Instance = Annotated[Union[LocalInstance, CloudInstance], Field(discriminator="kind")]
-
-from models.router import RouterLeave, RouterView  # noqa: E402 — it needs Instance, above
+# The instance union (a local process tree or a cloud VM) is models.router's. Imported here, after Placement:
+# models.backends, which it imports, imports models.offers only.
+from models.router import Instance, RouterLeave, RouterView  # noqa: E402
 
 ServiceRecord.model_rebuild()
 

@@ -440,3 +440,25 @@ def test_a_reference_is_bound_to_its_replica_not_its_index():
     p = plan(_placed(2, "s", "10.0.0.5", sub=1))
     assert p.readdressed["w"] == "groups[s].replicas[0].IP_ADDRESS 10.0.0.3 → 10.0.0.5"
     assert [s.group for s in p.start] == ["w"]
+
+
+def test_one_place_the_first_replica_is_placed_before_the_others_start_and_they_follow_it():
+    from workflows import lifecycle
+    from models.run import ReplicaUpdate
+    config = load_config_text(DYNAMO.replace("type: dynamo", "type: sglang")).config
+    st = ServiceState(name="svc", config=config, one_place=True)
+    st.groups = sync_groups(config, {})
+    plan = reconcile(st, NOW)
+    assert plan.start == [Start("router", 0, 0)] and "first replica to be placed" in plan.waits["decode"]
+    st.replicas.append(replica(0, "router", status="submitted", ready=False))
+    st.next_replica_num = 1
+    assert not reconcile(st, NOW).start  # still placing
+    notes = lifecycle.on_replica_update(st, ReplicaUpdate(
+        replica_num=0, submission_num=0, status="running", seq=2,
+        placement=Placement(backend="aws", region="us-east-1", address="unix:/t.sock", ip="10.1.0.5")), NOW)
+    assert st.place == "aws/us-east-1" and [n.kind for n in notes] == ["place"]
+    assert reconcile(st, NOW).start == [Start("decode", 1, 0)]
+    # Without the patch (a run recorded before it) every group starts at once, as before.
+    st = ServiceState(name="svc", config=config)
+    st.groups = sync_groups(config, {})
+    assert [s.group for s in reconcile(st, NOW).start] == ["router", "decode"]

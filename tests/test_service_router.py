@@ -118,16 +118,16 @@ async def test_workers_roll_one_at_a_time_behind_the_router(ts_env, cloud):
 
 async def test_a_reference_waits_for_an_address_and_is_substituted(ts_env, cloud):
     handle = await start(ts_env, cloud, "pd-refs", prefill=f"prefill --router {ROUTER}")
-    await ready(handle, {"router": [0], "prefill": [2], "decode": [1]})
-    # The prefill worker started only after the router had an address, with it in its commands (decode, which
-    # names nobody, started in the first pass and took the next number).
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    # The prefill worker started only after the router had an address, with it in its commands; decode, which
+    # names nobody, waited too: all replicas go where the first one (the router) was placed.
     router_ip = cloud.ips["pd-refs/router/r0-s0"]
-    assert cloud.commands["pd-refs/prefill/r2-s0"] == [f"prefill --router {router_ip}:8000"]
+    assert cloud.commands["pd-refs/prefill/r1-s0"] == [f"prefill --router {router_ip}:8000"]
     assert cloud.log.index(("provision", "pd-refs/router/r0-s0")) < \
-        cloud.log.index(("provision", "pd-refs/prefill/r2-s0"))
+        cloud.log.index(("provision", "pd-refs/prefill/r1-s0"))
     waits = await events(handle, "wait")
     assert waits and waits[0].startswith("a replica cannot start yet: groups[router].replicas[0] ")
-    assert any(m == f"replica 2 starts with groups[router].replicas[0].IP_ADDRESS = {router_ip}, "
+    assert any(m == f"replica 1 starts with groups[router].replicas[0].IP_ADDRESS = {router_ip}, "
                     "groups[router].replicas[0].PORT = 8000" for m in await events(handle, "replica"))
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
@@ -135,13 +135,13 @@ async def test_a_reference_waits_for_an_address_and_is_substituted(ts_env, cloud
 
 async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(ts_env, cloud):
     handle = await start(ts_env, cloud, "pd-move", prefill=f"prefill --router {ROUTER}")
-    await ready(handle, {"router": [0], "prefill": [2], "decode": [1]})
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
     await router_lists(handle, 2)
     # The router's configuration changes: it rolls, gets a new address, and the prefill worker follows it.
     await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=pd_config(
         "pd-move", version="v2", prefill=f"prefill --router {ROUTER}")))
-    await eventually(lambda: _true(cloud.instances.get("pd-move/prefill/r2-s0") == "terminated"))
-    status = await ready(handle, {"router": [3], "prefill": [4], "decode": [1]})
+    await eventually(lambda: _true(cloud.instances.get("pd-move/prefill/r1-s0") == "terminated"))
+    status = await ready(handle, {"router": [3], "prefill": [4], "decode": [2]})
     assert status.groups[1].rollout == "" and status.groups[1].waiting == ""
     old_ip, new_ip = cloud.ips["pd-move/router/r0-s0"], cloud.ips["pd-move/router/r3-s0"]
     assert old_ip != new_ip and cloud.commands["pd-move/prefill/r4-s0"] == [f"prefill --router {new_ip}:8000"]
@@ -149,8 +149,8 @@ async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(t
     assert rolls == ["replicas roll: a replica their commands reference was replaced "
                      f"(groups[router].replicas[0].IP_ADDRESS {old_ip} → {new_ip})"]
     # The old worker kept working until the new one was ready (surge rules).
-    assert cloud.log.index(("ready", "pd-move/prefill/r4-s0")) < cloud.log.index(("terminate", "pd-move/prefill/r2-s0"))
-    assert cloud.provisions.get("pd-move/decode/r1-s0") == 1  # decode names nobody: untouched
+    assert cloud.log.index(("ready", "pd-move/prefill/r4-s0")) < cloud.log.index(("terminate", "pd-move/prefill/r1-s0"))
+    assert cloud.provisions.get("pd-move/decode/r2-s0") == 1  # decode names nobody: untouched
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
 

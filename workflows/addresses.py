@@ -35,6 +35,12 @@ class Resolution:
         return "; ".join(f"{replica} {why}" for replica, why in sorted(by_replica.items()))
 
 
+def one_place(config: ServiceConfiguration) -> bool:
+    """Whether the service's replicas reach each other (a router group, or commands naming replicas): then they must
+    all be placed where private addresses reach, one backend and region."""
+    return config.router_group is not None or any(keys(config, g.name) for g in config.replica_groups)
+
+
 def router_key(config: ServiceConfiguration, group: str) -> Optional[str]:
     """A worker behind a Dynamo router finds it at $DSTACK_ROUTER_INTERNAL_IP: the router replica's address, which
     it needs as if its commands named it. None for the router itself and for other services."""

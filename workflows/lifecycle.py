@@ -96,12 +96,17 @@ def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime)
     replica.seq = update.seq
     replica.status, replica.ready, replica.registered = update.status, update.ready, update.registered
     replica.placement = update.placement or replica.placement
+    notes: list[Note] = []
+    if state.one_place and not state.place and update.placement is not None:
+        state.place = f"{update.placement.backend}/{update.placement.region}"
+        notes.append(Note("place", f"the service is placed on {update.placement.backend} "
+                                   f"{update.placement.region}: its replicas reach each other there, and all of "
+                                   "them go there", replica.group))
     replica.instance = update.instance or replica.instance
     replica.reason = update.reason or replica.reason
     group = state.groups.get(replica.group)
     if replica.serves and group is not None:
         group.failed_start = ""  # the group serves again: no longer crash-looping
-    notes: list[Note] = []
     if update.status in ("terminating", "failed") and not replica.stop_requested and group is not None:
         replica.stop_requested = True  # counted once: a later report of the same failure finds it stopping
         notes += _failed(state, group, replica, update.reason or "failed", now, served)

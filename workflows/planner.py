@@ -91,6 +91,9 @@ def reconcile(state: ServiceState, now: datetime) -> Plan:
         addresses = resolve(state, name)
         moved = {r.key: why for r in mine if r.active and (why := readdressed(r, addresses, state))}
         can_start = (group.retry_after is None or group.retry_after <= now) and not addresses.missing
+        # One place: until the first replica is placed, the others wait for where it lands.
+        placing = state.one_place and not state.place and (plan.start or any(r.active for r in latest))
+        can_start = can_start and not placing
         needed = 0
         if state.rolling(name) or moved:
             if not group.rollout_failed:  # a failed rollout stops here: the old replicas keep serving
@@ -99,6 +102,8 @@ def reconcile(state: ServiceState, now: datetime) -> Plan:
             needed = _scale(plan, state, group, mine, numbers, can_start)
         if needed and addresses.missing:
             plan.waits[name] = addresses.why_waiting()
+        elif needed and placing:
+            plan.waits[name] = "waits for the service's first replica to be placed (all of them go to one place)"
         if addresses.values:
             plan.refs[name] = addresses.values
         if moved:

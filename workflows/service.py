@@ -22,7 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from models.run import (ApplyRequest, ApplyResult, Down, Event, Replica, ReplicaUpdate,
                             ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
-    from workflows import lifecycle, routers, views
+    from workflows import addresses, lifecycle, routers, views
     from workflows.admission import Refused, check_apply, check_scale
     from workflows.children import Children
     from workflows.planner import Plan, prune, reconcile, sync_groups
@@ -37,6 +37,7 @@ ROUTE_BESIDE_REPLICAS = "route-beside-replicas"  # the gateway route is put besi
 WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its replica finished is torn down
 CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
 ROUTE_UNAVAILABLE = "route-unavailable"  # the route says why the service cannot serve: the gateway answers 503
+ONE_PLACE = "one-place"  # the replicas of a service that reach each other all go where its first one landed
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 
 
@@ -184,6 +185,8 @@ class ServiceRunWorkflow:
         self.route.say_unavailable = workflow.patched(ROUTE_UNAVAILABLE)
         if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
+        if addresses.one_place(state.config):  # the same: only services whose replicas reach each other
+            state.one_place = workflow.patched(ONE_PLACE)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()

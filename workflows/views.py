@@ -95,7 +95,7 @@ def status_view(state: ServiceState) -> ServiceStatus:
                          auth=state.config.auth, submitted_at=state.submitted_at, groups=groups,
                          extra_replicas=[_replica_view(r) for r in latest if r.group not in names],
                          unrecorded=len(state.unrecorded), store_failing_since=state.store_failing_since,
-                         store_error=state.store_error, routed=state.routed, router=state.router_view,
+                         store_error=state.store_error, routed=state.routed, router=state.router_view, place=state.place,
                          unavailable=lifecycle.unavailable(state))
 
 
