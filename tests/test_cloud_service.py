@@ -122,8 +122,9 @@ class FakeGateway:
         self.services: dict[str, dict] = {}
 
     async def put_service(self, name, auth=True, cold_start_timeout=None, pass_authorization=False,
-                          strip_prefix=True, rate_limits=()):
-        self.services[name] = dict(auth=auth, pass_authorization=pass_authorization, strip_prefix=strip_prefix)
+                          strip_prefix=True, rate_limits=(), unavailable=""):
+        self.services[name] = dict(auth=auth, pass_authorization=pass_authorization, strip_prefix=strip_prefix,
+                                   unavailable=unavailable)
 
     async def delete_service(self, name):
         self.services.pop(name, None)
