@@ -125,7 +125,9 @@ def running_stack(tmp_path_factory, env: dict[str, str] | None = None):
     """A started stack for a test module; stopping it must leave no replica process behind."""
     s = Stack(tmp_path_factory.mktemp("home"), env)
     try:
-        until(lambda: s.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+        # Slow beside a loaded suite; a server that exited says why at once.
+        until(lambda: s.proc.poll() is not None or s.cli("ps").returncode == 0, 180, 0.5, "control plane up")
+        assert s.proc.poll() is None, (s.home / "server.out").read_text()[-4000:]
         yield s
     finally:
         s.stop()
