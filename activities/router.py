@@ -25,7 +25,7 @@ from activities import interface
 from activities.engine_metrics import in_flight
 from activities.interface import implements
 from activities.probes import Connect, client_for
-from activities.watch import heartbeat_every
+from activities.watch import watch_until_down
 from models.router import RouterEntry, RouterLeave, RouterState, RouterSyncInput, RouterTarget, RouterView
 from temporalio import activity
 
@@ -43,6 +43,16 @@ class RouterError(Exception):
     pass
 
 
+async def _request(address: str, connect: Optional[Connect], method: str, path: str, **kw) -> httpx.Response:
+    """One call to an app (a router's API, a worker's engine) as the probes reach it; unreachable: RouterError."""
+    client, base = client_for(address, TIMEOUT, connect)
+    async with client:
+        try:
+            return await client.request(method, base + path, **kw)
+        except httpx.HTTPError as e:
+            raise RouterError(f"{method} {path}: {type(e).__name__} {e}".strip()) from None
+
+
 class WorkerAPI:
     """One router replica's worker API."""
 
@@ -51,12 +61,7 @@ class WorkerAPI:
         self.legacy = False  # answers 404 to /workers: the older /list_workers, /add_worker, /remove_worker
 
     async def _call(self, method: str, path: str, **kw) -> httpx.Response:
-        client, base = client_for(self.address, TIMEOUT, self.connect)
-        async with client:
-            try:
-                return await client.request(method, base + path, **kw)
-            except httpx.HTTPError as e:
-                raise RouterError(f"{method} {path}: {type(e).__name__} {e}".strip()) from None
+        return await _request(self.address, self.connect, method, path, **kw)
 
     async def workers(self) -> dict[str, tuple[str, RouterEntry]]:
         """url → (the router's id for it, the entry)."""
@@ -107,14 +112,9 @@ def _entry(w: dict) -> RouterEntry:
 
 async def worker_role(address: str, connect: Optional[Connect]) -> tuple[str, Optional[int]]:
     """The worker's role and bootstrap port, from its engine's ``/server_info`` (``regular`` when it has none)."""
-    client, base = client_for(address, TIMEOUT, connect)
-    async with client:
-        try:
-            r = await client.get(base + "/server_info")
-            if r.status_code == 404:
-                r = await client.get(base + "/get_server_info")
-        except httpx.HTTPError as e:
-            raise RouterError(f"GET /server_info: {type(e).__name__} {e}".strip()) from None
+    r = await _request(address, connect, "GET", "/server_info")
+    if r.status_code == 404:  # older engines
+        r = await _request(address, connect, "GET", "/get_server_info")
     if r.status_code >= 300:
         return "regular", None
     info = r.json()
@@ -139,19 +139,16 @@ class RouterActivities:
         mine = activity.info().scheduled_time.timestamp()
         self.newest[inp.service] = max(self.newest.get(inp.service, 0.0), mine)
         apis = {(t.replica_num, t.submission_num): WorkerAPI(*reach(t.instance)) for t in inp.routers}
-        every, beat = heartbeat_every(inp.poll_seconds), time.monotonic()
         changes: list[str] = []
-        while True:
+
+        async def check() -> Optional[RouterView]:
             if self.newest[inp.service] > mine:  # the service started a newer sync (and cancels this one): it acts now
                 return inp.known
             view = RouterView(routers=[await self._put_right(inp, t, apis[t.replica_num, t.submission_num], reach,
                                                              changes) for t in inp.routers], changes=changes)
-            if changes or view.without_changes() != inp.known.without_changes():
-                return view
-            if time.monotonic() - beat >= every / 2:
-                activity.heartbeat()
-                beat = time.monotonic()
-            await asyncio.sleep(inp.poll_seconds)
+            return view if changes or view.without_changes() != inp.known.without_changes() else None
+
+        return await watch_until_down(check, inp.poll_seconds)
 
     async def _put_right(self, inp: RouterSyncInput, target: RouterTarget, api: WorkerAPI, reach: Reach,
                          changes: list[str]) -> RouterState:

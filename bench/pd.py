@@ -142,13 +142,12 @@ def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print) -> li
             time.sleep(2)
         view = router_view(stack)
         restarts = router_submissions(stack) - restarts
-        results.append((title, load, restarts, view))
+        results.append((title, _copy(load), restarts, view))
         say(f"{sum(load.counts.values())} requests, {load.failed} failed {dict(load.counts)}; router restarts "
             f"{restarts}; decode workers that answered: {len(load.workers)}")
         for r in view:
             say(f"router replica={r['replica_num']} lists: " + ", ".join(
                 f"{w['url']} {w['worker_type']}{'' if w['healthy'] else ' (unhealthy)'}" for w in r["workers"]))
-        results[-1] = (title, _copy(load), restarts, view)
 
     file = stack.write("standin.yml", standin())
     stack.check("apply", "-f", str(file), "-y")

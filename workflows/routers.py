@@ -32,13 +32,17 @@ def worker_url(state: ServiceState, replica: Replica) -> str:
     return f"http://{peer_ip(replica.placement)}:{peer_port(replica.placement, state.config.port.container_port)}"
 
 
-def targets(state: ServiceState) -> list[RouterTarget]:
+def _routers(state: ServiceState) -> list[Replica]:
     """The router replicas to keep: placed and running, not asked to stop (two while the router group rolls: the
     new one learns the workers before it is ready, so it takes traffic with them)."""
     group = synced(state.config)
+    return [r for r in state.latest()
+            if r.group == group and r.status == "running" and r.active and r.instance is not None]
+
+
+def targets(state: ServiceState) -> list[RouterTarget]:
     return [RouterTarget(replica_num=r.replica_num, submission_num=r.submission_num, instance=r.instance)
-            for r in state.latest() if r.group == group and r.status == "running" and r.active
-            and r.instance is not None]
+            for r in _routers(state)]
 
 
 def _workers(state: ServiceState) -> list[RouterWorker]:
@@ -56,14 +60,11 @@ def sync_input(state: ServiceState) -> Optional[RouterSyncInput]:
     """What the router sync should hold now; None when there is no router to keep."""
     if synced(state.config) is None or state.stopping:
         return None
-    routers = targets(state)
-    if not routers:
+    routers = _routers(state)
+    if not routers or routers[0].placement is None:
         return None
-    backend = next(r.placement.backend for r in state.latest()
-                   if (r.replica_num, r.submission_num) == (routers[0].replica_num, routers[0].submission_num)
-                   and r.placement is not None)
-    return RouterSyncInput(service=state.name, backend=backend, routers=routers, workers=_workers(state),
-                           known=state.router_view or RouterView())
+    return RouterSyncInput(service=state.name, backend=routers[0].placement.backend, routers=targets(state),
+                           workers=_workers(state), known=state.router_view or RouterView())
 
 
 def leave(state: ServiceState, replica: Replica) -> Optional[RouterLeave]:
@@ -73,6 +74,14 @@ def leave(state: ServiceState, replica: Replica) -> Optional[RouterLeave]:
     if group is None or replica.group == group or not url:
         return None
     return RouterLeave(routers=targets(state), url=url)
+
+
+def await_listing(state: ServiceState, added: list[Replica]) -> None:
+    """New workers behind the kept router serve only once a router lists them (patch router-sync)."""
+    group = synced(state.config)
+    for replica in added:
+        if group is not None and replica.group != group:
+            replica.synced = False
 
 
 def on_view(state: ServiceState, view: RouterView) -> list[Note]:

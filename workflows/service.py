@@ -293,10 +293,8 @@ class ServiceRunWorkflow:
         state = self.state
         added, notes = lifecycle.add_replicas(state, plan, workflow.now())
         self._note(notes)
-        if self.router_sync:  # a worker behind the router serves once the router lists it
-            for replica in added:
-                if replica.group != routers.synced(state.config):
-                    replica.synced = False
+        if self.router_sync:
+            routers.await_listing(state, added)
         work = [self._start(replica) for replica in added]
         for s in plan.stop:
             replica = state.find(s.replica_num, s.submission_num)
