@@ -113,12 +113,12 @@ def resolve(state: ServiceState, group: str) -> Resolution:
     return out
 
 
-def readdressed(replica: Replica, now: Resolution, state: Optional[ServiceState] = None) -> Optional[str]:
+def readdressed(replica: Replica, now: Resolution, state: ServiceState) -> Optional[str]:
     """Why ``replica`` must roll because a replica it named was replaced, or None. A reference is bound to the
     replica it resolved to, not to its index: while that replica still runs at the address it was started with
     (addresses are not handed out again for a while), a scale step that moved another replica to index j rolls
-    nobody. Without ``state``, any change of the j-th replica's address rolls it."""
-    alive = _running_addresses(state) if state is not None else {}
+    nobody."""
+    alive = _running_addresses(state)
     moved = [f"{key} {old} → {now.values[key]}" for key, old in sorted(replica.refs.items())
              if key in now.values and now.values[key] != old and not _still_there(key, replica.refs, alive)]
     return "; ".join(moved) or None
