@@ -54,7 +54,7 @@ from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, LOCAL_
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
                                    send_signal, unshare_argv)
 from activities import local_net
-from activities.local_init import env_script, with_env
+from activities.local_init import COMMANDS_FILE, env_script, with_env
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 
 ENV_ISOLATION = "DURASTACK_LOCAL_ISOLATION"  # "0"/"off" forces isolation off, e.g. to test that mode
@@ -275,7 +275,9 @@ class LocalBackend:
 
     # ---- start -------------------------------------------------------------------------------
 
-    def start(self, job: JobSpec) -> LocalInstance:
+    def start(self, job: JobSpec, later: bool = False) -> LocalInstance:
+        """Start the replica (adopting one an earlier attempt started). ``later``: its commands wait in the replica,
+        on a network of its own already, until ``give_commands`` (its late references need its address first)."""
         if not job.commands:
             if job.image:
                 raise UnsupportedJobError(
@@ -296,7 +298,7 @@ class LocalBackend:
             # start side by side, not one after the other.
             with net.locked() if net is not None else contextlib.nullcontext():
                 if inst is None:
-                    inst = self._spawn(job, wd, meta)
+                    inst = self._spawn(job, wd, meta, later)
                 elif net is not None:  # an earlier attempt may have died between spawning and linking it
                     net.lease(job.replica_id, str(wd), str(self._socket_path(wd)), job.port)
                 if net is not None:
@@ -376,12 +378,19 @@ class LocalBackend:
                 "give a path relative to it")
         return path
 
-    def _spawn(self, job: JobSpec, wd: Path, meta: Path) -> LocalInstance:
+    def give_commands(self, job: JobSpec) -> None:
+        """The commands (and env) of a replica started with ``later``, its late references filled in: the replica's
+        ``local_init`` waits for this file. In .durastack, root's, where the replica cannot write."""
+        meta = self.work_dir(job) / ".durastack"
+        _write_private(meta / COMMANDS_FILE, json.dumps({"script": "\n".join(job.commands), "env": job.env}))
+
+    def _spawn(self, job: JobSpec, wd: Path, meta: Path, later: bool = False) -> LocalInstance:
         log_path = wd / "replica.log"
         account = self.run_as(job)
         (meta / "exit_code").unlink(missing_ok=True)
         (wd / "exit_code").unlink(missing_ok=True)
         (meta / "ns_ready").unlink(missing_ok=True)
+        (meta / COMMANDS_FILE).unlink(missing_ok=True)
         if self.confined:
             # The commands' own to write in, but root's, sticky: its user may rename or remove only what it made.
             # Owning it, it could rename root's .durastack away and put a directory of its own there, whose
@@ -404,7 +413,7 @@ class LocalBackend:
         if job.image:
             notes.append(f"image {job.image!r} is ignored: the local backend runs the commands on this machine")
         launch = {"replica_id": job.replica_id, "isolated": self.isolated, "port": port, "address": address, "ip": ip,
-                  "script": "\n".join(job.commands), "python": sys.executable, "bridge": BRIDGE_SCRIPT, "env": env,
+                  "script": "" if later else "\n".join(job.commands), "later": later, "python": sys.executable, "bridge": BRIDGE_SCRIPT, "env": env,
                   "cwd": self.commands_dir(job),
                   # what must stay visible if it lives under the host's /tmp (hidden by the private /tmp)
                   # or under the home (hidden from a confined replica)

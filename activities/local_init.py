@@ -47,6 +47,9 @@ ENV_LOADER = '. /dev/stdin && exec "$@" </dev/null'
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+COMMANDS_FILE = "commands.json"  # see _await_commands
+
+
 def env_script(env: dict) -> bytes:
     """The shell script that exports ``env`` (names were validated with the service; checked again, since a
     name is not quoted)."""
@@ -307,6 +310,22 @@ class _Signals:
                 os.killpg(self.app_pid, signum)
 
 
+def _await_commands(cfg: dict, signals: "_Signals") -> None:
+    """A replica whose commands name replicas placed after it (or itself) is started without them: they come in
+    COMMANDS_FILE once every address is known (activities/references.py). A stop meanwhile ends the wait."""
+    path = os.path.join(".durastack", COMMANDS_FILE)
+    while not signals.received:
+        try:
+            with open(path) as f:
+                given = json.load(f)
+        except (FileNotFoundError, ValueError):  # not yet (the worker replaces it whole, never half-written)
+            time.sleep(0.02)
+            continue
+        cfg["script"] = given["script"]
+        cfg["env"].update(given["env"])
+        return
+
+
 def main() -> int:
     if sys.argv[1:] == ["--selftest"]:
         loopback_up()
@@ -339,6 +358,8 @@ def main() -> int:
     else:
         # Orphans of the app (its background jobs) become our children rather than the host init's.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if cfg.get("later"):
+        _await_commands(cfg, signals)
     if signals.received:
         _write_exit_code(128 + signals.received)
         return 128 + signals.received

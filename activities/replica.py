@@ -36,6 +36,7 @@ from activities.liveness import heartbeating, keeps_alive
 from activities.local import LocalBackend, UnsupportedJobError
 from activities.metrics import provisioning_failed
 from activities.probes import Connect, ProbeStreaks, answers_http
+from activities.references import resolve_late
 from activities.router import RouterActivities
 from activities.replica_cloud import CloudReplicas
 from activities.runtime import local_limits
@@ -76,6 +77,7 @@ class Backend(Protocol):
     min_poll_seconds: float  # liveness checks no more often than this (cloud APIs are slow and rate-limited)
 
     async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
+    async def start(self, inp: ReplicaInput, instance) -> None: ...  # its commands run once this returns
     def reach(self, instance) -> tuple[str, Optional[Connect]]: ...
     async def wait_ready(self, instance, probes: list[ProbeSpec]) -> None: ...
     async def down(self, instances: list) -> list[Optional[str]]: ...
@@ -116,8 +118,8 @@ class LocalReplicas:
             provisioning_failed("local", "unsupported")
             raise no_capacity(NoCapacity(backend="local", tried=False, reasons=cannot))
         since = activity.info().scheduled_time.timestamp() - CLOCK_SKEW_SECONDS  # the launch's first attempt
-        try:
-            instance = await self._blocking(self._start_once, inp.job, since)
+        try:  # with late references, its commands wait in the replica for ``start``
+            instance = await self._blocking(self._start_once, inp.job, since, bool(inp.late_refs))
         except UnsupportedJobError as e:
             provisioning_failed("local", "unsupported")
             raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[str(e)])) from e
@@ -126,14 +128,18 @@ class LocalReplicas:
                               ip=instance.ip)
         return placement, instance
 
-    def _start_once(self, job: JobSpec, since: float) -> LocalInstance:
+    async def start(self, inp: ReplicaInput, instance: LocalInstance) -> None:
+        if inp.late_refs:
+            await self._blocking(self.local.give_commands, inp.job)
+
+    def _start_once(self, job: JobSpec, since: float, later: bool) -> LocalInstance:
         """The instance an earlier attempt of this launch started (recorded ``since`` its first attempt), even if
         it has exited since: starting it again would run the submission twice, and the readiness wait reports
         the exit instead. Otherwise ``start``, which also adopts a live tree an attempt left unrecorded."""
         recorded = self.local.find(job)
         if recorded is not None and (self.local.recorded_at(job) or 0) >= since:
             return recorded
-        return self.local.start(job)
+        return self.local.start(job, later)
 
     def reach(self, instance: LocalInstance) -> tuple[str, None]:
         """Where this worker reaches the app (as the probes do): its socket on the host."""
@@ -215,6 +221,8 @@ class ReplicaActivities:
                     f"the service's backends ({', '.join(r.backends)}) do not include {inp.backend}"]))
             backend = self._backend(inp.backend, launching=True)
             placement, instance = await backend.place(r, inp.backend)
+            r, refs = await resolve_late(r, placement, instance)  # once placed, before its commands run
+            await backend.start(r, instance)
         finally:
             await provisioning()
         sent = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONED, "running",
@@ -228,7 +236,7 @@ class ReplicaActivities:
         finally:
             await sent()
         await report(r.service_workflow_id, job, SERVING, "running", ready=True, registered=r.route,
-                     placement=placement, instance=instance)
+                     placement=placement, instance=instance, refs=refs)
         log.info("%s: serving on %s at %s%s", job.replica_id, placement.backend, placement.address,
                  "" if r.route else " (behind the router group)")
         return Launched(placement=placement, instance=instance)

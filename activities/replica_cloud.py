@@ -260,8 +260,6 @@ class CloudReplicas:
                 provision_cloud, inp.job, inp.resources, offers, backends={backend: self.backends[backend]},
                 ledger=self.ledger, max_offers=self.config.max_offers, progress=progress)
             instance = await self._until_running(instance)
-            if self.ssh is not None:
-                await self._ssh_start(inp, instance, gpu=offer.gpu_count > 0)
         except NoCapacity as e:
             raise no_capacity(NoCapacityDetails(backend=backend, tried=e.tried, reasons=e.reasons)) from e
         except CloudError as e:
@@ -270,6 +268,20 @@ class CloudReplicas:
         log.info("%s: provisioned %s %s in %s", inp.job.replica_id, instance.backend, instance.instance_id,
                  instance.zone or instance.region)
         return placement, instance
+
+    async def start(self, inp: ReplicaInput, instance: CloudInstance) -> None:
+        """Start the job on the running instance, over SSH (without SSH, its user data started it at boot)."""
+        if self.ssh is None:
+            if inp.late_refs:
+                raise ApplicationError(f"{inp.job.replica_id}: commands naming replicas placed after it need the "
+                                       "SSH path to start", type="Unsupported", non_retryable=True)
+            return
+        gpu = any(o.gpu_count for o in (self._catalog or load_catalog())
+                  if o.backend == instance.backend and o.instance_type == instance.instance_type)
+        try:
+            await self._ssh_start(inp, instance, gpu=gpu)
+        except CloudError as e:
+            raise activity_error(e) from e
 
     async def _until_running(self, instance: CloudInstance) -> CloudInstance:
         """Wait (bounded) until the instance runs with an address: a pending AWS instance has no public IP yet,

@@ -26,7 +26,7 @@ PROVISIONING, PROVISIONED, SERVING, TERMINATING, FINISHED = (Step.PROVISIONING, 
 
 async def report(service_workflow_id: str, job: JobSpec, seq: int, status: ReplicaStatus, *, ready: bool = False,
                  registered: bool = False, placement: Placement | None = None, instance: Instance | None = None,
-                 reason: str = "") -> None:
+                 reason: str = "", refs: dict[str, str] | None = None) -> None:
     """Signal ``status`` to the service run ``service_workflow_id``, from inside an activity."""
     # Imported here, not at the top: the workflow modules import the activity interface, so a top-level import
     # would make activity and workflow modules import each other.
@@ -34,7 +34,7 @@ async def report(service_workflow_id: str, job: JobSpec, seq: int, status: Repli
 
     update = ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=status,
                            ready=ready, registered=registered, placement=placement, instance=instance,
-                           reason=reason, seq=seq)
+                           reason=reason, seq=seq, refs=refs or {})
     try:
         await activity.client().get_workflow_handle(service_workflow_id).signal(
             ServiceRunWorkflow.replica_changed, update)

@@ -90,14 +90,35 @@ def group_name(names: Sequence[str], group: Union[int, str]) -> Optional[str]:
     return group if group in names else None
 
 
-def substitute(text: str, names: Sequence[str], value: Callable[[str], str]) -> str:
-    """``text`` with each reference replaced by ``value(key)`` and each ``$${{`` by ``${{``; malformed references are
-    left (validation refuses them)."""
+def substitute(text: str, names: Sequence[str], value: Callable[[str], str], unescape: bool = True) -> str:
+    """``text`` with each reference replaced by ``value(key)`` and each ``$${{`` by ``${{`` (unless ``unescape`` is
+    False: a later pass substitutes again); malformed references are left (validation refuses them)."""
+    def literal(part: str) -> str:
+        return part.replace(_ESCAPED, _OPEN) if unescape else part
+
     out, pos = [], 0
     for f in find(text):
         name = group_name(names, f.ref.group) if f.ref is not None else None
         if f.ref is None or name is None:
             continue
-        out += [text[pos:f.start].replace(_ESCAPED, _OPEN), value(f.ref.key(name))]
+        out += [literal(text[pos:f.start]), value(f.ref.key(name))]
         pos = f.end
-    return "".join(out) + text[pos:].replace(_ESCAPED, _OPEN)
+    return "".join(out) + literal(text[pos:])
+
+
+def target_group(key: str) -> str:
+    """The group a reference key (``Ref.key``) names: ``groups[<name>].replicas[j].ATTR`` → name."""
+    return key[len("groups["):].split("].replicas[", 1)[0]
+
+
+def expression(key: str) -> str:
+    """A reference key written back as an expression, by group name: what a late reference stays in a job's
+    commands until its launch resolves it (``fill``)."""
+    name, rest = key[len("groups["):].split("].replicas[", 1)
+    return '${{ groups["' + name + '"].replicas[' + rest + " }}"
+
+
+def fill(commands: Sequence[str], values: dict[str, str]) -> list[str]:
+    """``commands`` with the references written by ``expression`` replaced by ``values`` (keyed as ``Ref.key``)."""
+    names = sorted({target_group(k) for k in values})
+    return [substitute(c, names, lambda key: values[key]) for c in commands]

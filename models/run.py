@@ -201,6 +201,8 @@ class ReplicaUpdate(BaseModel):
     seq: int = Field(0, description="Lifecycle position of this report: the service drops one not newer than the last.")
     instance: Optional["Instance"] = Field(None, description="The instance, once provisioned (for a teardown the "
                                                              "service must do itself).")
+    refs: dict[str, str] = Field(default_factory=dict, description=(
+        "The late references its launch resolved once it was placed (workflows.addresses.late), key → value."))
 
 
 class ReplicaInput(BaseModel):
@@ -222,6 +224,26 @@ class ReplicaInput(BaseModel):
     route: bool = Field(True, description="Register it with the gateway once ready; False for a worker behind the "
                                           "service's router group.")
     heartbeat_seconds: int = Field(20, description="Heartbeat timeout of its launch and teardown (the service's).")
+    late_refs: list[str] = Field(default_factory=list, description=(
+        "References its launch resolves once the replica is placed (workflows.addresses.late): they stay in the "
+        "job's commands as expressions until then."))
+    late_env: dict[str, str] = Field(default_factory=dict, description="Env variables set to a late reference's "
+                                                                       "value (name → reference).")
+
+
+class AddressQuery(BaseModel):
+    """A placed replica asks its service for the values of its late references (query `addresses`)."""
+
+    replica_num: int
+    submission_num: int
+    keys: list[str]
+
+
+class AddressAnswer(BaseModel):
+    values: dict[str, str] = Field(default_factory=dict, description="Key → value, for those that resolve.")
+    missing: dict[str, str] = Field(default_factory=dict, description="Key → why it does not resolve yet.")
+    placed: bool = Field(False, description="Whether the service knows where the asking replica is (its report "
+                                            "of that arrived): until then, nobody can resolve a reference to it.")
 
 
 class ApplyRequest(BaseModel):

@@ -287,11 +287,11 @@ def _routers(groups: list[ReplicaGroup]) -> Iterator[Issue]:
             yield Issue(("groups", i, "count"), "the replica group with `router` must have exactly 1 replica")
 
 
-
 def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
     """Replica addresses (``${{ groups[i].replicas[j].IP_ADDRESS }}``, models.interpolation): only in
-    commands, of a replica that always exists. A replica gets its address when it starts, and one whose
-    commands name another starts only once that one has an address: references may not form a cycle."""
+    commands, of a replica that always exists. They may form cycles (a group naming its own replicas[0], a router
+    and its workers naming each other): every replica has its address once placed, before its commands run
+    (workflows/addresses.py)."""
     for key, value in cfg.env.items():
         if value is not None and any(True for _ in find(value)):
             yield Issue(("env", key), "`${{ … }}` expressions may appear only in `commands`, never in `env`; "
@@ -302,23 +302,13 @@ def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
                           "literal text")
     groups = cfg.replica_groups
     names = [g.name or str(i) for i, g in enumerate(groups)]
-    edges: dict[str, set[str]] = {n: set() for n in names}
     for i, group in enumerate(groups):
         for k, command in enumerate(group.commands):
             at = ("groups", i, "commands", k) if cfg.groups else ("commands", k)
             for found in find(command):
-                issue = _reference_issue(found, groups, names, names[i])
+                issue = _reference_issue(found, groups, names)
                 if issue:
                     yield Issue(at, f"{found.text}: {issue}")
-                elif found.ref is not None:
-                    edges[names[i]].add(group_name(names, found.ref.group) or "")
-    cycle = _cycle(edges)
-    if cycle:
-        i = names.index(cycle[0])
-        yield Issue(("groups", i, "commands") if cfg.groups else ("commands",),
-                    "replica addresses are referenced in a cycle (" + " → ".join(cycle + [cycle[0]]) + "): a "
-                    "replica starts only once the replicas its commands name have an address, so none of these "
-                    "would ever start")
 
 
 def _expressions_outside_commands(node: object, at: Path) -> Iterator[Path]:
@@ -341,7 +331,7 @@ def _expressions_outside_commands(node: object, at: Path) -> Iterator[Path]:
             yield from _expressions_outside_commands(value, at + (str(key),))
 
 
-def _reference_issue(found, groups: list[ReplicaGroup], names: list[str], own: str) -> str:
+def _reference_issue(found, groups: list[ReplicaGroup], names: list[str]) -> str:
     if found.ref is None:
         return found.error
     name = group_name(names, found.ref.group)
@@ -358,28 +348,3 @@ def _reference_issue(found, groups: list[ReplicaGroup], names: list[str], own: s
     return ""
 
 
-def _cycle(edges: dict[str, set[str]]) -> list[str]:
-    """A cycle of group references (a group naming itself included), or []."""
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(node: str) -> list[str]:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):]
-            if nxt in edges and nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        state[node] = 2
-        path.pop()
-        return []
-
-    for node in edges:
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return []

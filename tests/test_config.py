@@ -9,6 +9,7 @@ import pytest
 
 from models.loader import MAX_FILE_BYTES, load_config_file, load_config_text
 from models.service import ServiceConfiguration
+from workflows.addresses import late
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -626,20 +627,22 @@ def test_reference_in_env_is_refused_with_its_line():
     assert err.endswith("(line 17)")
 
 
-def test_references_in_a_cycle_are_refused():
-    err = one_error(PD.replace("commands: [route]", "commands: ['route ${{ groups[1].replicas[0].IP_ADDRESS }}']")
-                    % ("'serve ${{ groups[router].replicas[0].IP_ADDRESS }}'", "serve"))
-    assert "referenced in a cycle (router → prefill → router)" in err
+def test_references_in_a_cycle_are_accepted_and_resolved_at_placement():
+    # dstack's shapes: a router and its workers naming each other; a group naming its own replicas[0] (every node
+    # joins node 0). Every replica has its address once placed, so these resolve when each is launched.
+    mutual = ok(PD.replace("commands: [route]", "commands: ['route ${{ groups[1].replicas[0].IP_ADDRESS }}']")
+                % ("'serve ${{ groups[router].replicas[0].IP_ADDRESS }}'", "'serve ${{ groups[router].replicas[0].IP_ADDRESS }}'"))
+    assert late(mutual, "router") == ["groups[prefill].replicas[0].IP_ADDRESS"]
+    assert late(mutual, "prefill") == ["groups[router].replicas[0].IP_ADDRESS"]
+    assert late(mutual, "decode") == []  # names the router, which does not name decode back: resolved before launch
+    own = ok(PD % ("'serve ${{ groups[prefill].replicas[0].IP_ADDRESS }}'", "serve"))
+    assert late(own, "prefill") == ["groups[prefill].replicas[0].IP_ADDRESS"]
 
 
-def test_a_group_referencing_itself_is_refused():
-    err = one_error(PD % ("'serve ${{ groups[prefill].replicas[0].IP_ADDRESS }}'", "serve"))
-    assert err.startswith("groups[1].commands: ") and "(prefill → prefill)" in err
-
-
-def test_homogeneous_service_cannot_reference_its_own_group():
-    err = one_error(BASE + "replicas: 2\ncommands: ['serve ${{ groups[0].replicas[1].IP_ADDRESS }}']\n")
-    assert err.startswith("commands: replica addresses are referenced in a cycle (0 → 0)")
+def test_a_homogeneous_service_may_name_its_own_replicas():
+    config = ok(BASE + "replicas: 2\ncommands: ['serve ${{ groups[0].replicas[1].IP_ADDRESS }}']\n")
+    group = config.replica_groups[0].name or ""
+    assert late(config, group) == [f"groups[{group}].replicas[1].IP_ADDRESS"]
 
 
 @pytest.mark.parametrize("text, events, duration", [

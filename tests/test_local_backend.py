@@ -259,6 +259,26 @@ def test_stop_right_after_start_is_prompt(replicas, isolation):
 
 
 @pytest.mark.parametrize("isolation", MODES)
+def test_commands_given_later_run_once_given_and_a_stop_ends_the_wait(replicas, isolation):
+    """A replica whose commands name replicas placed after it starts without them: placed (its address known), it
+    waits for them, then runs them with the env they bring."""
+    backend = replicas.backend(isolation)
+    job = seed_job(1, 0, commands=["echo never ${{ x }}"])
+    inst = backend.start(job, later=True)
+    replicas.started.append((backend, inst))
+    assert backend.status(inst).state == "running" and "never" not in backend.logs(inst)
+    backend.give_commands(job.model_copy(update={"commands": ["echo node0 is $NODE0", "exit 4"],
+                                                 "env": {**job.env, "NODE0": "10.1.2.3"}}))
+    wait_until(lambda: backend.status(inst).state == "exited", what="the given commands to end")
+    assert backend.status(inst).exit_code == 4 and "node0 is 10.1.2.3" in backend.logs(inst)
+    waiting = backend.start(seed_job(1, 1), later=True)  # never given its commands: a stop ends it promptly
+    replicas.started.append((backend, waiting))
+    t0 = time.monotonic()
+    backend.stop(waiting, grace_seconds=10)
+    assert time.monotonic() - t0 < 5 and not replica_pids(waiting.work_dir)
+
+
+@pytest.mark.parametrize("isolation", MODES)
 def test_stop_kills_what_ignores_sigterm(replicas, isolation):
     backend = replicas.backend(isolation)
     inst = replicas.start(backend, seed_job(1, 0, commands=["trap '' TERM", "echo ready", "while :; do sleep 1; done"]))

@@ -155,6 +155,50 @@ async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(t
     await handle.result()
 
 
+MUTUAL = """
+type: service
+name: {name}
+port: 8000
+groups:
+  - name: router
+    replicas: 1
+    router: {{type: dynamo}}
+    commands: ["frontend --first-prefill ${{{{ groups[prefill].replicas[0].IP_ADDRESS }}}} --literal $${{{{ x }}}}"]
+  - name: prefill
+    replicas: 1
+    commands: ["prefill --etcd $DSTACK_ROUTER_INTERNAL_IP"]
+  - name: decode
+    replicas: 2
+    commands: ["decode --node0 ${{{{ groups[decode].replicas[0].IP_ADDRESS }}}}"]
+"""
+
+
+async def test_references_in_a_cycle_resolve_once_each_replica_is_placed(ts_env, cloud):
+    # dstack's shapes: a Dynamo router and a worker naming each other ($DSTACK_ROUTER_INTERNAL_IP is the router's
+    # address), and a group whose nodes all join its replicas[0], itself included.
+    name = "pd-cycle"
+    config = load_config_text(MUTUAL.format(name=name))
+    assert config.valid, [str(e) for e in config.errors]
+    handle = await ts_env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config.config)),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2, 3]})
+    ip = {g: cloud.ips[f"{name}/{g}"] for g in ("router/r0-s0", "prefill/r1-s0", "decode/r2-s0", "decode/r3-s0")}
+    assert cloud.commands[f"{name}/router/r0-s0"] == [f"frontend --first-prefill {ip['prefill/r1-s0']} "
+                                                      "--literal ${{ x }}"]
+    assert cloud.envs[f"{name}/prefill/r1-s0"]["DSTACK_ROUTER_INTERNAL_IP"] == ip["router/r0-s0"]
+    assert cloud.envs[f"{name}/prefill/r1-s0"]["DURASTACK_ROUTER_INTERNAL_IP"] == ip["router/r0-s0"]
+    assert cloud.commands[f"{name}/decode/r2-s0"] == [f"decode --node0 {ip['decode/r2-s0']}"]  # node 0: itself
+    assert cloud.commands[f"{name}/decode/r3-s0"] == [f"decode --node0 {ip['decode/r2-s0']}"]
+    started = await events(handle, "replica")
+    assert f"replica 3 starts with groups[decode].replicas[0].IP_ADDRESS = {ip['decode/r2-s0']}" in started
+    # Only decode waited to be launched, for the router (which does not name it back), as did all for one place.
+    assert cloud.envs[f"{name}/decode/r3-s0"]["DSTACK_ROUTER_INTERNAL_IP"] == ip["router/r0-s0"]
+    assert not [w for w in await events(handle, "wait") if "prefill" in w or "decode" in w], await events(handle)
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def _true(value: bool) -> bool:
     return value
 

@@ -3,7 +3,14 @@
 ``groups[g].replicas[j]`` is the j-th active replica of group g, in replica-number order: validation
 keeps j below the group's minimum, so it normally exists. Its ``IP_ADDRESS`` is the address its placement
 gives other replicas of the service (``Placement.ip``, else the host part of the gateway address); a
-replica without a placement yet has none, and a replica whose commands need it waits (``resolve``).
+replica without a placement yet has none.
+
+A reference is resolved at one of two moments. One to a group that does not name the referrer back is
+resolved before the referrer is launched: the planner holds the replica until the value exists (``resolve``),
+so no instance is billed while it could not run. One to a group that names the referrer back, directly or
+through others, or to its own group (every node joining node 0), cannot wait so: none would ever start.
+Those are ``late``: the replica is placed first, and its launch asks the service for the values once it has
+an address itself, before its commands run (activities/references.py); every address exists at placement.
 
 A replica records the values it started with (``Replica.refs``). When one of them moves (the
 referenced replica was replaced) the replica is ``readdressed``: the planner rolls it like an
@@ -15,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from models.interpolation import find, group_name, substitute
+from models.interpolation import expression, find, group_name, substitute, target_group
 from models.run import Placement, Replica, ServiceState
 from models.service import ServiceConfiguration
 
@@ -28,6 +35,11 @@ NO_NETWORK = "isolated with no service network"
 class Resolution:
     values: dict[str, str] = field(default_factory=dict)  # key → value, for the references that resolve
     missing: dict[str, str] = field(default_factory=dict)  # key → why it does not resolve yet
+
+    def before_launch(self, late: list[str]) -> "Resolution":
+        """What a replica waits for before its launch: its references but the ``late`` ones."""
+        return Resolution({k: v for k, v in self.values.items() if k not in late},
+                          {k: v for k, v in self.missing.items() if k not in late})
 
     def why_waiting(self) -> str:
         # IP_ADDRESS and PORT of one replica wait for the same thing: said once, of the replica.
@@ -49,6 +61,24 @@ def router_key(config: ServiceConfiguration, group: str) -> Optional[str]:
     if spec is None or spec.router is None or spec.router.type != "dynamo" or group == router:
         return None
     return f"groups[{router}].replicas[0].IP_ADDRESS"
+
+
+def late(config: ServiceConfiguration, group: str) -> list[str]:
+    """The references of ``group`` resolved only once it is placed: those to a group that reaches ``group`` back
+    through references (its own included)."""
+    return [k for k in keys(config, group) if _reaches(config, target_group(k), group)]
+
+
+def _reaches(config: ServiceConfiguration, start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name == goal:
+            return True
+        if name not in seen:
+            seen.add(name)
+            todo += [target_group(k) for k in keys(config, name)]
+    return False
 
 
 def keys(config: ServiceConfiguration, group: str) -> list[str]:
@@ -87,8 +117,11 @@ def peer_port(placement: Placement, service_port: int) -> str:
 
 def resolve(state: ServiceState, group: str) -> Resolution:
     """The values of the references ``group``'s commands make, now."""
+    return resolve_keys(state, keys(state.config, group))
+
+
+def resolve_keys(state: ServiceState, wanted: list[str]) -> Resolution:
     out = Resolution()
-    wanted = keys(state.config, group)
     if not wanted:
         return out
     active: dict[str, list[Replica]] = {}
@@ -136,15 +169,19 @@ def _running_addresses(state: ServiceState) -> dict[str, set[tuple[str, str]]]:
 
 def _still_there(key: str, refs: dict[str, str], alive: dict[str, set[tuple[str, str]]]) -> bool:
     """Whether the replica ``key`` named when ``refs`` were taken still runs at that address."""
-    group = key[len("groups["):].split("].replicas[", 1)[0]
+    group = target_group(key)
     base = key.rsplit(".", 1)[0]
     ip, port = refs.get(f"{base}.IP_ADDRESS"), refs.get(f"{base}.PORT")
     return any((ip is None or ip == i) and (port is None or port == p) for i, p in alive.get(group, set()))
 
 
 def commands(config: ServiceConfiguration, group: str, values: dict[str, str]) -> list[str]:
-    """The group's commands with the references replaced by ``values`` (all of them resolved)."""
+    """The group's commands with the references replaced by ``values`` (all but the late ones resolved, which stay
+    as expressions by group name)."""
     spec = config.group(group)
     assert spec is not None, group
     names = [g.name or "" for g in config.replica_groups]
-    return [substitute(c, names, lambda key: values[key]) for c in spec.commands]
+    later = any(k not in values for k in keys(config, group))  # `fill` substitutes again, and unescapes then
+    return [substitute(c, names, lambda key: values.get(key) or expression(key), unescape=not later)
+            for c in spec.commands]
+

@@ -7,11 +7,12 @@ from typing import Optional
 from models.replica import JobSpec
 from models.run import ReplicaInput
 from models.service import ProbeSpec, ReplicaGroup, ServiceConfiguration
-from workflows.addresses import commands as resolved_commands, router_key
+from workflows.addresses import commands as resolved_commands, late, router_key
 
 # The replica's coordinates, in its env on every backend. Its own address (DURASTACK_REPLICA_IP) is set by
 # the backend that places it: only the backend knows it before the commands run.
 COORDINATES = ("DURASTACK_SERVICE", "DURASTACK_GROUP", "DURASTACK_REPLICA")
+ROUTER_ENV = ("DSTACK_ROUTER_INTERNAL_IP", "DURASTACK_ROUTER_INTERNAL_IP")  # a Dynamo router's address: dstack's, ours
 
 
 def replica_workflow_id(service: str, group: str, replica_num: int, submission_num: int) -> str:
@@ -28,7 +29,7 @@ def job_spec(config: ServiceConfiguration, service: str, group_name: str, replic
     env.update(zip(COORDINATES, (service, group_name, str(replica_num))))
     router = router_key(config, group_name)
     if router is not None and refs and router in refs:  # dstack's name, and ours
-        env["DSTACK_ROUTER_INTERNAL_IP"] = env["DURASTACK_ROUTER_INTERNAL_IP"] = refs[router]
+        env.update(dict.fromkeys(ROUTER_ENV, refs[router]))
     commands = resolved_commands(config, group_name, refs) if refs is not None else list(group.commands)
     return JobSpec(service=service, group=group_name, replica_num=replica_num, submission_num=submission_num,
                    commands=commands, env=env, secrets=[k for k in config.secrets if k in env],
@@ -68,7 +69,18 @@ def replica_input(config: ServiceConfiguration, service: str, service_workflow_i
         max_price=config.max_price,
         stop_duration=config.stop_duration,
         route=config.routed(group_name),
+        late_refs=late(config, group_name),
+        late_env=_late_env(config, group_name),
     )
+
+
+def _late_env(config: ServiceConfiguration, group_name: str) -> dict[str, str]:
+    """The router's address, in dstack's name and ours, when the worker resolves it only once placed (a Dynamo
+    router whose commands name the worker back)."""
+    router = router_key(config, group_name)
+    if router is None or router not in late(config, group_name):
+        return {}
+    return dict.fromkeys(ROUTER_ENV, router)
 
 
 def router_probes(group: ReplicaGroup) -> list[ProbeSpec]:

@@ -104,6 +104,9 @@ def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime)
                                    "them go there", replica.group))
     replica.instance = update.instance or replica.instance
     replica.reason = update.reason or replica.reason
+    if update.refs and not update.refs.items() <= replica.refs.items():  # its late references, resolved once placed
+        replica.refs = {**replica.refs, **update.refs}
+        notes.append(_starts_with(replica, update.refs))
     group = state.groups.get(replica.group)
     if replica.serves and group is not None:
         group.failed_start = ""  # the group serves again: no longer crash-looping
@@ -207,9 +210,13 @@ def add_replicas(state: ServiceState, plan: Plan, now: datetime) -> tuple[list[R
         state.next_replica_num = max(state.next_replica_num, s.replica_num + 1)
         added.append(replica)
         if refs:
-            notes.append(Note("replica", f"replica {s.replica_num} starts with " +
-                              ", ".join(f"{k} = {v}" for k, v in sorted(refs.items())), s.group))
+            notes.append(_starts_with(replica, refs))
     return added, notes
+
+
+def _starts_with(replica: Replica, refs: dict[str, str]) -> Note:
+    return Note("replica", f"replica {replica.replica_num} starts with " +
+                ", ".join(f"{k} = {v}" for k, v in sorted(refs.items())), replica.group)
 
 
 def remember_waits(state: ServiceState, plan: Plan) -> list[Note]:

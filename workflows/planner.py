@@ -12,7 +12,7 @@ from typing import Optional
 
 from models.run import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
-from workflows.addresses import readdressed, resolve
+from workflows.addresses import late, readdressed, resolve
 
 # Resubmission back-off after failures in a row of a group (spec 3.5's pending back-off). The first is
 # replaced at once (a replica that served for hours and crashed should not wait); from the second in a
@@ -87,9 +87,11 @@ def reconcile(state: ServiceState, now: datetime) -> Plan:
     for name in names:
         group = state.groups[name]
         mine = [r for r in latest if r.group == name]
-        # A replica whose commands name another replica starts only once that one has an address.
+        # A replica whose commands name another replica starts only once that one has an address (but for the
+        # late references, resolved by its launch once it is placed itself).
         addresses = resolve(state, name)
         moved = {r.key: why for r in mine if r.active and (why := readdressed(r, addresses, state))}
+        addresses = addresses.before_launch(late(state.config, name))
         can_start = (group.retry_after is None or group.retry_after <= now) and not addresses.missing
         # One place: until the first replica is placed, the others wait for where it lands.
         placing = state.one_place and not state.place and (plan.start or any(r.active for r in latest))

@@ -19,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import (ApplyRequest, ApplyResult, Down, Event, Replica, ReplicaUpdate,
+    from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, Replica, ReplicaUpdate,
                             ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
     from workflows import addresses, lifecycle, routers, views
@@ -85,6 +85,14 @@ class ServiceRunWorkflow:
     @workflow.query
     def events(self) -> list[Event]:
         return list(self.state.events)
+
+    @workflow.query
+    def addresses(self, query: AddressQuery) -> AddressAnswer:
+        """The late references of a placed replica, asked by its launch (activities/references.py)."""
+        found = addresses.resolve_keys(self.state, query.keys)
+        asking = self.state.find(query.replica_num, query.submission_num)
+        return AddressAnswer(values=found.values, missing=found.missing,
+                             placed=asking is not None and asking.placement is not None)
 
     @workflow.signal
     def stop(self) -> None:

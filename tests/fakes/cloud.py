@@ -24,6 +24,7 @@ from temporalio.worker import Worker
 
 from activities import interface
 from activities.interface import implements
+from activities.references import resolve_late
 from activities.replica import ORPHANED_BY
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
 from activities.signals import judge_signal
@@ -50,6 +51,7 @@ class FakeCloud:
         self.crash: dict[str, asyncio.Event] = {}
         self.provisions: dict[str, int] = {}
         self.commands: dict[str, list[str]] = {}  # replica_id → what it was provisioned to run
+        self.envs: dict[str, dict[str, str]] = {}  # replica_id → the env it runs with
         self.rps: float | None = None  # what the fake gateway reports; None = no stats
         self.polling = False  # watchers check once per attempt (see the module doc)
         self.traffic: Optional[Traffic] = None  # overrides ``rps`` when set; needs ``clock``
@@ -124,7 +126,6 @@ class FakeCloud:
                 self.log.append(("crash", rid))
                 raise ApplicationError("exited (1)", type="ReplicaExited", non_retryable=True)
             self.provisions[rid] = self.provisions.get(rid, 0) + 1
-            self.commands[rid] = list(r.job.commands)
             self.instances[rid] = "running"
             self.log.append(("provision", rid))
             if rid in self.hang:  # e.g. an image pull that never ends: cancelled with its worker
@@ -139,12 +140,14 @@ class FakeCloud:
             instance = LocalInstance(replica_id=rid, pid=0, start_time=0, work_dir=f"/x/{rid}",
                                      address=placement.address, isolated=False, log_path=f"/x/{rid}/log")
             await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement, instance=instance)
+            r, refs = await resolve_late(r, placement, instance)  # as the real launch: once placed
+            self.commands[rid], self.envs[rid] = list(r.job.commands), dict(r.job.env)
             self.log.append(("ready", rid))
             if r.route:
                 self.routed.add(rid)
                 self.log.append(("register", rid))
             await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
-                         placement=placement, instance=instance)
+                         placement=placement, instance=instance, refs=refs)
             return Launched(placement=placement, instance=instance)
 
         @implements(interface.teardown_replica)
