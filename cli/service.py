@@ -240,8 +240,9 @@ def _print_result(name: str, result: ApplyResult, expected: Optional[int] = None
     after = ""
     if expected is not None and result.deployment > expected:
         after = f" (applied after deployment {result.deployment - 1} from another apply)"
+    then = "".join(f", then {n} in group {g} that name(s) them" for g, n in sorted(result.following.items()))
     out.print(f"{name}: deployment {result.deployment}{after}: {result.kept} replica(s) kept in place, "
-              f"{result.replacing} to replace one at a time per group")
+              f"{result.replacing} to replace one at a time per group{then}")
 
 
 def rollback(

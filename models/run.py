@@ -261,7 +261,8 @@ class ApplyResult(BaseModel):
     rolling: list[str] = Field(default_factory=list, description="Changed fields that roll replicas.")
     kept: int = Field(0, description="Replicas that joined the new deployment without a restart.")
     replacing: int = Field(0, description="Replicas that will be replaced one at a time.")
-    changed: bool = Field(True, description="False: the service already runs this configuration (nothing done).")
+    following: dict[str, int] = Field(default_factory=dict, description=(
+        "Group → its replicas that roll too, after a replica their commands name is replaced (not in `replacing`)."))
 
 
 class ScaleRequest(BaseModel):

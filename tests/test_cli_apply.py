@@ -46,3 +46,5 @@ def test_a_deployment_past_the_expected_one_names_the_apply_before_it(capsys):
     assert capsys.readouterr().out.startswith("svc: deployment 2: 1 replica(s) kept in place")
     _print_result("svc", ApplyResult(deployment=3, kept=0, replacing=2), expected=2)
     assert "svc: deployment 3 (applied after deployment 2 from another apply): 0 replica(s)" in capsys.readouterr().out
+    _print_result("svc", ApplyResult(deployment=4, kept=2, replacing=1, following={"prefill": 1}))
+    assert "1 to replace one at a time per group, then 1 in group prefill that name(s) them" in capsys.readouterr().out

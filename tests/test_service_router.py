@@ -138,8 +138,11 @@ async def test_replacing_a_referenced_replica_rolls_its_referrers_and_says_why(t
     await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
     await router_lists(handle, 2)
     # The router's configuration changes: it rolls, gets a new address, and the prefill worker follows it.
-    await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=pd_config(
+    result = await handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=pd_config(
         "pd-move", version="v2", prefill=f"prefill --router {ROUTER}")))
+    # The plan says so: the router is replaced, and the prefill worker that names it rolls after it.
+    assert (result.kept, result.replacing, result.following) == (2, 1, {"prefill": 1})
+    assert "1 roll, then 1 in prefill naming them" in (await events(handle, "apply"))[-1]
     await eventually(lambda: _true(cloud.instances.get("pd-move/prefill/r1-s0") == "terminated"))
     status = await ready(handle, {"router": [3], "prefill": [4], "decode": [2]})
     assert status.groups[1].rollout == "" and status.groups[1].waiting == ""

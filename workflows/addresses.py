@@ -185,3 +185,28 @@ def commands(config: ServiceConfiguration, group: str, values: dict[str, str]) -
     return [substitute(c, names, lambda key: values.get(key) or expression(key), unescape=not later)
             for c in spec.commands]
 
+
+
+def roll_after(state: ServiceState) -> dict[str, int]:
+    """Group → how many of its up-to-date replicas will roll too, once a replica their commands name is replaced
+    (``readdressed``), directly or down a chain: what an apply's plan adds to the replicas it replaces."""
+    config = state.config
+    active: dict[str, list[Replica]] = {}
+    for r in state.latest():
+        if r.active:
+            active.setdefault(r.group, []).append(r)
+    rolling = {r.key for rs in active.values() for r in rs if r.deployment_num < state.deployment_num}
+    follow: dict[str, int] = {}
+    grew = True
+    while grew:
+        grew = False
+        for r in (r for rs in active.values() for r in rs if r.key not in rolling):
+            for key in keys(config, r.group):
+                index = int(key.split("].replicas[", 1)[1].split("]", 1)[0])
+                named = active.get(target_group(key), [])
+                if index < len(named) and named[index].key in rolling and named[index] is not r:
+                    rolling.add(r.key)
+                    follow[r.group] = follow.get(r.group, 0) + 1
+                    grew = True
+                    break
+    return follow

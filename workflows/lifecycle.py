@@ -17,6 +17,7 @@ from models.gateway import RouteRateLimit
 from models.run import (ApplyResult, Down, Event, GroupState, Replica, ReplicaUpdate, RouteInput,
                         ServiceState)
 from models.service import ServiceConfiguration
+from workflows import addresses
 from workflows.autoscaler import decide, next_check
 from workflows.changes import classify, spec_hash
 from workflows.planner import Plan, count_failure, sync_groups
@@ -53,10 +54,12 @@ def deploy(state: ServiceState, new: ServiceConfiguration) -> tuple[ApplyResult,
     kept = _keep_unchanged(state)
     what = ", ".join(changes.in_place + changes.rolling)
     replacing = sum(1 for r in state.replicas if r.active and r.deployment_num < state.deployment_num)
+    following = addresses.roll_after(state)
+    then = "".join(f", then {n} in {g} naming them" for g, n in sorted(following.items()))
     note = Note("apply", f"deployment {state.deployment_num}: changed {what}; {kept} replica(s) kept, "
-                         f"{replacing} roll")
+                         f"{replacing} roll{then}")
     return ApplyResult(deployment=state.deployment_num, in_place=changes.in_place, rolling=changes.rolling,
-                       kept=kept, replacing=replacing), [note]
+                       kept=kept, replacing=replacing, following=following), [note]
 
 
 def _keep_unchanged(state: ServiceState) -> int:
