@@ -60,14 +60,16 @@ def _resolve(config: ServiceConfiguration, file: Path, environ: dict) -> Service
     return config.model_copy(update={"name": name, "env": env, "secrets": secrets})
 
 
-def _print_plan(config: ServiceConfiguration) -> list[str]:
-    """Print each group's count, resources and best offer; return the groups that have no offer.
+def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
+    """Print each group's count, resources and best offer; return the groups that have no offer, and, for a service
+    whose replicas reach each other, the places that hold it whole (cheapest first; its best offers are there).
 
     Planned from the offers ``durastack offers -f`` lists (activities/catalog/plan.py), on the backends
     config.yml configures: a GPU service can be submitted to a cloud from a machine without a GPU."""
-    from activities.catalog.plan import candidate_offers, group_queries, plan_query
+    from activities.catalog.plan import candidate_offers, group_queries, one_place, plan_query
     from activities.runtime import group_runtime_fields, local_limits
     from models.backends import load_backends_config
+    from workflows.addresses import one_place as reach_each_other
 
     out.print(f"[bold]Service[/bold] {config.name}  port {config.port.container_port}  "
               f"auth {'on' if config.auth else 'off'}")
@@ -75,7 +77,7 @@ def _print_plan(config: ServiceConfiguration) -> list[str]:
         backends = load_backends_config(os.environ)
     except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         raise user_error(f"config.yml: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    candidates, problems = candidate_offers(backends), []
+    candidates, problems, offers = candidate_offers(backends), [], {}
     for i, (g, q) in enumerate(zip(config.replica_groups, group_queries(config))):
         found, reason = plan_query(candidates, q, backends)
         # This machine runs commands without containers: what it cannot honour is said now, by field path.
@@ -86,14 +88,24 @@ def _print_plan(config: ServiceConfiguration) -> list[str]:
             if cannot:
                 found = [o for o in found if o.backend != "local"]
                 reason = "local: " + "; ".join(cannot)
-        if found:
-            best = f"{found[0].backend} {found[0].instance_type} ({found[0].region}) ${found[0].price:g}/h"
-        else:
-            best = "[red]no offers[/red]"
+        if not found:
             problems.append(f"group {g.name}: no offers ({reason})")
+        offers[g.name or ""] = found
+    places: list[str] = []
+    if reach_each_other(config) and not problems:
+        places, why = one_place(offers, {g.name or "": g.count.min or 0 for g in config.replica_groups})
+        if why:
+            problems.append(why)
+        else:
+            out.print(f"  place: {places[0].replace('/', ' ')}  (one place for all groups: their replicas reach "
+                      f"each other{f'; {len(places) - 1} other place(s) can hold it' if len(places) > 1 else ''})")
+    for g in config.replica_groups:
+        found = [o for o in offers[g.name or ""] if not places or f"{o.backend}/{o.region}" == places[0]]
+        best = (f"{found[0].backend} {found[0].instance_type} ({found[0].region}) ${found[0].price:g}/h" if found
+                else "[red]no offers[/red]")
         scaling = f", rps target {g.scaling.target:g}" if g.scaling else ""
         out.print(f"  group={g.name} replicas={g.count}{scaling}  {g.resources.summary()}  → {best}")
-    return problems
+    return problems, places
 
 
 def _all_ready(status: ServiceStatus) -> bool:
@@ -118,10 +130,10 @@ def apply(
     """Submit a service, or update a running one (in place or by rolling deployment), and follow it."""
     settings = Settings.from_env()
     config = _resolve(_config_or_exit(file), file, dict(os.environ))
-    problems = _print_plan(config)
+    problems, places = _print_plan(config)
     if problems:
         raise user_error("nothing was submitted: " + "; ".join(problems))
-    run(_apply(settings, config, yes, detach, force))
+    run(_apply(settings, config, yes, detach, force, places))
 
 
 def _confirm(question: str, yes: bool) -> None:
@@ -133,7 +145,8 @@ def _confirm(question: str, yes: bool) -> None:
         raise typer.Exit(1)
 
 
-async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, detach: bool, force: bool) -> None:
+async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, detach: bool, force: bool,
+                 places: Optional[list[str]] = None) -> None:
     """Ask what to confirm from what runs now, then one update-with-start: it starts the service if no run is
     open and applies the configuration to whichever run is, so concurrent applies cannot race between a check
     and a start. What the update answers, not what was seen before, says what happened."""
@@ -159,7 +172,7 @@ async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, de
     else:
         _confirm(f"Submit the service {name}?", yes)
     after = await last_run(client, name) if seen is None else None
-    result = await _apply_with_start(client, settings, config, apply_update_id(config, seen, after))
+    result = await _apply_with_start(client, settings, config, apply_update_id(config, seen, after), places or [])
     if not result.changed and (seen is not None or result.deployment > 0):
         other = "" if result.deployment == seen else ", from another apply"
         out.print(f"Active run {name} already exists. Detected no changes (deployment {result.deployment}{other}).")
@@ -191,14 +204,14 @@ def apply_update_id(config: ServiceConfiguration, seen: Optional[int], after: Op
 
 
 async def _apply_with_start(client: Client, settings: Settings, config: ServiceConfiguration,
-                            update_id: str) -> ApplyResult:
+                            update_id: str, places: list[str]) -> ApplyResult:
     name = config.name or ""
 
     def request() -> Awaitable[ApplyResult]:
         # USE_EXISTING: two concurrent applies never make two runs of one service; the workflow runs their updates
         # one at a time, so each gets its own deployment number. A start operation serves one request only.
         start = WithStartWorkflowOperation(
-            ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
+            ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config, places=places)),
             id=service_workflow_id(name), id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             task_queue=settings.task_queue, static_summary=f"service **{name}**")
         return client.execute_update_with_start_workflow(

@@ -146,6 +146,9 @@ class ServiceState(BaseModel):
     one_place: bool = Field(False, description="Its replicas reach each other (a router, address references): all "
                                                "of them go where the first one was placed (patch one-place).")
     place: str = Field("", description="`backend/region` every replica goes to once `one_place` placed the first.")
+    places: list[str] = Field(default_factory=list, description=(
+        "`backend/region` places that hold every group, cheapest first, as `apply` planned them: the first replica "
+        "of a `one_place` service is placed in one of them (none: anywhere)."))
 
     def latest(self) -> list[Replica]:
         """The latest submission of every replica number."""

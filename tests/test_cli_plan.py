@@ -129,3 +129,53 @@ def test_the_local_backend_says_at_plan_time_what_it_cannot_honour(home, tmp_pat
     (home / "config.yml").write_text("backends:\n  aws:\n    regions: [us-east-1]\n")
     result = _run("apply", "-f", str(path), "-y")
     assert result.exit_code == 2 and "→ aws " in result.output, result.output
+
+
+PD = """\
+type: service
+name: pd-plan
+port: 8000
+groups:
+  - name: router
+    replicas: 1
+    router: {type: sglang}
+    commands: ["smg launch --pd-disaggregation"]
+    resources: {cpu: 2, memory: 8GB}
+  - name: prefill
+    replicas: 1
+    commands: ["serve prefill"]
+    resources: {gpu: %s}
+  - name: decode
+    replicas: 1..2
+    scaling: {metric: rps, target: 2}
+    commands: ["serve decode"]
+    resources: {gpu: %s}
+"""
+TWO_CLOUDS = ("backends:\n  aws:\n    regions: [us-east-1, us-west-2]\n"
+              "  gcp:\n    project_id: p\n    regions: [us-central1, europe-west4]\n")
+
+
+def test_a_service_whose_replicas_reach_each_other_is_planned_in_one_place(home, tmp_path):
+    # Alone, the router's cheapest offer is wherever CPUs are cheapest; with its workers, it goes where they can.
+    (home / "config.yml").write_text(TWO_CLOUDS)
+    path = tmp_path / "pd.yml"
+    path.write_text(PD % ("A10G", "A10G"))
+    result = _run("apply", "-f", str(path), "-y")
+    assert result.exit_code == 2 and "control plane" in result.output, result.output  # planned, then tried to submit
+    place = next(line for line in result.output.splitlines() if line.strip().startswith("place:"))
+    backend, region = place.split()[1:3]
+    assert backend == "aws" and region in ("us-east-1", "us-west-2"), place
+    groups = [line for line in result.output.splitlines() if "group=" in line]
+    assert len(groups) == 3 and all(f"→ aws " in line and f"({region})" in line for line in groups), groups
+
+
+def test_a_service_no_single_place_can_hold_is_refused_naming_the_groups(home, tmp_path):
+    (home / "config.yml").write_text(TWO_CLOUDS)
+    path = tmp_path / "pd.yml"
+    path.write_text(PD % ("A10G", "V100"))  # A10G only on AWS, V100 only on GCP
+    result = _run("apply", "-f", str(path), "-y")
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "nothing was submitted: no single backend and region holds every group" in text
+    assert "group prefill only in aws/us-east-1, aws/us-west-2" in text
+    assert "group decode only in gcp/europe-west4, gcp/us-central1" in text

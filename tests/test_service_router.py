@@ -202,6 +202,22 @@ async def test_references_in_a_cycle_resolve_once_each_replica_is_placed(ts_env,
     await handle.result()
 
 
+async def test_the_first_replica_goes_to_a_place_apply_found_for_all_and_the_rest_follow_it(ts_env, cloud):
+    name = "pd-places"
+    config = load_config_text(PD.format(name=name, version="v1", decode='"decode"', prefill='"prefill"')).config
+    # As `apply` plans it (activities/catalog/plan.one_place): the places that hold every group, cheapest first.
+    state = ServiceState(name=name, config=config, places=["aws/us-west-2", "local/local"])
+    handle = await ts_env.client.start_workflow(ServiceRunWorkflow.run, ServiceRunInput(state=state),
+                                                id=service_workflow_id(name), task_queue=cloud.queue)
+    await ready(handle, {"router": [0], "prefill": [1], "decode": [2]})
+    first = cloud.inputs[f"{name}/router/r0-s0"]  # this deployment serves local only: aws is not tried
+    assert (first.launch_on, first.regions) == (["local"], ["us-west-2", "local"])
+    assert [(i.launch_on, i.regions) for rid, i in cloud.inputs.items() if "router" not in rid] == \
+        [(["local"], ["local"])] * 2  # where the first landed
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def _true(value: bool) -> bool:
     return value
 

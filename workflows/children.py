@@ -38,10 +38,12 @@ class Children:
                             replica.replica_num, replica.submission_num, replica.deployment_num, replica.refs)
         inp.heartbeat_seconds = self.heartbeat_seconds
         inp.launch_on = self._launch_on()
-        if state.place:  # one place: where the service's first replica landed
-            backend, region = state.place.split("/", 1)
-            inp.launch_on = [b for b in inp.launch_on if b == backend]
-            inp.regions = [region] if backend != "local" else inp.regions
+        # One place: where the service's first replica landed, or, for the first, a place `apply` found for all.
+        places = [state.place] if state.place else state.places if state.one_place else []
+        if places:
+            where = [p.split("/", 1) for p in places]
+            inp.launch_on = [b for b in dict.fromkeys(backend for backend, _ in where) if b in inp.launch_on]
+            inp.regions = list(dict.fromkeys(region for _, region in where))  # region names are each cloud's own
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for
             return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
                                          f"($DURASTACK_HOME/config.yml; this deployment serves "

@@ -82,4 +82,24 @@ def plan_query(candidates: list[InstanceOffer], q: GroupQuery, config: BackendsC
     return [], reason
 
 
-__all__ = ["GroupQuery", "candidate_offers", "group_queries", "match_query", "plan_query"]
+def one_place(found: dict[str, list[InstanceOffer]], counts: dict[str, int]) -> tuple[list[str], Optional[str]]:
+    """Where a service whose replicas reach each other can run whole: the ``backend/region`` places that have an
+    offer for every group (``found``: each group's offers), cheapest for the service first (each group's cheapest
+    offer there, times its minimum count); else none, and why, naming the groups and where each could go."""
+    where = {g: {f"{o.backend}/{o.region}" for o in offers} for g, offers in found.items()}
+    common = set.intersection(*where.values()) if where else set()
+    if not common:
+        def some(places: set[str]) -> str:
+            listed = sorted(places)
+            return ", ".join(listed[:3]) + (f" (+{len(listed) - 3} more)" if len(listed) > 3 else "")
+        return [], ("no single backend and region holds every group, and their replicas must reach each other "
+                    "(a router, or commands naming replicas): " + "; ".join(f"group {g} only in {some(p)}"
+                                                                           for g, p in where.items()))
+
+    def cost(place: str) -> float:
+        return sum(min(o.price for o in offers if f"{o.backend}/{o.region}" == place) * max(counts.get(g, 1), 1)
+                   for g, offers in found.items())
+    return sorted(common, key=lambda place: (cost(place), place)), None
+
+
+__all__ = ["GroupQuery", "candidate_offers", "group_queries", "match_query", "one_place", "plan_query"]

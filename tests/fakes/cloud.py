@@ -31,7 +31,8 @@ from activities.signals import judge_signal
 from activities.stats import changed
 from models.replica import LocalInstance
 from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
-from models.run import (Down, Event, Launched, LaunchInput, MonitorInput, Placement, RecordResult, RouteInput,
+from models.run import (Down, Event, Launched, LaunchInput, MonitorInput, Placement, RecordResult, ReplicaInput,
+                        RouteInput,
                         ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
 from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
@@ -52,6 +53,7 @@ class FakeCloud:
         self.provisions: dict[str, int] = {}
         self.commands: dict[str, list[str]] = {}  # replica_id → what it was provisioned to run
         self.envs: dict[str, dict[str, str]] = {}  # replica_id → the env it runs with
+        self.inputs: dict[str, ReplicaInput] = {}  # replica_id → its launch's input, as the workflow gave it
         self.rps: float | None = None  # what the fake gateway reports; None = no stats
         self.polling = False  # watchers check once per attempt (see the module doc)
         self.traffic: Optional[Traffic] = None  # overrides ``rps`` when set; needs ``clock``
@@ -121,6 +123,7 @@ class FakeCloud:
         @implements(interface.launch_replica)
         async def launch(inp: LaunchInput) -> Launched:
             r, rid = inp.replica, inp.replica.job.replica_id
+            self.inputs[rid] = r
             await report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
             if any("crash" in c for c in r.job.commands):
                 self.log.append(("crash", rid))
