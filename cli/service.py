@@ -97,7 +97,8 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
         if why:
             problems.append(why)
         else:
-            out.print(f"  place: {places[0].replace('/', ' ')}  (one place for all groups: their replicas reach "
+            backend, region = places[0].split("/", 1)
+            out.print(f"  place: {backend}{'' if region == backend else ' ' + region}  (one place for all groups: their replicas reach "
                       f"each other{f'; {len(places) - 1} other place(s) can hold it' if len(places) > 1 else ''})")
     for g in config.replica_groups:
         found = [o for o in offers[g.name or ""] if not places or f"{o.backend}/{o.region}" == places[0]]
