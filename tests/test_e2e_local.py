@@ -228,6 +228,53 @@ def test_bad_input_changes_nothing(stack: Stack, tmp_path: Path):
     assert stack.ps(NAME)["groups"] == before["groups"]
 
 
+CYCLE = """
+type: service
+name: cycle
+port: 8000
+groups:
+  - name: router
+    replicas: 1
+    commands:
+      - echo "router - first worker at ${{ groups[worker].replicas[0].IP_ADDRESS }}:${{ groups[worker].replicas[0].PORT }}"
+      - exec python3 -m http.server "$PORT"
+  - name: worker
+    replicas: 1
+    commands:
+      - echo "worker - router at ${{ groups[router].replicas[0].IP_ADDRESS }}:${{ groups[router].replicas[0].PORT }}"
+      - exec python3 -m http.server "$PORT"
+  - name: nodes
+    replicas: 2
+    commands:
+      - echo "node at $DURASTACK_REPLICA_IP joins ${{ groups[nodes].replicas[0].IP_ADDRESS }}"
+      - exec python3 -m http.server "$PORT"
+"""
+
+
+def test_references_in_a_cycle_resolve_when_each_replica_is_placed(stack: Stack, tmp_path: Path):
+    path = tmp_path / "cycle.yml"
+    path.write_text(CYCLE)
+    result = stack.cli("apply", "-f", str(path), "-y")
+    assert result.returncode == 0, result.stderr
+    status = until(lambda: _ready_or_none(stack, "cycle", {"router": [0], "worker": [1], "nodes": [2, 3]}), 90, 0.3,
+                   "all groups ready")
+
+    def first_line(replica: int) -> str:
+        logs = stack.cli("logs", "cycle", "--replica", str(replica)).stdout
+        return next(line for line in logs.splitlines() if not line.startswith("[durastack]"))
+
+    assert sorted(r["replica"] for g in status["groups"] for r in g["replicas"]) == [0, 1, 2, 3]
+    router, worker, node0, node1 = (first_line(n) for n in range(4))
+    # The router and the worker each ran with the other's address; node 0 with its own, node 1 with node 0's.
+    addresses = re.findall(r"at ([0-9.]+):([0-9]+)", router + " " + worker)
+    assert len(addresses) == 2 and addresses[0] != addresses[1], (router, worker)
+    mine = re.match(r"node at ([0-9.]+) joins ([0-9.]+)", node0)
+    assert mine and mine.group(1) == mine.group(2), node0
+    assert node1.endswith(f"joins {mine.group(1)}"), node1
+    assert "router replica 0 starts with groups[worker].replicas[0].IP_ADDRESS" in stack.cli("events", "cycle").stdout
+    assert stack.cli("stop", "cycle", "-y").returncode == 0
+
+
 def test_stop_leaves_nothing_running(stack: Stack):
     for name in (NAME, "scalable"):
         result = stack.cli("stop", name, "-y")
