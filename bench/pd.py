@@ -125,8 +125,10 @@ def standin(**changes: str) -> str:
     return text
 
 
-def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print) -> list[tuple[str, Load, int, list]]:
-    """Each event under load: (event, its load, router restarts during it, the router's list after it)."""
+def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print,
+        kills: int = 1) -> list[tuple[str, Load, int, list]]:
+    """Each event under load: (event, its load, router restarts during it, the router's list after it); each kill
+    ``kills`` times, for a failure rate over more than one."""
     token = stack.check("token", "add", "pd").strip()
     load = Load(f"{stack.gateway}/services/{NAME}/v1/completions", token, rps)
     results = []
@@ -158,8 +160,10 @@ def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print) -> li
         changed[group] = "--log-level info" if group == "router" else "--latency 0.021"
         file = stack.write("standin.yml", standin(**changed))
         event(f"rolling update of {group}", lambda f=file: stack.check("apply", "-f", str(f), "-y"))
-    event("kill -9 of one decode worker", lambda: os.kill(engine_pids(stack, "decode")[0], signal.SIGKILL))
-    event("kill -9 of the prefill worker", lambda: os.kill(engine_pids(stack, "prefill")[0], signal.SIGKILL))
+    for _ in range(kills):
+        event("kill -9 of one decode worker", lambda: os.kill(engine_pids(stack, "decode")[0], signal.SIGKILL))
+    for _ in range(kills):
+        event("kill -9 of the prefill worker", lambda: os.kill(engine_pids(stack, "prefill")[0], signal.SIGKILL))
     event("decode → 1 (durastack scale)", lambda: stack.check("scale", NAME, "decode", "1"))
     return results
 
@@ -178,15 +182,21 @@ def setup_env() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--rps", type=float, default=8.0)
+    p.add_argument("--kills", type=int, default=1, help="How many times each kill -9 event is repeated.")
     args = p.parse_args()
     setup_env()
     with BenchStack(log=lambda line: print(line, flush=True)) as stack:
-        results = run(stack, args.rps)
+        results = run(stack, args.rps, kills=args.kills)
         stack.stop_service(NAME)
     step(f"summary at {args.rps:g} req/s")
-    print(f"{'event':40} {'requests':>8} {'failed':>6} {'router restarts':>15}")
+    totals: dict[str, list[int]] = {}  # event → [times, requests, failed, router restarts], repeats summed
     for title, load, restarts, _ in results:
-        print(f"{title:40} {sum(load.counts.values()):>8} {load.failed:>6} {restarts:>15}")
+        row = totals.setdefault(title, [0, 0, 0, 0])
+        for i, n in enumerate((1, sum(load.counts.values()), load.failed, restarts)):
+            row[i] += n
+    print(f"{'event':40} {'times':>5} {'requests':>8} {'failed':>6} {'router restarts':>15}")
+    for title, (times, requests, failed, restarts) in totals.items():
+        print(f"{title:40} {times:>5} {requests:>8} {failed:>6} {restarts:>15}")
 
 
 if __name__ == "__main__":

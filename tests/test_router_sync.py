@@ -53,6 +53,16 @@ class Procs:
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_port())])
         return port
 
+    def old_router(self) -> int:
+        """SGLang's router before the model gateway (sglang-router 0.1.9): only /add_worker, /list_workers and
+        /remove_worker; it answers 404 to /workers."""
+        pytest.importorskip("sglang_router", reason="pip install -e '.[test]'")
+        port = _port()
+        self.start([sys.executable, "-m", "sglang_router.launch_router", "--policy", "round_robin", "--host",
+                    "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                    str(_port())])
+        return port
+
     def engine(self, mode: str, latency: float = 0.02) -> int:
         port = _port()
         self.start([sys.executable, str(ENGINE), "--disaggregation-mode", mode, "--host", "127.0.0.1", "--port",
@@ -204,6 +214,21 @@ async def test_a_worker_leaves_the_router_before_it_stops_and_its_requests_in_fl
     assert f"http://127.0.0.1:{slow}" not in listed and requests_in_flight(text) == 0
     assert time.monotonic() - started < 10
     assert [f.status_code for f in await asyncio.gather(*flights)] == [200] * 6
+
+
+async def test_an_older_router_is_synced_through_its_older_worker_api(procs):
+    router, first, second = procs.old_router(), procs.engine("null"), procs.engine("null")
+    await _up(router, first, second)
+    acts = _activities()
+    workers = [_worker(first, "workers", 1), _worker(second, "workers", 2)]
+    view = await _in_sync(acts, _sync_input([_target(router)], workers))
+    assert sorted(w.url for w in view.routers[0].workers) == sorted(w.url for w in workers)
+    assert {w.worker_type for w in view.routers[0].workers} == {"regular"}  # no disaggregation: regular
+    assert (await _complete(router)).status_code == 200
+    view = await _in_sync(acts, _sync_input([_target(router)], workers[1:], view))
+    assert f"router r0: removed http://127.0.0.1:{first}" in view.changes
+    async with httpx.AsyncClient() as c:
+        assert (await c.get(f"http://127.0.0.1:{router}/list_workers")).json()["urls"] == [f"http://127.0.0.1:{second}"]
 
 
 def test_the_engines_in_flight_requests_are_read_in_vllm_and_sglang_names():
