@@ -413,7 +413,8 @@ class LocalBackend:
         if job.image:
             notes.append(f"image {job.image!r} is ignored: the local backend runs the commands on this machine")
         launch = {"replica_id": job.replica_id, "isolated": self.isolated, "port": port, "address": address, "ip": ip,
-                  "script": "" if later else "\n".join(job.commands), "later": later, "python": sys.executable, "bridge": BRIDGE_SCRIPT, "env": env,
+                  "script": "" if later else "\n".join(job.commands), "later": later, "runner": job.runner("/bin/sh"),
+                  "python": sys.executable, "bridge": BRIDGE_SCRIPT, "env": env,
                   "cwd": self.commands_dir(job),
                   # what must stay visible if it lives under the host's /tmp (hidden by the private /tmp)
                   # or under the home (hidden from a confined replica)

@@ -33,7 +33,7 @@ import time
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 0x1, 0x2, 0x4, 0x20, 0x1000, 0x4000
 # Runs the commands in their working dir, made by the replica's own user (so a symlink it planted
 # there earlier leads nowhere it could not already go).
-_IN_DIR = 'mkdir -p -- "$1" && cd -- "$1" && exec /bin/sh -e -c "$2"'
+_IN_DIR = 'mkdir -p -- "$1" && cd -- "$1" && shift && exec "$@"'
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8916, 0x891C
 _SIOCADDRT, _RTF_UP, _RTF_HOST = 0x890B, 0x1, 0x4
@@ -363,9 +363,9 @@ def main() -> int:
     if signals.received:
         _write_exit_code(128 + signals.received)
         return 128 + signals.received
-    argv = ["/bin/sh", "-e", "-c", cfg["script"]]
+    argv = [*cfg.get("runner", ["/bin/sh", "-e", "-c"]), cfg["script"]]
     if cfg.get("cwd") and os.path.realpath(cfg["cwd"]) != os.path.realpath(os.getcwd()):
-        argv = ["/bin/sh", "-c", _IN_DIR, "sh", cfg["cwd"], cfg["script"]]
+        argv = ["/bin/sh", "-c", _IN_DIR, "sh", cfg["cwd"], *argv]
     try:
         argv, env_fd = with_env(argv, cfg["env"])
     except (OSError, ValueError) as e:

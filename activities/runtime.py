@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
+from activities.local_host import account_for
 from models.replica import JobSpec
 
 DEFAULT_IMAGE = "nvidia/cuda:12.4.1-runtime-ubuntu22.04"
@@ -76,6 +77,9 @@ def job_script(job: JobSpec) -> str:
     rt = runtime_of(job)
     lines = ["set -e", f"# durastack replica {job.replica_id}", *rt.preamble]
     lines += _multiline_env_exports()
+    if job.entrypoint:  # it runs the commands, given as one script in its last argument
+        script = ["\n".join(job.commands)] if job.commands else []
+        return "\n".join(lines + ["exec " + shlex.join(job.runner("sh") + script)]) + "\n"
     return "\n".join(lines + list(job.commands)) + "\n"
 
 
@@ -120,7 +124,10 @@ def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = 
     if job.working_dir:
         argv += ["-w", job.working_dir]
     argv += ["-v", f"{job_dir}:{CONTAINER_DIR}:ro"]
-    if job.commands:
+    if job.shell:
+        argv += ["--entrypoint", job.shell if job.shell.startswith("/") else f"/bin/{job.shell}", rt.image,
+                 f"{CONTAINER_DIR}/job.sh"]
+    elif job.commands or job.entrypoint:
         # The commands are written for bash, but an image may have only sh.
         argv += ["--entrypoint", "/bin/sh", rt.image, "-c",
                  f"if command -v bash >/dev/null 2>&1; then exec bash {CONTAINER_DIR}/job.sh; fi; "
@@ -162,6 +169,13 @@ def local_limits(fields: dict[str, tuple[object, str]]) -> tuple[list[str], list
             warnings.append(f"{path('image')}: ignored by the local backend, which runs the commands on this machine")
         else:
             errors.append(f"{path('image')}: the local backend cannot run images; give the group commands")
+    user = value("user")
+    if user:  # refused by the local backend at start too; said here, at plan time, with the field
+        account = account_for(str(user))
+        if account is None:
+            errors.append(f"{path('user')}: {user!r}: no such user on this machine (local replicas run as host users)")
+        elif account.uid == 0:
+            errors.append(f"{path('user')}: {user!r}: the local backend never runs replicas as root")
     return errors, warnings
 
 
@@ -174,6 +188,7 @@ def group_runtime_fields(config, index: int) -> dict[str, tuple[object, str]]:
         own = getattr(group, name) if explicit else None
         out[name] = (own, f"groups[{index}].{name}") if own is not None else (getattr(config, name), name)
     out["commands"] = (list(group.commands), f"groups[{index}].commands" if explicit else "commands")
+    out["user"] = (config.user, "user")
     return out
 
 

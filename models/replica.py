@@ -6,6 +6,7 @@ JSON-serialisable pydantic models with no behaviour beyond small derived propert
 
 from __future__ import annotations
 
+import shlex
 from typing import Annotated, Literal, Optional
 
 from pydantic import BeforeValidator, Field, FieldSerializationInfo, field_serializer
@@ -35,6 +36,10 @@ class JobSpec(Model):
         "one outside it)."))
     user: Optional[str] = Field(None, description=(
         "User (name or uid) the commands run as; a backend that cannot run them as that user refuses the job."))
+    shell: Optional[str] = Field(None, description="Shell that runs the commands: sh, bash or an absolute path "
+                                                   "(None: the backend's, sh locally, bash in a container that has it).")
+    entrypoint: Optional[str] = Field(None, description="Runs instead of the shell, given the commands (one script) "
+                                                        "as its last argument; alone with an image, instead of its own.")
     nvcc: bool = Field(False, description="Run in the CUDA devel image (nvcc available).")
     docker: bool = Field(False, description="Docker-in-Docker: privileged, dockerd started, commands in bash.")
     privileged: bool = Field(False, description="Run the container privileged (always with docker).")
@@ -42,6 +47,13 @@ class JobSpec(Model):
     @field_serializer("env", when_used="json")
     def _env_json(self, env: dict[str, str], info: FieldSerializationInfo) -> dict[str, str]:
         return dump_env(env, self.secrets, info.context)  # type: ignore[return-value]
+
+    def runner(self, default_shell: str) -> list[str]:
+        """The argv the commands (one script) are given to as their last argument: the entrypoint's words, else
+        the shell with ``-e -c`` (stop at the first failure)."""
+        if self.entrypoint:
+            return shlex.split(self.entrypoint)
+        return [self.shell or default_shell, "-e", "-c"]
 
     @property
     def replica_id(self) -> str:

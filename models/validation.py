@@ -7,6 +7,7 @@ loader can point at the YAML line and one file reports every mistake at once.
 from __future__ import annotations
 
 import re
+import shlex
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
@@ -71,6 +72,20 @@ def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:
         yield Issue(("python",), "`image` and `python` are mutually exclusive fields")
     if cfg.image is not None and cfg.nvcc:
         yield Issue(("nvcc",), "`image` and `nvcc: true` are mutually exclusive (nvcc picks durastack's CUDA image)")
+    if cfg.shell is not None and cfg.shell not in ("sh", "bash") and not cfg.shell.startswith("/"):
+        yield Issue(("shell",), f"`shell: {cfg.shell}`: give sh, bash, or the absolute path of a shell")
+    if cfg.entrypoint is not None:
+        try:
+            words = shlex.split(cfg.entrypoint)
+        except ValueError as e:
+            words, why = [], f"cannot be split into words ({e})"
+        else:
+            why = "is empty"
+        if not words:
+            yield Issue(("entrypoint",), f"`entrypoint` {why}")
+        if cfg.shell is not None:
+            yield Issue(("shell",), "`shell` and `entrypoint` are mutually exclusive: the entrypoint runs the "
+                                    "commands (as its last argument), not the shell")
     if cfg.docker:
         for field in ("image", "python", "nvcc"):
             if _set(getattr(cfg, field)):

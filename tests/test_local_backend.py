@@ -336,6 +336,18 @@ def test_environment(replicas, isolation):
     assert "python 3.99 is not installed" in backend.logs(inst)
 
 
+@pytest.mark.parametrize("isolation", MODES)
+def test_shell_and_entrypoint_run_the_commands(replicas, isolation):
+    backend = replicas.backend(isolation)
+    bash = replicas.start(backend, seed_job(1, 0, shell="bash", commands=['[[ "$BASH_VERSION" ]] && echo in bash']))
+    given = replicas.start(backend, seed_job(1, 1, entrypoint="/bin/sh -c 'echo \"given: $0\"'",
+                                             commands=["echo a", "echo b"]))
+    for inst in (bash, given):
+        wait_until(lambda i=inst: backend.status(i).state == "exited", what="the commands to end")
+    assert backend.status(bash).exit_code == 0 and "in bash" in backend.logs(bash)
+    assert "given: echo a\necho b" in backend.logs(given)
+
+
 def test_image_without_commands_is_refused(tmp_path):
     job = seed_job(1, 0, commands=[], image="vllm/vllm-openai:latest")
     with pytest.raises(UnsupportedJobError, match="cannot run images"):

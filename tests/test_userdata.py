@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from activities.runtime import DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, DIND_IMAGE, docker_run_argv, runtime_of
+from activities.runtime import (DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, DIND_IMAGE, docker_run_argv, job_script,
+                               runtime_of)
 from activities.userdata import BootKeys, boot_script, cloud_init, job_upload, start_command, startup_script
 from connect.ssh_keys import SSHKeys
 from models.loader import load_config_text
@@ -244,3 +245,27 @@ def test_start_command_runs_commands_with_env_from_files(tmp_path, commands, exp
     assert f"--env-file {state}/job/env" in calls[1] and "it's a secret" not in calls[1]
     assert (out / "env.seen").read_text() == "HF_TOKEN=it's a secret\nMODEL=m\n"
     assert (out / "job.out").read_text() == expect
+
+
+def test_shell_and_entrypoint_reach_the_container(tmp_path):
+    # `shell`: the job file runs under it, not under bash-if-present.
+    argv = docker_run_argv(job(shell="sh"), gpu=False, job_dir="/j")
+    assert argv[argv.index("--entrypoint") + 1] == "/bin/sh" and argv[-1].endswith("/job.sh")
+    argv = docker_run_argv(job(shell="/usr/bin/zsh"), gpu=False, job_dir="/j")
+    assert argv[argv.index("--entrypoint") + 1] == "/usr/bin/zsh"
+    # `entrypoint`: it runs the commands, given as one script in its last argument (run here by sh, as in the
+    # container).
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(job(entrypoint="/bin/sh -c 'echo \"ran: $0\"'", commands=["echo a", "echo b"])))
+    ran = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=10)
+    assert ran.returncode == 0 and ran.stdout == "ran: echo a\necho b\n", ran
+
+
+@pytest.mark.parametrize("text, error", [
+    ("shell: zsh", "shell: `shell: zsh`: give sh, bash, or the absolute path of a shell"),
+    ("entrypoint: \"python3 -c 'x\"", "entrypoint: `entrypoint` cannot be split into words"),
+    ("entrypoint: python3\nshell: bash", "shell: `shell` and `entrypoint` are mutually exclusive"),
+])
+def test_shell_and_entrypoint_are_checked(text, error):
+    result = load_config_text(f"type: service\nname: s\nport: 8000\ncommands: [x]\n{text}\n")
+    assert not result.valid and any(str(e).startswith(error) for e in result.errors), [str(e) for e in result.errors]

@@ -35,7 +35,8 @@ def job_spec(config: ServiceConfiguration, service: str, group_name: str, replic
                    commands=commands, env=env, secrets=[k for k in config.secrets if k in env],
                    port=config.port.container_port,
                    python=group.python or config.python, image=group.image or config.image,
-                   working_dir=config.working_dir, user=config.user, **runtime_fields(config, group_name))
+                   working_dir=config.working_dir, user=config.user, shell=config.shell,
+                   entrypoint=config.entrypoint, **runtime_fields(config, group_name))
 
 
 def runtime_fields(config: ServiceConfiguration, group_name: str) -> dict:
