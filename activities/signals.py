@@ -9,7 +9,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from activities.interface import implements, judge_signal as judge_stub
-from models.loader import load_config_data
+from models.loader import load_config_data, render_path
+from models.validation import validate_service
 from models.run import ApplyRequest, ScaleRequest, SignalInput, Verdict
 from workflows.admission import Refused, check_apply, check_scale
 from workflows.changes import classify
@@ -22,6 +23,8 @@ async def judge_signal(inp: SignalInput) -> Verdict:
 
 def judge(inp: SignalInput) -> Verdict:
     try:
+        if inp.kind == "start":
+            return _judge_start(inp)
         if inp.kind == "scale":
             request = ScaleRequest.model_validate(inp.payload)
             check_scale(inp.config, inp.stopping, request)
@@ -44,3 +47,10 @@ def _judge_apply(inp: SignalInput) -> Verdict:
     if not classify(inp.config, result.config).any:
         return Verdict(reason="no changes")  # a signal cannot be told it was a no-op: the log says so
     return Verdict(apply=ApplyRequest(config=result.config))
+
+
+def _judge_start(inp: SignalInput) -> Verdict:
+    """A run's configuration, checked as `apply` checks a file: a run started some other way (`temporal workflow
+    start`, a client of its own) gets no bound skipped."""
+    issues = [f"{render_path(i.path) or 'configuration'}: {i.message}" for i in validate_service(inp.config)]
+    return Verdict(reason="invalid configuration: " + "; ".join(issues)) if issues else Verdict()

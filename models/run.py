@@ -499,7 +499,7 @@ class StopRequest(BaseModel):
 class SignalInput(BaseModel):
     """A `scale` or `apply` signal's raw payload and what the service is now, for the judge (a local activity)."""
 
-    kind: Literal["scale", "apply"]
+    kind: Literal["scale", "apply", "start"]  # start: the run's own configuration, as each run begins
     payload: Any = None
     service: str
     config: ServiceConfiguration

@@ -14,6 +14,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from cli.control import deliver
 from models.loader import load_config_file, load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
+from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
@@ -123,6 +124,21 @@ async def test_invalid_scale_is_refused_and_changes_nothing(ts_env, cloud):
     assert [g.desired for g in (await status_of(handle)).groups] == [1, 0]
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
+
+
+async def test_a_run_started_without_apply_is_judged_by_the_same_rules(ts_env, cloud):
+    # Started as `temporal workflow start` could: a group of 500 replicas, which `validate` refuses (a bound, not a
+    # type: the input decodes). The run judges its own configuration first and stops, failed, having started none.
+    name = "svc-direct"
+    raw = load_config_text(CONFIG.format(name=name)).config.model_dump(mode="json")
+    raw["groups"][1]["count"] = {"min": 0, "max": 500}
+    state = ServiceState(name=name, config=ServiceConfiguration.model_validate(raw))
+    handle = await ts_env.client.start_workflow(ServiceRunWorkflow.run, ServiceRunInput(state=state),
+                                                id=service_workflow_id(name), task_queue=cloud.queue)
+    assert await handle.result() == "failed"
+    rejected = [e.message for e in await handle.query(ServiceRunWorkflow.events) if e.kind == "rejected"]
+    assert len(rejected) == 1 and rejected[0].startswith("invalid configuration: ") and "at most 64" in rejected[0]
+    assert not [rid for rid in cloud.provisions if rid.startswith(name)]
 
 
 async def test_scale_and_apply_by_signal_log_what_they_refuse(ts_env, cloud):

@@ -38,6 +38,7 @@ WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its r
 CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
 ROUTE_UNAVAILABLE = "route-unavailable"  # the route says why the service cannot serve: the gateway answers 503
 ONE_PLACE = "one-place"  # the replicas of a service that reach each other all go where its first one landed
+VALIDATE_START = "validate-start"  # each run judges its own configuration first: a start that skipped apply too
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 
 
@@ -195,6 +196,8 @@ class ServiceRunWorkflow:
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
         if addresses.one_place(state.config):  # the same: only services whose replicas reach each other
             state.one_place = workflow.patched(ONE_PLACE)
+        if workflow.patched(VALIDATE_START):
+            await self._judge_start()
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
@@ -270,6 +273,15 @@ class ServiceRunWorkflow:
         if not (info.is_continue_as_new_suggested() or length > self.inp.history_limit):
             return False
         return not self.settle_first or lifecycle.settled(self.state) or length > 2 * self.inp.history_limit
+
+    async def _judge_start(self) -> None:
+        """The run's configuration passes the rules `apply` runs, or the service stops, failed, with why."""
+        verdict = await workflow.execute_local_activity(
+            interface.judge_signal, SignalInput(kind="start", service=self.state.name, config=self.state.config),
+            start_to_close_timeout=timedelta(seconds=10), summary="judge the configuration")
+        if verdict.reason:
+            self.state.failure, self.state.stopping = verdict.reason, True
+            self._note([lifecycle.Note("rejected", verdict.reason)])
 
     async def _judge_signals(self) -> None:
         while self.signals:
