@@ -589,7 +589,7 @@ class LocalBackend:
         inner_argv, enter = list(argv), []
         if inst.isolated:
             inner = self._namespace_init(inst)
-            ns = ["-n", "-m", "-p"]
+            ns = ["-n", "-m", "-p", "-i", "-u"]
             if os.readlink(f"/proc/{inner[0]}/ns/user") != os.readlink("/proc/self/ns/user"):
                 ns = ["-U", "--preserve-credentials", *ns]  # unprivileged: its user namespace holds the others
             # Into a confined replica only as what its commands run as: as root, `exec` would undo it all.

@@ -122,8 +122,9 @@ def send_signal(pid: int, started: int, sig: int) -> bool:
 # ---- namespaces ------------------------------------------------------------------------------
 
 def unshare_argv() -> list[str]:
-    """A new net + mount + PID namespace; --kill-child ties the namespace's PID 1 to the leader."""
-    flags = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    """New net, mount, PID, IPC and UTS namespaces (the host's SysV shared memory and semaphores, and its
+    hostname, are not the replica's); --kill-child ties the namespace's PID 1 to the leader."""
+    flags = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc"]
     if os.geteuid() != 0:
         flags = ["--user", "--map-root-user", *flags]  # unprivileged user namespaces
     return [shutil.which("unshare") or "unshare", *flags, "--"]

@@ -206,6 +206,24 @@ def confine_mounts(home: str, work_dir: str, keep: list[str], readonly: list[str
     os.chdir(work_dir)  # through the new mount, so that the work dir's path resolves for the commands
 
 
+def fresh_run(keep: list[str]) -> None:
+    """An empty /run (and /var/run where it is a directory of its own): the host's sockets live there (a database
+    trusting local connections, Docker's, a user's session bus) and are no replica's business. The resolver's
+    file is put back read-only when /etc/resolv.conf points in there, and so is anything in ``keep``."""
+    resolver = os.path.dirname(os.path.realpath("/etc/resolv.conf"))
+    runs = [d for d in ("/run", "/var/run") if os.path.isdir(d) and not os.path.islink(d)]
+    back = sorted({p for p in [resolver, *map(os.path.realpath, keep)]
+                   if os.path.isdir(p) and any(_under(p, r) and p != r for r in runs)})
+    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in back}  # taken before they are covered
+    for run in runs:
+        tmpfs(run, "755")
+    for path, fd in handles.items():
+        os.close(_makedirs_nofollow(path))
+        bind_mount(f"/proc/self/fd/{fd}", path)
+        read_only(path)
+        os.close(fd)
+
+
 def private_tmp(src: str, keep: list[str]) -> None:
     """Mount ``src`` on /tmp, then put back the paths of ``keep`` that lived under the host's /tmp.
 
@@ -343,6 +361,7 @@ def main() -> int:
                 service_link(cfg["net"]["dev"], cfg["net"]["ip"], cfg["net"]["prefix"])
             work_dir = os.getcwd()
             private_tmp(os.path.abspath("tmp"), [work_dir, *cfg["keep"]])
+            fresh_run([work_dir, *cfg["keep"]])
             if cfg.get("hide"):
                 confine_mounts(cfg["hide"], work_dir, cfg["keep"], cfg.get("readonly", []))
         except OSError as e:

@@ -126,9 +126,10 @@ def standin(**changes: str) -> str:
 
 
 def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print,
-        kills: int = 1) -> list[tuple[str, Load, int, list]]:
-    """Each event under load: (event, its load, router restarts during it, the router's list after it); each kill
-    ``kills`` times, for a failure rate over more than one."""
+        hold: float = 2.0) -> list[tuple[str, Load, int, list]]:
+    """Each event under load: (event, its load, router restarts during it, the router's list after it). The load
+    goes on ``hold`` seconds after the service settled: longer, a failure rate counts over more requests. (One kill
+    of each: the same group killed again within minutes backs off, as a crash-looping one must.)"""
     token = stack.check("token", "add", "pd").strip()
     load = Load(f"{stack.gateway}/services/{NAME}/v1/completions", token, rps)
     results = []
@@ -141,7 +142,7 @@ def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print,
             act()
             time.sleep(3)  # the event takes effect (a kill is seen within a second)
             until(lambda: settled(stack), timeout, 0.5, f"the service settled after: {title}")
-            time.sleep(2)
+            time.sleep(hold)
         view = router_view(stack)
         restarts = router_submissions(stack) - restarts
         results.append((title, _copy(load), restarts, view))
@@ -160,10 +161,11 @@ def run(stack: BenchStack, rps: float, say: Callable[[str], None] = print,
         changed[group] = "--log-level info" if group == "router" else "--latency 0.021"
         file = stack.write("standin.yml", standin(**changed))
         event(f"rolling update of {group}", lambda f=file: stack.check("apply", "-f", str(f), "-y"))
-    for _ in range(kills):
-        event("kill -9 of one decode worker", lambda: os.kill(engine_pids(stack, "decode")[0], signal.SIGKILL))
-    for _ in range(kills):
-        event("kill -9 of the prefill worker", lambda: os.kill(engine_pids(stack, "prefill")[0], signal.SIGKILL))
+    # One of several: the autoscaler may have taken decode back to 1 by now (then a kill empties the role).
+    stack.check("scale", NAME, "decode", "3")
+    until(lambda: settled(stack) and len(engine_pids(stack, "decode")) == 3, 120, 0.5, "three decode workers")
+    event("kill -9 of one decode worker", lambda: os.kill(engine_pids(stack, "decode")[0], signal.SIGKILL))
+    event("kill -9 of the prefill worker", lambda: os.kill(engine_pids(stack, "prefill")[0], signal.SIGKILL))
     event("decode → 1 (durastack scale)", lambda: stack.check("scale", NAME, "decode", "1"))
     return results
 
@@ -182,21 +184,17 @@ def setup_env() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--rps", type=float, default=8.0)
-    p.add_argument("--kills", type=int, default=1, help="How many times each kill -9 event is repeated.")
+    p.add_argument("--hold", type=float, default=2.0,
+                   help="Seconds of load after each event settled (longer: rates over more requests).")
     args = p.parse_args()
     setup_env()
     with BenchStack(log=lambda line: print(line, flush=True)) as stack:
-        results = run(stack, args.rps, kills=args.kills)
+        results = run(stack, args.rps, hold=args.hold)
         stack.stop_service(NAME)
-    step(f"summary at {args.rps:g} req/s")
-    totals: dict[str, list[int]] = {}  # event → [times, requests, failed, router restarts], repeats summed
+    step(f"summary at {args.rps:g} req/s, {args.hold:g} s held after each event")
+    print(f"{'event':40} {'requests':>8} {'failed':>6} {'router restarts':>15}")
     for title, load, restarts, _ in results:
-        row = totals.setdefault(title, [0, 0, 0, 0])
-        for i, n in enumerate((1, sum(load.counts.values()), load.failed, restarts)):
-            row[i] += n
-    print(f"{'event':40} {'times':>5} {'requests':>8} {'failed':>6} {'router restarts':>15}")
-    for title, (times, requests, failed, restarts) in totals.items():
-        print(f"{title:40} {times:>5} {requests:>8} {failed:>6} {restarts:>15}")
+        print(f"{title:40} {sum(load.counts.values()):>8} {load.failed:>6} {restarts:>15}")
 
 
 if __name__ == "__main__":

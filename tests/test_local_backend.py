@@ -348,6 +348,29 @@ def test_shell_and_entrypoint_run_the_commands(replicas, isolation):
     assert "given: echo a\necho b" in backend.logs(given)
 
 
+@needs_ns
+def test_an_isolated_replica_sees_no_host_socket_and_has_its_own_ipc_and_uts(replicas, tmp_path):
+    """The host's /run holds sockets (a database trusting local connections, Docker's): a replica gets an empty one,
+    and SysV IPC and the hostname of its own."""
+    marker = Path("/run") / f"durastack-test-{os.getpid()}.sock"
+    import socket as socket_module
+    with socket_module.socket(socket_module.AF_UNIX) as listener:
+        listener.bind(str(marker))
+        try:
+            backend = replicas.backend(True)
+            inst = replicas.start(backend, seed_job(1, 0, commands=["sleep 300"]))
+            wait_until(lambda: backend.status(inst).state == "running", what="the replica")
+            code, out = backend.exec(inst, ["sh", "-c", f"ls /run /var/run; test -e {marker} && echo SEEN; "
+                                                          "readlink /proc/self/ns/ipc /proc/self/ns/uts"])
+        finally:
+            marker.unlink()
+    assert code == 0 and "SEEN" not in out and marker.name not in out, out
+    ipc, uts = out.strip().splitlines()[-2:]
+    assert ipc != os.readlink("/proc/self/ns/ipc") and uts != os.readlink("/proc/self/ns/uts"), out
+    assert backend.exec(inst, ["sh", "-c", "getent hosts localhost >/dev/null && echo resolves"])[1].strip() \
+        == "resolves"
+
+
 def test_image_without_commands_is_refused(tmp_path):
     job = seed_job(1, 0, commands=[], image="vllm/vllm-openai:latest")
     with pytest.raises(UnsupportedJobError, match="cannot run images"):
