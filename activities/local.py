@@ -54,6 +54,7 @@ from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, LOCAL_
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
                                    send_signal, unshare_argv)
 from activities import local_net
+from activities.local_cgroup import Cgroups, Limits, join_argv
 from activities.local_init import COMMANDS_FILE, env_script, with_env
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 
@@ -220,6 +221,7 @@ class LocalBackend:
             (False, "service networks off: isolation off, replicas share the host's network")
         if self.networked:
             local_net.reap_all(self.home)  # networks whose replicas all died with an earlier worker
+        self.cgroups = Cgroups()
 
     def network(self, service: str) -> local_net.ServiceNetwork:
         return local_net.ServiceNetwork(self.home, service)
@@ -275,9 +277,10 @@ class LocalBackend:
 
     # ---- start -------------------------------------------------------------------------------
 
-    def start(self, job: JobSpec, later: bool = False) -> LocalInstance:
+    def start(self, job: JobSpec, later: bool = False, limits: Limits = Limits()) -> LocalInstance:
         """Start the replica (adopting one an earlier attempt started). ``later``: its commands wait in the replica,
-        on a network of its own already, until ``give_commands`` (its late references need its address first)."""
+        on a network of its own already, until ``give_commands`` (its late references need its address first).
+        ``limits``: its memory, CPU and processes, where this host's cgroups allow (local_cgroup.py)."""
         if not job.commands:
             if job.image:
                 raise UnsupportedJobError(
@@ -298,7 +301,7 @@ class LocalBackend:
             # start side by side, not one after the other.
             with net.locked() if net is not None else contextlib.nullcontext():
                 if inst is None:
-                    inst = self._spawn(job, wd, meta, later)
+                    inst = self._spawn(job, wd, meta, later, limits)
                 elif net is not None:  # an earlier attempt may have died between spawning and linking it
                     net.lease(job.replica_id, str(wd), str(self._socket_path(wd)), job.port)
                 if net is not None:
@@ -384,7 +387,8 @@ class LocalBackend:
         meta = self.work_dir(job) / ".durastack"
         _write_private(meta / COMMANDS_FILE, json.dumps({"script": "\n".join(job.commands), "env": job.env}))
 
-    def _spawn(self, job: JobSpec, wd: Path, meta: Path, later: bool = False) -> LocalInstance:
+    def _spawn(self, job: JobSpec, wd: Path, meta: Path, later: bool = False, limits: Limits = Limits()
+               ) -> LocalInstance:
         log_path = wd / "replica.log"
         account = self.run_as(job)
         (meta / "exit_code").unlink(missing_ok=True)
@@ -432,6 +436,9 @@ class LocalBackend:
         argv = [sys.executable, "-I", "-S", INIT_SCRIPT, str(meta / "launch.json")]
         if self.isolated:
             argv = unshare_argv() + argv
+        argv = join_argv(self.cgroups.make(Cgroups.name(str(wd)), limits)) + argv  # before anything of it runs
+        notes.append(f"limits: {limits.summary()} (cgroup v{self.cgroups.version})" if not self.cgroups.reason
+                     else self.cgroups.reason)
         with os.fdopen(_open_log(log_path), "ab") as log:
             now = datetime.now(timezone.utc).isoformat(timespec="seconds")
             for line in [f"{now} starting {job.replica_id} ({self.isolation_reason}; {self.confinement_reason}) "
@@ -674,6 +681,7 @@ class LocalBackend:
             m = _REPLICA_ID.fullmatch(inst.replica_id)
             if m:
                 self.network(m["service"]).release(inst.replica_id)
+        self.cgroups.remove(Cgroups.name(inst.work_dir))
         meta = Path(inst.work_dir) / ".durastack"
         if killed and _read_exit_code(Path(inst.work_dir)) is None and meta.is_dir():
             _write_private(meta / "exit_code", f"{128 + signal.SIGKILL}\n")  # the wrapper died before recording one

@@ -34,6 +34,7 @@ from activities.catalog import local_offer
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive
 from activities.local import LocalBackend, UnsupportedJobError
+from activities.local_cgroup import Limits, limits_for
 from activities.metrics import provisioning_failed
 from activities.probes import Connect, ProbeStreaks, answers_http
 from activities.references import resolve_late
@@ -119,7 +120,8 @@ class LocalReplicas:
             raise no_capacity(NoCapacity(backend="local", tried=False, reasons=cannot))
         since = activity.info().scheduled_time.timestamp() - CLOCK_SKEW_SECONDS  # the launch's first attempt
         try:  # with late references, its commands wait in the replica for ``start``
-            instance = await self._blocking(self._start_once, inp.job, since, bool(inp.late_refs))
+            instance = await self._blocking(self._start_once, inp.job, since, bool(inp.late_refs),
+                                            limits_for(inp.resources))
         except UnsupportedJobError as e:
             provisioning_failed("local", "unsupported")
             raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[str(e)])) from e
@@ -132,14 +134,14 @@ class LocalReplicas:
         if inp.late_refs:
             await self._blocking(self.local.give_commands, inp.job)
 
-    def _start_once(self, job: JobSpec, since: float, later: bool) -> LocalInstance:
+    def _start_once(self, job: JobSpec, since: float, later: bool, limits: Limits) -> LocalInstance:
         """The instance an earlier attempt of this launch started (recorded ``since`` its first attempt), even if
         it has exited since: starting it again would run the submission twice, and the readiness wait reports
         the exit instead. Otherwise ``start``, which also adopts a live tree an attempt left unrecorded."""
         recorded = self.local.find(job)
         if recorded is not None and (self.local.recorded_at(job) or 0) >= since:
             return recorded
-        return self.local.start(job, later)
+        return self.local.start(job, later, limits)
 
     def reach(self, instance: LocalInstance) -> tuple[str, None]:
         """Where this worker reaches the app (as the probes do): its socket on the host."""

@@ -230,7 +230,11 @@ def _replicas_line(settings: Settings) -> str:
     if not settings.local_replicas:
         return "local replicas off (DURASTACK_LOCAL_REPLICAS=off)"
     import activities.local as local
-    return f"{local.isolation_reason()}; {local.confinement_reason()}; {local.network_reason()}"
+    from activities.local_cgroup import Cgroups
+    cgroups = Cgroups()
+    limits = cgroups.reason or (f"cgroups on (v{cgroups.version}): each replica is held to its group's memory and "
+                                f"CPUs, and a process cap")
+    return f"{local.isolation_reason()}; {local.confinement_reason()}; {local.network_reason()}; {limits}"
 
 
 # ---- Temporal --------------------------------------------------------------------------------

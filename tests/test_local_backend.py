@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from activities.local import (CODE_DIR, LocalBackend, LocalBackendError, NoOffer
                               confinement_available, confinement_reason, isolation_available, isolation_reason,
                               network_reason)
 from activities.local_host import find_python, find_tree, gpu_count
+from activities.local_cgroup import Cgroups, Limits
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 from models.resources import ResourcesSpec
 
@@ -369,6 +371,34 @@ def test_an_isolated_replica_sees_no_host_socket_and_has_its_own_ipc_and_uts(rep
     assert ipc != os.readlink("/proc/self/ns/ipc") and uts != os.readlink("/proc/self/ns/uts"), out
     assert backend.exec(inst, ["sh", "-c", "getent hosts localhost >/dev/null && echo resolves"])[1].strip() \
         == "resolves"
+
+
+FORKS = """python3 -c '
+import subprocess
+started = []
+for _ in range(64):
+    try:
+        started.append(subprocess.Popen(["sleep", "30"]))
+    except OSError:
+        break
+print("running", len(started), flush=True)
+'"""
+
+
+@pytest.mark.skipif(bool(Cgroups().reason), reason=Cgroups().reason or "")
+def test_a_replica_is_held_to_its_memory_and_process_limits(replicas):
+    """One replica's leak or fork bomb must not take the machine: its cgroup holds it to what its group asked."""
+    backend = replicas.backend(None)
+    limits = Limits(memory_bytes=256 * 2**20, cpus=1, pids=32)
+    hog = backend.start(seed_job(1, 0, commands=["python3 -c 'b = bytearray(1024 * 2**20); print(\"survived\")'"]),
+                        limits=limits)
+    forks = backend.start(seed_job(1, 1, commands=[FORKS, "sleep 300"]), limits=limits)
+    replicas.started += [(backend, hog), (backend, forks)]
+    wait_until(lambda: backend.status(hog).state == "exited", what="the memory hog to end")
+    assert backend.status(hog).exit_code != 0 and "survived" not in backend.logs(hog)
+    running = wait_until(lambda: re.search(r"running (\d+)", backend.logs(forks)), what="the fork loop")
+    assert int(running.group(1)) < 32, backend.logs(forks)
+    assert "limits: memory 0.25GB, 1 CPUs, 32 processes (cgroup v" in backend.logs(forks)
 
 
 def test_image_without_commands_is_refused(tmp_path):
@@ -738,7 +768,8 @@ def test_server_banner_says_whether_replicas_are_confined(tmp_path):
     from cli.stack import _replicas_line
     from models.settings import Settings
     line = _replicas_line(Settings.from_env({"DURASTACK_HOME": str(tmp_path)}))
-    assert line == f"{isolation_reason()}; {confinement_reason()}; {network_reason()}"
+    assert line.startswith(f"{isolation_reason()}; {confinement_reason()}; {network_reason()}; ")
+    assert line.endswith(Cgroups().reason or "and a process cap")
     assert ("confinement on" in line) == confinement_available()
     off = _replicas_line(Settings.from_env({"DURASTACK_HOME": str(tmp_path), "DURASTACK_LOCAL_REPLICAS": "off"}))
     assert off.startswith("local replicas off")
