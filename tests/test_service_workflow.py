@@ -510,6 +510,21 @@ async def test_a_replica_workflow_terminated_before_it_serves_is_torn_down_and_r
     await handle.result()
 
 
+async def test_a_replica_cancelled_during_its_launch_tears_down_only_once_the_launch_stopped(ts_env, cloud):
+    """Cancelled from the Web UI while its launch seems stuck: the launch is cancelled and waited for, then the
+    teardown looks; it never runs beside a launch that could still make an instance or a route."""
+    rid = "svc-cancel/0/r0-s0"
+    cloud.hang.add(rid)
+    handle = await start(ts_env, cloud, "svc-cancel")
+    await eventually(lambda: _true(cloud.instances.get(rid) == "running"))
+    await ts_env.client.get_workflow_handle(f"service/{rid}").cancel()
+    await eventually(lambda: _true(cloud.instances.get(rid) == "terminated"))
+    ops = [op for op, r in cloud.log if r == rid]
+    assert ops.index("launch_cancelled") < ops.index("terminate"), ops
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):
     """A broken command crash-loops into the longest back-off; the corrected file is applied: it serves
     without waiting for the back-off to end, and `ps` showed the wait while it lasted."""

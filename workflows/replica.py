@@ -28,6 +28,9 @@ with workflow.unsafe.imports_passed_through():
                             ReplicaUpdate, Step, StopRequest, TeardownInput)
     from workflows.names import REPLICA_CHANGED, backend_queue
 
+# A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
+# beside a launch that went on.
+CANCEL_LAUNCH_FIRST = "cancel-launch-first"
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
@@ -114,18 +117,29 @@ class ReplicaWorkflow:
     async def _until_stopped(self, launch) -> str:
         """Launch, then wait for a stop; a stop during the launch cancels it (and waits for that)."""
         task = asyncio.ensure_future(launch)
-        await workflow.wait_condition(lambda: self.stop_request is not None or task.done())
+        try:
+            await workflow.wait_condition(lambda: self.stop_request is not None or task.done())
+        except asyncio.CancelledError:  # the workflow itself is cancelled: its teardown follows once the launch ended
+            if workflow.patched(CANCEL_LAUNCH_FIRST):
+                await self._end(task)
+            raise
         if not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, ActivityError):
-                pass  # the teardown finds whatever the cancelled launch made
+            await self._end(task)
             return ""
         failure = task.result()
         if not failure:
             await workflow.wait_condition(lambda: self.stop_request is not None)
         return failure
+
+    @staticmethod
+    async def _end(launch: asyncio.Future) -> None:
+        """Cancel the launch and wait until it has stopped (its activity waits for the cancellation to complete):
+        the teardown then finds whatever it made, and nothing is made after the teardown looked."""
+        launch.cancel()
+        try:
+            await launch
+        except (asyncio.CancelledError, ActivityError):
+            pass
 
     async def _teardown(self, request: StopRequest) -> None:
         instance: Optional[Instance] = self.launched.instance if self.launched else None

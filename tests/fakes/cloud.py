@@ -131,8 +131,14 @@ class FakeCloud:
             self.provisions[rid] = self.provisions.get(rid, 0) + 1
             self.instances[rid] = "running"
             self.log.append(("provision", rid))
-            if rid in self.hang:  # e.g. an image pull that never ends: cancelled with its worker
-                await asyncio.Event().wait()
+            if rid in self.hang:  # e.g. an image pull that never ends: heartbeating, so a cancellation reaches it
+                try:
+                    while True:
+                        activity.heartbeat()
+                        await asyncio.sleep(0.1)
+                except asyncio.CancelledError:
+                    self.log.append(("launch_cancelled", rid))
+                    raise
             group = r.job.group
             alive = sum(1 for x, st in self.instances.items() if st == "running" and x.split("/")[1] == group)
             self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
