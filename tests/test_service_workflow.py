@@ -525,6 +525,23 @@ async def test_a_replica_cancelled_during_its_launch_tears_down_only_once_the_la
     await handle.result()
 
 
+async def test_a_backend_whose_worker_is_missing_is_said_and_the_next_one_tried(dev_env, cloud_dev):
+    """The deployment says it serves aws, but no worker polls its queue: after `unserved_seconds` the launch moves
+    on to the next backend, instead of a replica submitted for ever. (On the dev server, in real time: the
+    time-skipping one does not skip while an activity waits in a queue.)"""
+    env, cloud = dev_env, cloud_dev
+    cloud.served = ["aws", "local"]
+    handle = await start(env, cloud, "svc-unserved", unserved_seconds=2)
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    inp = cloud.inputs["svc-unserved/0/r0-s0"]
+    assert inp.launch_on == ["aws", "local"] and status.groups[0].replicas[0].backend == "local"
+    history = await env.client.get_workflow_handle("service/svc-unserved/0/r0-s0").fetch_history()
+    timeouts = [e for e in history.events if e.HasField("activity_task_timed_out_event_attributes")]
+    assert len(timeouts) == 1  # the aws launch, given up after UNSERVED; local then served it
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):
     """A broken command crash-loops into the longest back-off; the corrected file is applied: it serves
     without waiting for the back-off to end, and `ps` showed the wait while it lasted."""

@@ -24,8 +24,8 @@ TEARDOWN_RETRY = RetryPolicy(maximum_interval=timedelta(minutes=1))  # never giv
 
 
 class Children:
-    def __init__(self, state: ServiceState, heartbeat_seconds: int) -> None:
-        self.state, self.heartbeat_seconds = state, heartbeat_seconds
+    def __init__(self, state: ServiceState, heartbeat_seconds: int, unserved_seconds: int = 600) -> None:
+        self.state, self.heartbeat_seconds, self.unserved_seconds = state, heartbeat_seconds, unserved_seconds
         self.handles: dict[tuple[int, int], ChildWorkflowHandle] = {}  # this run's children, until they close
         # Whether closed children are noticed and torn down even before they were placed (patch watch-children,
         # set by the service's run: runs recorded before it never did).
@@ -36,7 +36,7 @@ class Children:
         state = self.state
         inp = replica_input(state.config, state.name, workflow.info().workflow_id, replica.group,
                             replica.replica_num, replica.submission_num, replica.deployment_num, replica.refs)
-        inp.heartbeat_seconds = self.heartbeat_seconds
+        inp.heartbeat_seconds, inp.unserved_seconds = self.heartbeat_seconds, self.unserved_seconds
         inp.launch_on = self._launch_on()
         # One place: where the service's first replica landed, or, for the first, a place `apply` found for all.
         places = [state.place] if state.place else state.places if state.one_place else []

@@ -18,7 +18,7 @@ from typing import Optional
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError as ActivityTimeout, TimeoutType
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
@@ -53,6 +53,16 @@ def no_capacity_reason(refusals: list[NoCapacity]) -> str:
         return NO_BACKEND
     head = ALL_OFFERS_FAILED if any(r.tried for r in refusals) else NO_OFFERS
     return f"{head}: " + "; ".join("; ".join(r.reasons) or f"{r.backend}: no capacity" for r in refusals)
+
+
+def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Optional[NoCapacity]:
+    """A launch no worker took in time (its schedule-to-start timeout: a cloud worker that is not running, a queue
+    name that differs): that backend is given up, with why, and the next one tried, not waited on for ever."""
+    cause = error.cause
+    if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START:
+        return NoCapacity(backend=backend, tried=True, reasons=[
+            f"{backend}: no worker took the launch within {seconds} s (is a worker serving {queue} running?)"])
+    return None
 
 
 def no_capacity(error: ActivityError) -> Optional[NoCapacity]:
@@ -99,16 +109,17 @@ class ReplicaWorkflow:
         refusals: list[NoCapacity] = []
         for backend in self.inp.launch_on:
             self.tried.append(backend)
+            queue = backend_queue(workflow.info().task_queue, backend)
             try:
                 self.launched = await workflow.execute_activity(
-                    interface.launch_replica, LaunchInput(replica=self.inp, backend=backend),
-                    task_queue=backend_queue(workflow.info().task_queue, backend),
-                    start_to_close_timeout=timedelta(minutes=30), heartbeat_timeout=self._heartbeat(),
-                    retry_policy=SHORT, cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-                    summary=f"launch on {backend}")
+                    interface.launch_replica, LaunchInput(replica=self.inp, backend=backend), task_queue=queue,
+                    schedule_to_start_timeout=timedelta(seconds=self.inp.unserved_seconds),
+                    start_to_close_timeout=timedelta(minutes=30),
+                    heartbeat_timeout=self._heartbeat(), retry_policy=SHORT,
+                    cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED, summary=f"launch on {backend}")
                 return ""
             except ActivityError as e:
-                details = no_capacity(e)
+                details = no_capacity(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
                 if details is None:
                     return reason_of(e)
                 refusals.append(details)

@@ -54,6 +54,9 @@ class ServiceRunInput(BaseModel):
         20, description="Heartbeat timeout of the long activities: how soon a dead worker's launches, teardowns "
                         "and watchers are taken over by another worker (each heartbeats every half of it: one "
                         "monitor per service and backend, so 1,000 services cost 100 heartbeats a second).")
+    unserved_seconds: int = Field(600, description=(
+        "A launch no worker of its backend takes within this is given up on that backend (a cloud worker not "
+        "running): said, and the next backend tried."))
     store_retry_seconds: float = Field(
         30, description="While the store fails, try it again this often (each try costs a few history events).")
 
@@ -66,7 +69,7 @@ class ServiceRunWorkflow:
         self.dirty = True
         self.signals: list[tuple[str, Any]] = []  # raw `scale`/`apply` signals, judged by the loop
         self.watchers = Watchers(timedelta(seconds=inp.heartbeat_seconds))
-        self.children = Children(self.state, inp.heartbeat_seconds)
+        self.children = Children(self.state, inp.heartbeat_seconds, inp.unserved_seconds)
         self.publisher = views.Publisher()
         self.route = Route()
         self.route_beside = False  # the route is put beside the pass's replica starts (set in _begin)

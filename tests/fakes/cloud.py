@@ -54,6 +54,7 @@ class FakeCloud:
         self.commands: dict[str, list[str]] = {}  # replica_id → what it was provisioned to run
         self.envs: dict[str, dict[str, str]] = {}  # replica_id → the env it runs with
         self.inputs: dict[str, ReplicaInput] = {}  # replica_id → its launch's input, as the workflow gave it
+        self.served = ["local"]  # the backends the deployment says it serves: only local has a worker here
         self.rps: float | None = None  # what the fake gateway reports; None = no stats
         self.polling = False  # watchers check once per attempt (see the module doc)
         self.traffic: Optional[Traffic] = None  # overrides ``rps`` when set; needs ``clock``
@@ -229,7 +230,7 @@ class FakeCloud:
 
         @implements(interface.served_backends)
         async def served_backends() -> list[str]:
-            return ["local"]
+            return list(self.served)
 
         @implements(interface.ensure_route)
         async def ensure_route(inp: RouteInput) -> None:
