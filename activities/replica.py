@@ -241,7 +241,7 @@ class ReplicaActivities:
                      placement=placement, instance=instance, refs=refs)
         log.info("%s: serving on %s at %s%s", job.replica_id, placement.backend, placement.address,
                  "" if r.route else " (behind the router group)")
-        return Launched(placement=placement, instance=instance)
+        return Launched(placement=placement, instance=instance, refs=refs)
 
     # --- teardown -----------------------------------------------------------------------------------
 

@@ -424,6 +424,7 @@ class Launched(BaseModel):
 
     placement: Placement
     instance: "Instance"
+    refs: dict[str, str] = Field(default_factory=dict, description="The late references it was started with.")
 
 
 class LaunchInput(BaseModel):

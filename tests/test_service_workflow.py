@@ -542,6 +542,17 @@ async def test_a_backend_whose_worker_is_missing_is_said_and_the_next_one_tried(
     await handle.result()
 
 
+async def test_a_lost_serving_report_is_made_good_by_the_replica_workflow(ts_env, cloud):
+    """The launch's reports are fire-and-forget; once it returned, its workflow tells `serving` again, durably: the
+    service never keeps a routed replica it thinks is still starting (unwatched, never replaced)."""
+    cloud.lost_reports.add("svc-lost/0/r0-s0")
+    handle = await start(ts_env, cloud, "svc-lost")
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    assert status.groups[0].replicas[0].status == "running"
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):
     """A broken command crash-loops into the longest back-off; the corrected file is applied: it serves
     without waiting for the back-off to end, and `ps` showed the wait while it lasted."""

@@ -31,6 +31,9 @@ with workflow.unsafe.imports_passed_through():
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
 # beside a launch that went on.
 CANCEL_LAUNCH_FIRST = "cancel-launch-first"
+# Serving is told durably too, once the launch returned: the launch's own report is fire-and-forget, and a lost one
+# left a routed replica "submitted", unwatched and never replaced.
+DURABLE_SERVING = "durable-serving"
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
@@ -117,6 +120,8 @@ class ReplicaWorkflow:
                     start_to_close_timeout=timedelta(minutes=30),
                     heartbeat_timeout=self._heartbeat(), retry_policy=SHORT,
                     cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED, summary=f"launch on {backend}")
+                if workflow.patched(DURABLE_SERVING):
+                    await self._report_serving(self.launched)
                 return ""
             except ActivityError as e:
                 details = no_capacity(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
@@ -171,18 +176,26 @@ class ReplicaWorkflow:
             [SA_BACKEND.value_set(self.launched.placement.backend)] if self.launched else []))
         await self._report_end(final, request.reason)
 
+    async def _report_serving(self, launched: Launched) -> None:
+        """The launch's own `serving` report, again, durably (the same step number: the second one is dropped)."""
+        job = self.inp.job
+        await self._tell(ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num,
+                                       status="running", ready=True, registered=self.inp.route, seq=Step.SERVING,
+                                       placement=launched.placement, instance=launched.instance, refs=launched.refs))
+
+    async def _tell(self, update: ReplicaUpdate) -> None:
+        try:
+            await workflow.get_external_workflow_handle(self.inp.service_workflow_id).signal(REPLICA_CHANGED, update)
+        except Exception as e:  # noqa: BLE001 — the service run is gone: nobody to tell
+            workflow.logger.info("report to %s not delivered: %s", self.inp.service_workflow_id, e)
+
     async def _report_end(self, final: ReplicaStatus, reason: str) -> None:
         """The end, told durably: the teardown's own report is fire-and-forget, and a service that missed it
         would wait for this replica for ever (its stop waits for every replica to finish). The same step
         number: whichever arrives second is dropped."""
         job = self.inp.job
-        try:
-            await workflow.get_external_workflow_handle(self.inp.service_workflow_id).signal(
-                REPLICA_CHANGED,
-                ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=final,
-                              seq=Step.FINISHED, reason=reason))
-        except Exception as e:  # noqa: BLE001 — the service run is gone: nobody to tell
-            workflow.logger.info("final report to %s not delivered: %s", self.inp.service_workflow_id, e)
+        await self._tell(ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=final,
+                                       seq=Step.FINISHED, reason=reason))
 
     def _heartbeat(self) -> timedelta:
         """Without a heartbeat timeout, an attempt lost with its worker (SIGKILL) waits for its

@@ -54,6 +54,7 @@ class FakeCloud:
         self.commands: dict[str, list[str]] = {}  # replica_id → what it was provisioned to run
         self.envs: dict[str, dict[str, str]] = {}  # replica_id → the env it runs with
         self.inputs: dict[str, ReplicaInput] = {}  # replica_id → its launch's input, as the workflow gave it
+        self.lost_reports: set[str] = set()  # replica ids whose launch's `serving` report never arrives
         self.served = ["local"]  # the backends the deployment says it serves: only local has a worker here
         self.rps: float | None = None  # what the fake gateway reports; None = no stats
         self.polling = False  # watchers check once per attempt (see the module doc)
@@ -156,9 +157,10 @@ class FakeCloud:
             if r.route:
                 self.routed.add(rid)
                 self.log.append(("register", rid))
-            await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
-                         placement=placement, instance=instance, refs=refs)
-            return Launched(placement=placement, instance=instance)
+            if rid not in self.lost_reports:  # a report is fire-and-forget: it may be lost
+                await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
+                             placement=placement, instance=instance, refs=refs)
+            return Launched(placement=placement, instance=instance, refs=refs)
 
         @implements(interface.teardown_replica)
         async def teardown(inp: TeardownInput) -> None:
