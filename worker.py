@@ -142,7 +142,8 @@ def worker_activities(client: Client, settings: Settings, gateway: GatewayClient
     record = StoreActivities(clouds.ledger.store).record_service  # a local activity: must be on this worker
     backends = BackendsServed(served(settings, clouds))
     own = (["local"] if settings.local_replicas else []) + sorted(clouds.backends)
-    return {settings.task_queue: [*acts.route_activities(), stats.watch_stats, reaper.reap_orphans, record,
+    return {settings.task_queue: [*acts.route_activities(), stats.watch_stats, reaper.reap_orphans,
+                                  reaper.reap_replicas, record,
                                   backends.served_backends, judge_signal],
             **{names.backend_queue(settings.task_queue, b): acts.backend_activities() for b in own}}
 
@@ -195,22 +196,21 @@ def build_cloud_workers(client: Client, settings: Settings, clouds: Clouds, gate
             for q, acts in cloud_worker_activities(client, settings, gateway, clouds).items()]
 
 
-def reaper_input(settings: Settings, clouds: Clouds, environ: Mapping[str, str] = os.environ) -> Optional[ReaperInput]:
-    """The reaper's targets: the clouds this worker calls on its queue, each delegated cloud on its own."""
+def reaper_input(settings: Settings, clouds: Clouds, environ: Mapping[str, str] = os.environ) -> ReaperInput:
+    """The reaper's targets: the clouds this worker calls on its queue, each delegated cloud on its own; and this
+    queue, where replica workflows no service run owns are stopped."""
     targets = [ReapTarget(task_queue=settings.task_queue, backends=sorted(clouds.backends))] if clouds.backends else []
     targets += [ReapTarget(task_queue=q, backends=[c]) for c, q in sorted(clouds.queues.items())]
-    if not targets:
-        return None
     minutes = {k: float(environ.get(f"DURASTACK_REAPER_{k.upper()}_MINUTES") or 10) for k in ("interval", "grace")}
-    return ReaperInput(targets=targets, interval_seconds=max(1, round(minutes["interval"] * 60)),
-                       grace_seconds=round(minutes["grace"] * 60))
+    return ReaperInput(targets=targets, replicas_queue=settings.task_queue,
+                       interval_seconds=max(1, round(minutes["interval"] * 60)), grace_seconds=round(minutes["grace"] * 60))
 
 
 async def start_reaper(client: Client, settings: Settings, inp: ReaperInput) -> None:
     """Start the reaper unless it runs already; either way give it this worker's targets."""
     handle = await client.start_workflow(ReaperWorkflow.run, inp, id=REAPER_ID, task_queue=settings.task_queue,
                                          id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                                         static_summary="terminates cloud instances no replica owns")
+                                         static_summary="terminates cloud instances no replica owns, stops replicas no service owns")
     await handle.signal(ReaperWorkflow.configure, inp)
 
 
@@ -249,12 +249,10 @@ async def main(argv: Optional[list[str]] = None) -> None:
             await stack.enter_async_context(worker)
             log.info("worker polling %s on %s", worker.task_queue, settings.address)
         if not cloud_only:
-            reaper = reaper_input(settings, clouds)
-            if reaper is not None:
-                try:
-                    await start_reaper(client, settings, reaper)
-                except Exception:  # noqa: BLE001 — replicas can run without it; say so loudly
-                    log.exception("could not start the reaper %s", REAPER_ID)
+            try:
+                await start_reaper(client, settings, reaper_input(settings, clouds))
+            except Exception:  # noqa: BLE001 — replicas can run without it; say so loudly
+                log.exception("could not start the reaper %s", REAPER_ID)
         await stop.wait()
 
 

@@ -20,13 +20,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
 from activities.cloud_errors import CloudError
 from models.backends import CloudInstance, owner
-from models.reaper import ReapAction, ReapRequest, ReapResult
-from models.run import Event, Placement
+from models.reaper import ReapAction, ReapRequest, ReapResult, ReplicaReapResult
+from models.run import Event, Placement, StopRequest
 from store import INTENT, TERMINATED, StoreLedger
 from workflows import names
 
@@ -90,6 +91,54 @@ class ReaperActivities:
             await self._tell(action)
         result.error = "; ".join(errors)[:2000]
         return result
+
+    @activity.defn(name=names.REAP_REPLICAS)
+    async def reap_replicas(self, grace_seconds: int) -> ReplicaReapResult:
+        """Stop the running replica workflows no service run owns: its service was terminated (its children are
+        abandoned, by design, so that they outlive a continue-as-new) or reset to a point before it started them.
+        A replica started within ``grace_seconds`` is spared, and so is every replica of a service that cannot be
+        asked (when unsure, keep). Stopped through the replica's own `stop`: it leaves the gateway and tears down."""
+        result = ReplicaReapResult()
+        young = self.now() - timedelta(seconds=grace_seconds)
+        by_service: dict[str, list[str]] = {}
+        async for wf in self.client.list_workflows(RUNNING_REPLICAS):
+            parsed = parse_replica_workflow_id(wf.id)
+            result.checked += 1
+            if parsed is not None and wf.start_time is not None and wf.start_time <= young:
+                by_service.setdefault(parsed[0], []).append(wf.id)
+        for service, replicas in sorted(by_service.items()):
+            activity.heartbeat(service)
+            owned, why = await self._owner_of(service)
+            for workflow_id in replicas:
+                if owned is not None and workflow_id not in owned:
+                    await self._stop_replica(workflow_id, why)
+                    result.stopped.append(f"{workflow_id}: {why}")
+        return result
+
+    async def _owner_of(self, service: str) -> tuple[Optional[set[str]], str]:
+        """The replica workflows the service's open run owns (empty when no run is open), and why the others are
+        orphans; None when the service cannot be asked."""
+        handle = self.client.get_workflow_handle(f"service/{service}")
+        try:
+            status = (await handle.describe()).status
+            if status != WorkflowExecutionStatus.RUNNING:
+                return set(), f"its service run is {status.name.lower().replace('_', ' ')}"
+            return set(await handle.query("owned", result_type=list[str], rpc_timeout=timedelta(seconds=10))), \
+                "its service run does not own it (reset past its start?)"
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                return set(), "its service run is gone"
+            log.info("reaper: cannot ask service %s (%s); keeping its replicas", service, e)
+        except Exception as e:  # noqa: BLE001 — e.g. a query that met a continue-as-new: next pass
+            log.info("reaper: cannot ask service %s (%s); keeping its replicas", service, e)
+        return None, ""
+
+    async def _stop_replica(self, workflow_id: str, why: str) -> None:
+        log.warning("reaper: stopping orphan replica %s: %s", workflow_id, why)
+        try:
+            await self.client.get_workflow_handle(workflow_id).signal("stop", StopRequest(reason=f"orphaned: {why}"))
+        except Exception as e:  # noqa: BLE001 — it ended meanwhile: nothing to stop
+            log.info("reaper: could not stop %s: %s", workflow_id, e)
 
     async def _tell(self, action: ReapAction) -> None:
         event = Event(at=self.now(), kind="reap", message=f"terminated orphan {action.backend} instance "

@@ -15,6 +15,8 @@ class ReapTarget(BaseModel):
 
 class ReaperInput(BaseModel):
     targets: list[ReapTarget] = Field(default_factory=list)
+    replicas_queue: str = Field("", description="Where replica workflows no service run owns are stopped (the main "
+                                                "queue); '' for none.")
     interval_seconds: int = Field(600, gt=0, description="Between two reaps.")
     grace_seconds: int = Field(600, ge=0, description="An instance younger than this is never reaped.")
 
@@ -22,6 +24,12 @@ class ReaperInput(BaseModel):
 class ReapRequest(BaseModel):
     backends: list[str]
     grace_seconds: int = 600
+
+
+class ReplicaReapResult(BaseModel):
+    checked: int = Field(0, description="Running replica workflows seen.")
+    stopped: list[str] = Field(default_factory=list, description="Replica workflows asked to stop, with why.")
+    error: str = ""
 
 
 class ReapAction(BaseModel):
@@ -41,4 +49,4 @@ class ReapResult(BaseModel):
     error: str = Field("", description="Why this reap did not run to the end, if it did not.")
 
 
-__all__ = ["ReapAction", "ReapRequest", "ReapResult", "ReapTarget", "ReaperInput"]
+__all__ = ["ReapAction", "ReapRequest", "ReapResult", "ReapTarget", "ReaperInput", "ReplicaReapResult"]

@@ -543,7 +543,8 @@ async def test_worker_modes_queues_and_reaper_targets(dev_env, home, gce):
                                                                                   FakeGateway())] == \
         ["tq-aws", "tq-gcp"]
     (home / "config.yml").write_text("")
-    assert worker_module.reaper_input(settings, worker_module.load_clouds(settings), {}) is None
+    local_only = worker_module.reaper_input(settings, worker_module.load_clouds(settings), {})
+    assert local_only.targets == [] and local_only.replicas_queue == settings.task_queue  # orphan replicas still
 
 
 def test_replica_workflow_combines_no_capacity_across_backends():

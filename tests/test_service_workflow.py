@@ -10,13 +10,17 @@ from typing import Optional
 import pytest
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.testing import ActivityEnvironment
 
+from activities.reaper import ReaperActivities
 from cli.control import deliver
 from models.loader import load_config_file, load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import fake_cloud_worker
+from workflows.jobs import replica_input
+from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -551,6 +555,30 @@ async def test_a_lost_serving_report_is_made_good_by_the_replica_workflow(ts_env
     assert status.groups[0].replicas[0].status == "running"
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
+
+
+async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev):
+    """Children are abandoned by design (they outlive a continue-as-new), so a service reset past their start, or
+    terminated from the Web UI, left them running and routed for good. The reaper's pass stops them."""
+    env, cloud = dev_env, cloud_dev
+    name = "svc-orphans"
+    handle = await start(env, cloud, name)
+    await wait_ready(handle, {"0": [0], "1": []})
+    # A replica workflow of this service that its run does not own (what a reset past its start leaves).
+    config = load_config_text(CONFIG.format(name=name)).config
+    stray = replica_input(config, name, service_workflow_id(name), "0", 9, 0, 0)
+    await env.client.start_workflow(ReplicaWorkflow.run, stray, id=f"service/{name}/0/r9-s0", task_queue=cloud.queue)
+    await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r9-s0") == "running"))
+    reaper = ReaperActivities(env.client, {}, None)
+    result = await ActivityEnvironment().run(reaper.reap_replicas, 0)
+    assert result.stopped == [f"service/{name}/0/r9-s0: its service run does not own it (reset past its start?)"]
+    await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r9-s0") == "terminated"))
+    assert cloud.instances[f"{name}/0/r0-s0"] == "running"  # owned: untouched
+    # Terminated from the Web UI: its replicas go too, at the next pass.
+    await handle.terminate(reason="from the Web UI")
+    result = await ActivityEnvironment().run(reaper.reap_replicas, 0)
+    assert f"service/{name}/0/r0-s0: its service run is terminated" in result.stopped
+    await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r0-s0") == "terminated"))
 
 
 async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):

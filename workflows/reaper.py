@@ -1,4 +1,5 @@
-"""ReaperWorkflow (id ``durastack/reaper``): every few minutes, terminate cloud instances no replica owns.
+"""ReaperWorkflow (id ``durastack/reaper``): every few minutes, terminate cloud instances no replica owns, and
+stop replica workflows no service run owns (a terminated or reset service's).
 
 One long-lived workflow rather than a Schedule: it is started by the worker (``start_workflow`` with
 USE_EXISTING, so every worker start is idempotent) and reconfigured by signal, and its pass is one activity per
@@ -17,10 +18,11 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from models.reaper import ReaperInput, ReapRequest, ReapResult, ReapTarget
+    from models.reaper import ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
     from workflows import names
 
 REAPER_ID = "durastack/reaper"
+REAP_REPLICAS = "reap-replicas"  # patch: each pass also stops replica workflows no service run owns
 HISTORY_LIMIT = 5000
 
 
@@ -31,6 +33,7 @@ class ReaperWorkflow:
         self.inp = inp
         self.reconfigured = False
         self.results: list[ReapResult] = []
+        self.replicas = ReplicaReapResult()
 
     @workflow.signal
     def configure(self, inp: ReaperInput) -> None:
@@ -41,11 +44,17 @@ class ReaperWorkflow:
     def last(self) -> list[ReapResult]:
         return self.results
 
+    @workflow.query
+    def last_replicas(self) -> ReplicaReapResult:
+        return self.replicas
+
     @workflow.run
     async def run(self, inp: ReaperInput) -> None:
         while True:
             self.reconfigured = False
             self.results = list(await asyncio.gather(*(self._reap(t) for t in self.inp.targets)))
+            if self.inp.replicas_queue and workflow.patched(REAP_REPLICAS):
+                self.replicas = await self._reap_replicas()
             try:
                 await workflow.wait_condition(lambda: self.reconfigured,
                                               timeout=timedelta(seconds=self.inp.interval_seconds))
@@ -54,6 +63,17 @@ class ReaperWorkflow:
             info = workflow.info()
             if info.is_continue_as_new_suggested() or info.get_current_history_length() > HISTORY_LIMIT:
                 workflow.continue_as_new(self.inp)
+
+    async def _reap_replicas(self) -> ReplicaReapResult:
+        try:
+            return await workflow.execute_activity(
+                names.REAP_REPLICAS, self.inp.grace_seconds, result_type=ReplicaReapResult,
+                task_queue=self.inp.replicas_queue, schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
+                start_to_close_timeout=timedelta(minutes=10),
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3),
+                summary="stop replicas no service run owns")
+        except ActivityError as e:
+            return ReplicaReapResult(error=str(getattr(e.cause or e, "message", e.cause or e)))
 
     async def _reap(self, target: ReapTarget) -> ReapResult:
         try:

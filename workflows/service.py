@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import addresses, lifecycle, routers, views
     from workflows.admission import Refused, check_apply, check_scale
     from workflows.children import Children
+    from workflows.jobs import replica_workflow_id
     from workflows.planner import Plan, prune, reconcile, sync_groups
     from workflows.names import REPLICA_CHANGED
     from workflows.route import Route
@@ -89,6 +90,12 @@ class ServiceRunWorkflow:
     @workflow.query
     def events(self) -> list[Event]:
         return list(self.state.events)
+
+    @workflow.query
+    def owned(self) -> list[str]:
+        """The replica workflows this run owns (not finished): the reaper stops any other of this service's."""
+        return [replica_workflow_id(self.state.name, r.group, r.replica_num, r.submission_num)
+                for r in self.state.replicas if not r.finished]
 
     @workflow.query
     def addresses(self, query: AddressQuery) -> AddressAnswer:
