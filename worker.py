@@ -138,7 +138,7 @@ def worker_activities(client: Client, settings: Settings, gateway: GatewayClient
     cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, **_ssh_path(settings))
     acts = ReplicaActivities(local, gateway, cloud=cloud, local_replicas=settings.local_replicas)
     stats = StatsActivities(gateway.stats)
-    reaper = ReaperActivities(client, clouds.backends, clouds.ledger)
+    reaper = ReaperActivities(client, clouds.backends, clouds.ledger, gateway=gateway)
     record = StoreActivities(clouds.ledger.store).record_service  # a local activity: must be on this worker
     backends = BackendsServed(served(settings, clouds))
     own = (["local"] if settings.local_replicas else []) + sorted(clouds.backends)

@@ -47,9 +47,10 @@ def parse_replica_workflow_id(workflow_id: str) -> Optional[tuple[str, str, int,
 
 class ReaperActivities:
     def __init__(self, client: Client, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
-                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
-        """``client``: to list running replicas and query their placements (injected; tests pass their own)."""
-        self.client, self.backends, self.ledger, self.now = client, backends, ledger, now
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc), gateway=None):
+        """``client``: to list running replicas and query their placements (injected; tests pass their own).
+        ``gateway``: where the route of a service whose run is gone is removed with its replicas (None: left)."""
+        self.client, self.backends, self.ledger, self.now, self.gateway = client, backends, ledger, now, gateway
 
     @activity.defn(name=names.REAP_ORPHANS)
     async def reap_orphans(self, req: ReapRequest) -> ReapResult:
@@ -113,6 +114,11 @@ class ReaperActivities:
                 if owned is not None and workflow_id not in owned:
                     await self._stop_replica(workflow_id, why)
                     result.stopped.append(f"{workflow_id}: {why}")
+            if owned == set() and self.gateway is not None:  # no open run: nobody else removes its route
+                try:
+                    await self.gateway.delete_service(service)
+                except Exception as e:  # noqa: BLE001 — the next pass tries again while replicas remain
+                    log.info("reaper: could not remove the route of %s: %s", service, e)
         return result
 
     async def _owner_of(self, service: str) -> tuple[Optional[set[str]], str]:

@@ -569,7 +569,8 @@ async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev)
     stray = replica_input(config, name, service_workflow_id(name), "0", 9, 0, 0)
     await env.client.start_workflow(ReplicaWorkflow.run, stray, id=f"service/{name}/0/r9-s0", task_queue=cloud.queue)
     await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r9-s0") == "running"))
-    reaper = ReaperActivities(env.client, {}, None)
+    routes = Routes()
+    reaper = ReaperActivities(env.client, {}, None, gateway=routes)
     result = await ActivityEnvironment().run(reaper.reap_replicas, 0)
     assert result.stopped == [f"service/{name}/0/r9-s0: its service run does not own it (reset past its start?)"]
     await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r9-s0") == "terminated"))
@@ -579,6 +580,17 @@ async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev)
     result = await ActivityEnvironment().run(reaper.reap_replicas, 0)
     assert f"service/{name}/0/r0-s0: its service run is terminated" in result.stopped
     await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r0-s0") == "terminated"))
+    assert routes.deleted == [name]  # and its route, which nobody else would remove
+
+
+class Routes:
+    """The gateway's route removal, as the reaper calls it."""
+
+    def __init__(self):
+        self.deleted: list[str] = []
+
+    async def delete_service(self, service: str) -> None:
+        self.deleted.append(service)
 
 
 async def test_a_fix_applied_during_a_back_off_starts_at_once(ts_env, cloud):
