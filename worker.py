@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Mapping, Optional
 
 from temporalio.client import Client
@@ -68,6 +69,10 @@ MAX_ACTIVITIES = 20_000
 # worker holds up to ~1,000 services, while idle replica workflows, which get no task for days, are evicted and
 # replayed (about 40 events) on their next one. A cached workflow costs 0.1-0.6 MB (bench/scale_out.py).
 MAX_CACHED_WORKFLOWS = 1_500
+# The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: every 16 s against the 20 s
+# default, so a worker 4 s late (a busy loop, a slow network) timed a live launch out and a second one started.
+# Sent as often as the activities beat (every half timeout), a heartbeat has half the timeout to spare.
+HEARTBEAT_THROTTLE = timedelta(seconds=5)
 # Workflow task polls open at once (the SDK's default is 5, one of them for new and evicted workflows): when
 # thousands of replicas start, each poll waits on the server, and more of them start services sooner.
 WORKFLOW_TASK_POLLS = 20
@@ -181,13 +186,14 @@ def main_worker(client: Client, task_queue: str, activities: list) -> Worker:
     """The main worker's Worker and its tuning (bench/scale_out.py builds it with a fake backend)."""
     return Worker(client, task_queue=task_queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow],
                   activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
-                  max_cached_workflows=MAX_CACHED_WORKFLOWS,
+                  max_cached_workflows=MAX_CACHED_WORKFLOWS, max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
                   workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS))
 
 
 def backend_worker(client: Client, task_queue: str, activities: list) -> Worker:
     """A worker of one backend's replica activities, on ``<queue>-<backend>``."""
-    return Worker(client, task_queue=task_queue, activities=activities, max_concurrent_activities=MAX_ACTIVITIES)
+    return Worker(client, task_queue=task_queue, activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
+                  max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE)
 
 
 def build_cloud_workers(client: Client, settings: Settings, clouds: Clouds, gateway: GatewayClient) -> list[Worker]:

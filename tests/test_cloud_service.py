@@ -539,9 +539,10 @@ async def test_worker_modes_queues_and_reaper_targets(dev_env, home, gce):
         [("tq", ["aws"]), ("tq-gcp", ["gcp"])]
     cloud_only = worker_module.load_clouds(settings, ["gcp"])
     assert list(cloud_only.backends) == ["gcp"] and cloud_only.queues == {}
-    assert [w.task_queue for w in worker_module.build_cloud_workers(dev_env.client, settings, everything,
-                                                                                  FakeGateway())] == \
-        ["tq-aws", "tq-gcp"]
+    cloud_workers = worker_module.build_cloud_workers(dev_env.client, settings, everything, FakeGateway())
+    assert [w.task_queue for w in cloud_workers] == ["tq-aws", "tq-gcp"]
+    # Heartbeats go out as often as the activities beat, not every 80% of the timeout (4 s to spare at 20 s).
+    assert {w.config()["max_heartbeat_throttle_interval"] for w in cloud_workers} == {worker_module.HEARTBEAT_THROTTLE}
     (home / "config.yml").write_text("")
     local_only = worker_module.reaper_input(settings, worker_module.load_clouds(settings), {})
     assert local_only.targets == [] and local_only.replicas_queue == settings.task_queue  # orphan replicas still
