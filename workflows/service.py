@@ -39,6 +39,7 @@ WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its r
 CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
 ROUTE_UNAVAILABLE = "route-unavailable"  # the route says why the service cannot serve: the gateway answers 503
 ONE_PLACE = "one-place"  # the replicas of a service that reach each other all go where its first one landed
+HISTORY_BYTES = "history-bytes"  # a run continues as new past history_bytes_limit too, not only past an event count
 VALIDATE_START = "validate-start"  # each run judges its own configuration first: a start that skipped apply too
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 
@@ -51,6 +52,9 @@ class ServiceRunInput(BaseModel):
     state: ServiceState
     safety_tick_seconds: int = Field(600, description="Longest sleep between passes when nothing happens.")
     history_limit: int = Field(8000, description="Continue-as-new past this many events (or when suggested).")
+    history_bytes_limit: int = Field(4 * 2**20, description=(
+        "Continue-as-new once the run's history grew by this many bytes: large configurations (long commands, many "
+        "env values) travel in many events, and Temporal refuses a history past 50 MB."))
     heartbeat_seconds: int = Field(
         20, description="Heartbeat timeout of the long activities: how soon a dead worker's launches, teardowns "
                         "and watchers are taken over by another worker (each heartbeats every half of it: one "
@@ -76,6 +80,8 @@ class ServiceRunWorkflow:
         self.route_beside = False  # the route is put beside the pass's replica starts (set in _begin)
         self.settle_first = False  # a continue-as-new waits for lifecycle.settled (set in _begin)
         self.router_sync = False  # an sglang router's worker list is kept (set in _begin)
+        self.bytes_bound = False  # history bytes count toward continue-as-new too (set in _begin)
+        self.start_bytes = 0  # the history's size when this run began (its carried state)
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -202,13 +208,15 @@ class ServiceRunWorkflow:
         self.children.watch = workflow.patched(WATCH_CHILDREN)
         self.settle_first = workflow.patched(CONTINUE_WHEN_SETTLED)
         self.route.say_unavailable = workflow.patched(ROUTE_UNAVAILABLE)
+        self.bytes_bound = workflow.patched(HISTORY_BYTES)
+        self.start_bytes = workflow.info().get_current_history_size()
         if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
         if addresses.one_place(state.config):  # the same: only services whose replicas reach each other
             state.one_place = workflow.patched(ONE_PLACE)
+        workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if workflow.patched(VALIDATE_START):
             await self._judge_start()
-        workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
             self._note([lifecycle.Note("apply", f"service submitted, deployment {state.deployment_num}")])
@@ -277,12 +285,16 @@ class ServiceRunWorkflow:
             pass  # the safety tick, a back-off, a scaling delay or `max_duration` has ended: decide again
 
     def _should_continue(self) -> bool:
-        """Past the history limit (or suggested), once the replicas are settled; at twice the limit regardless."""
+        """Past the history limit in events or bytes (or suggested), once the replicas are settled; at twice the
+        limit regardless."""
         info = workflow.info()
-        length = info.get_current_history_length()
-        if not (info.is_continue_as_new_suggested() or length > self.inp.history_limit):
+        length, size = info.get_current_history_length(), info.get_current_history_size()
+        size -= self.start_bytes  # the run's own growth: a large state carried over must not make it hop at once
+        heavy = self.bytes_bound and size > self.inp.history_bytes_limit
+        if not (info.is_continue_as_new_suggested() or length > self.inp.history_limit or heavy):
             return False
-        return not self.settle_first or lifecycle.settled(self.state) or length > 2 * self.inp.history_limit
+        return not self.settle_first or lifecycle.settled(self.state) or length > 2 * self.inp.history_limit or \
+            (self.bytes_bound and size > 2 * self.inp.history_bytes_limit)
 
     async def _judge_start(self) -> None:
         """The run's configuration passes the rules `apply` runs, or the service stops, failed, with why."""
