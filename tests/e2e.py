@@ -121,6 +121,33 @@ def replica_processes(home: Path) -> dict[str, int]:
     return found
 
 
+def python_scripts(home: Path, script: str) -> dict[int, dict[str, str]]:
+    """PID → env of this home's replica processes running the Python script ``script`` (a stand-in), from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(e.split(b"=", 1) for e in (entry / "environ").read_bytes().split(b"\0") if b"=" in e)
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if env.get(b"DURASTACK_WORK_DIR", b"").decode().startswith(str(home)) and \
+                b"python" in Path(argv[0].decode()).name.encode() and any(a.endswith(script.encode()) for a in argv):
+            found[int(entry.name)] = {k.decode(): v.decode(errors="replace") for k, v in env.items()}
+    return found
+
+
+def isolated_stack(tmp_path_factory, env: dict[str, str], what: str):
+    """``running_stack`` for a stand-in whose processes (``what``) must not listen on the host: skipped where
+    replicas are not isolated."""
+    from activities.local import isolation_available
+    if not isolation_available():
+        import pytest
+        pytest.skip(f"replicas are not isolated on this machine (not root): {what} would listen on the host")
+    yield from running_stack(tmp_path_factory, env)
+
+
 def running_stack(tmp_path_factory, env: dict[str, str] | None = None):
     """A started stack for a test module; stopping it must leave no replica process behind."""
     s = Stack(tmp_path_factory.mktemp("home"), env)

@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from activities.local import isolation_available
-from tests.e2e import Stack, ready, running_stack, until
+from tests.e2e import Stack, isolated_stack, python_scripts, ready, until
 
 pytestmark = pytest.mark.e2e
 
@@ -28,10 +27,7 @@ NAME = "dynamo-standin"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if not isolation_available():
-        pytest.skip("replicas are not isolated on this machine (not root): the stand-in's etcd, frontend and "
-                    "workers would listen on the host")
-    gen = running_stack(tmp_path_factory, {"PD_EXAMPLE": str(EXAMPLE)})
+    gen = isolated_stack(tmp_path_factory, {"PD_EXAMPLE": str(EXAMPLE)}, "the stand-in's etcd, frontend and workers")
     s = next(gen)
     yield s
     next(gen, None)
@@ -39,20 +35,8 @@ def stack(tmp_path_factory):
 
 
 def processes(home: Path) -> dict[int, dict[str, str]]:
-    """PID → env of this home's dynamo.py processes, read from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = dict(e.split(b"=", 1) for e in (entry / "environ").read_bytes().split(b"\0") if b"=" in e)
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if env.get(b"DURASTACK_WORK_DIR", b"").decode().startswith(str(home)) and \
-                b"python" in Path(argv[0].decode()).name.encode() and any(a.endswith(b"dynamo.py") for a in argv):
-            found[int(entry.name)] = {k.decode(): v.decode(errors="replace") for k, v in env.items()}
-    return found
+    """PID → env of this home's dynamo.py processes."""
+    return python_scripts(home, "dynamo.py")
 
 
 def client(stack: Stack) -> httpx.Client:

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from activities.local import isolation_available
-from tests.e2e import Stack, ready, running_stack, until
+from tests.e2e import Stack, isolated_stack, python_scripts, ready, until
 
 pytestmark = pytest.mark.e2e
 
@@ -31,11 +30,9 @@ NAME = "pd-standin"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if not isolation_available():
-        pytest.skip("replicas are not isolated on this machine (not root): the stand-in's router and engines "
-                    "would listen on the host")
     smg = Path(sys.executable).parent / "smg"
-    gen = running_stack(tmp_path_factory, {"PD_EXAMPLE": str(EXAMPLE), "SMG": str(smg)})
+    gen = isolated_stack(tmp_path_factory, {"PD_EXAMPLE": str(EXAMPLE), "SMG": str(smg)},
+                         "the stand-in's router and engines")
     s = next(gen)
     yield s
     next(gen, None)
@@ -43,20 +40,8 @@ def stack(tmp_path_factory):
 
 
 def engines(home: Path) -> dict[int, str]:
-    """PID → group of this home's stand-in engines, read from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = dict(e.split(b"=", 1) for e in (entry / "environ").read_bytes().split(b"\0") if b"=" in e)
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if env.get(b"DURASTACK_WORK_DIR", b"").decode().startswith(str(home)) and \
-                b"python" in Path(argv[0].decode()).name.encode() and any(a.endswith(b"engine.py") for a in argv):
-            found[int(entry.name)] = env.get(b"DURASTACK_GROUP", b"").decode()
-    return found
+    """PID → group of this home's stand-in engines."""
+    return {pid: env.get("DURASTACK_GROUP", "") for pid, env in python_scripts(home, "engine.py").items()}
 
 
 def complete(stack: Stack, n: int = 1) -> list[httpx.Response]:

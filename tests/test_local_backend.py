@@ -703,7 +703,7 @@ def test_launcher_carries_none_of_the_services_env_the_replica_all_of_it(replica
     # unshare and local_init (PID 1 of the namespaces) when isolated; local_init alone when not
     launchers = [inst.pid, *(children(inst.pid) if isolation else [])]
     app = wait_until(lambda: [p for p in replica_pids(inst.work_dir)
-                                    if os.path.basename(cmdline(p)[0]) == "sleep"], what="the app")
+                                    if os.path.basename((cmdline(p) or [""])[0]) == "sleep"], what="the app")
     for pid in launchers:
         env = environ(pid)
         assert env[MARKER] == inst.work_dir  # the right process, and its environ readable
@@ -725,7 +725,7 @@ def test_exec_enters_without_the_services_env_and_runs_with_it(replicas):
     t.start()
     try:
         def entering() -> list[int]:
-            return [p for p in find_tree(inst.work_dir) if os.path.basename(cmdline(p)[0]) == "nsenter"]
+            return [p for p in find_tree(inst.work_dir) if os.path.basename((cmdline(p) or [""])[0]) == "nsenter"]
         nsenter = wait_until(entering, what="exec's nsenter")
         for pid in nsenter:
             assert SERVICE_VAR not in environ(pid), cmdline(pid)
