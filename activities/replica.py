@@ -106,7 +106,8 @@ class LocalReplicas:
                 "this worker runs no replicas on its own machine (DURASTACK_LOCAL_REPLICAS=off)"]))
         # The local machine has no spot market: the spot policy does not apply to it.
         offers = [local_offer()]
-        filters = dict(spot_policy="auto", max_price=inp.max_price, backends=["local"], regions=inp.regions)
+        filters = dict(spot_policy="auto", max_price=inp.max_price, backends=["local"], regions=inp.regions,
+                       instance_types=inp.instance_types, zones=inp.zones)
         if not match_offers(offers, inp.resources, **filters):
             provisioning_failed("local", "no_offers")
             why = describe_mismatch(offers, inp.resources, **filters)

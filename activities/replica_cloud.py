@@ -248,7 +248,8 @@ class CloudReplicas:
             raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
                 f"backend {backend} is not configured on this worker ($DURASTACK_HOME/config.yml)"]))
         pool = [o for o in (self._catalog or load_catalog()) if o.backend == backend and self.config.allows(o)]
-        filters = dict(spot_policy=inp.spot_policy, max_price=inp.max_price, regions=inp.regions)
+        filters = dict(spot_policy=inp.spot_policy, max_price=inp.max_price, regions=inp.regions,
+                       instance_types=inp.instance_types, zones=inp.zones)
         offers = match_offers(pool, inp.resources, **filters)
         if not offers:
             provisioning_failed(backend, "no_offers")

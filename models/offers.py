@@ -101,7 +101,8 @@ def _gpu_checks(gpu: Optional[GPUSpec]) -> list[Check]:
 
 
 def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[float],
-            backends: Optional[list[str]], regions: Optional[list[str]]) -> list[Check]:
+            backends: Optional[list[str]], regions: Optional[list[str]],
+            instance_types: Optional[list[str]] = None, zones: Optional[list[str]] = None) -> list[Check]:
     if spot_policy not in SPOT_POLICIES:
         raise ValueError(f"spot_policy must be one of {', '.join(SPOT_POLICIES)}, got {spot_policy!r}")
     checks: list[Check] = []
@@ -109,6 +110,10 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
         checks.append((f"backend {' or '.join(backends)}", lambda o: o.backend in backends))
     if regions:
         checks.append((f"region {' or '.join(regions)}", lambda o: o.region in regions))
+    if zones:
+        checks.append((f"zone {' or '.join(zones)}", lambda o: bool(_zones_of(o, zones))))
+    if instance_types:
+        checks.append((f"instance type {' or '.join(instance_types)}", lambda o: o.instance_type in instance_types))
     if spot_policy == "spot":
         checks.append(("a spot price", lambda o: o.spot))
     elif spot_policy == "on-demand":
@@ -129,6 +134,14 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
     if max_price is not None:  # last, so that describe_mismatch can name the cheapest offer that fits otherwise
         checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))
     return checks
+
+
+def _zones_of(offer: InstanceOffer, zones: list[str]) -> list[str]:
+    """The zones of ``zones`` where ``offer`` can be placed: those it lists, or, where the catalog lists none for
+    it, those of its region (a zone's name starts with its region's)."""
+    if offer.zones:
+        return [z for z in offer.zones if z in zones]
+    return [z for z in zones if z.startswith(offer.region)]
 
 
 def _fits(rng: Range, value: float, offer: InstanceOffer) -> bool:
@@ -153,19 +166,24 @@ def sort_key(offer: InstanceOffer) -> tuple:
 
 def match_offers(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, spot_policy: str = "on-demand",
                  max_price: Optional[float] = None, backends: Optional[list[str]] = None,
-                 regions: Optional[list[str]] = None) -> list[InstanceOffer]:
-    """The offers that meet every requirement, cheapest first, with cloud disks sized from the requirement.
+                 regions: Optional[list[str]] = None, instance_types: Optional[list[str]] = None,
+                 zones: Optional[list[str]] = None) -> list[InstanceOffer]:
+    """The offers that meet every requirement, cheapest first, with cloud disks sized from the requirement, and,
+    with ``zones``, only those zones left in each (provisioning walks an offer's zones).
 
     ``spot_policy``: ``spot`` keeps only spot prices, ``on-demand`` only on-demand ones, ``auto`` both.
     """
-    checks = _checks(resources, spot_policy, max_price, backends, regions)
+    checks = _checks(resources, spot_policy, max_price, backends, regions, instance_types, zones)
     kept = [_sized_disk(o, resources.disk) for o in offers if all(test(o) for _, test in checks)]
+    if zones:
+        kept = [o.model_copy(update={"zones": _zones_of(o, zones)}) for o in kept]
     return sorted(kept, key=sort_key)
 
 
 def describe_mismatch(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, spot_policy: str = "on-demand",
                       max_price: Optional[float] = None, backends: Optional[list[str]] = None,
-                      regions: Optional[list[str]] = None) -> Optional[str]:
+                      regions: Optional[list[str]] = None, instance_types: Optional[list[str]] = None,
+                      zones: Optional[list[str]] = None) -> Optional[str]:
     """Why ``match_offers`` finds nothing, e.g. ``no offer has a GPU named X100``; None if something matches.
 
     Checks are applied in order; the first one that leaves no offer is the reason. If some offer meets it on its
@@ -176,7 +194,7 @@ def describe_mismatch(offers: Iterable[InstanceOffer], resources: ResourcesSpec,
     if not offers:
         return "there are no offers at all"
     remaining, narrowed_by = offers, []
-    for what, test in _checks(resources, spot_policy, max_price, backends, regions):
+    for what, test in _checks(resources, spot_policy, max_price, backends, regions, instance_types, zones):
         kept = [o for o in remaining if test(o)]
         if not kept and max_price is not None and what.startswith("a price"):
             cheapest = min(remaining, key=sort_key)

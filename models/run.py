@@ -221,6 +221,8 @@ class ReplicaInput(BaseModel):
     launch_on: list[str] = Field(default_factory=lambda: ["local"], description=(
         "Backends to launch on, in order: those this deployment serves that the service allows."))
     regions: Optional[list[str]] = None
+    instance_types: Optional[list[str]] = Field(None, description="Only these instance types (the service's).")
+    zones: Optional[list[str]] = Field(None, description="Only these availability zones (the service's).")
     spot_policy: str = "on-demand"
     max_price: Optional[float] = None
     stop_duration: int = 300

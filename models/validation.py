@@ -172,6 +172,14 @@ def _not_supported(cfg: ServiceConfiguration) -> Iterator[Issue]:
     if cfg.https is True:
         yield Issue(("https",), "`https: true` needs a TLS certificate, and the gateway has no certificate "
                                 "setting yet (it serves plain HTTP); use `https: false` or `auto`")
+    # The same: the replicas would be billed on demand while the reservation they were meant for sits unused.
+    why = ("is not supported yet: replicas are not placed in capacity reservations (AWS Capacity Reservations or "
+           "Blocks, GCP reservations); remove it to use the on-demand or spot offers")
+    if cfg.reservation is not None:
+        yield Issue(("reservation",), f"`reservation` {why}")
+    for i, group in enumerate(cfg.groups or []):
+        if group.reservation is not None:
+            yield Issue(("groups", i, "reservation"), f"`reservation` {why}")
 
 
 def _secrets(cfg: ServiceConfiguration) -> Iterator[Issue]:

@@ -604,6 +604,19 @@ async def test_launch_on_aws_places_once_registers_and_a_retry_adopts_the_instan
                                 (3, "running", True, True)] * 2
 
 
+async def test_instance_types_and_zones_of_the_service_decide_where_it_is_placed(aws, ledger, fake_ec2):
+    # The cheaper g4dn is not among the types asked for; g5 is offered in two zones, and only the second is asked.
+    server, address = await app_server()
+    two_zones = G5.model_copy(update={"zones": ["us-east-1a", "us-east-1b"]})
+    acts = _replica_activities(aws, ledger, FakeGateway(), address, catalog=(G4, two_zones))
+    inp = _launch_input()
+    inp.replica.instance_types, inp.replica.zones = ["g5.xlarge"], ["us-east-1b"]
+    async with server:
+        launched = await activity_env(FakeClient()).run(acts.launch, inp)
+    assert (launched.placement.instance_type, launched.instance.zone) == ("g5.xlarge", "us-east-1b")
+    assert [r.get("Placement.AvailabilityZone") for r in fake_ec2.run_requests] == ["us-east-1b"]
+
+
 async def test_no_capacity_on_aws_says_whether_offers_were_tried(aws, ledger, fake_ec2):
     acts = _replica_activities(aws, ledger, FakeGateway(), "127.0.0.1:1")
     fake_ec2.fail("InsufficientInstanceCapacity")

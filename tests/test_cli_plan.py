@@ -179,3 +179,15 @@ def test_a_service_no_single_place_can_hold_is_refused_naming_the_groups(home, t
     assert "nothing was submitted: no single backend and region holds every group" in text
     assert "group prefill only in aws/us-east-1, aws/us-west-2" in text
     assert "group decode only in gcp/europe-west4, gcp/us-central1" in text
+
+
+def test_instance_types_and_zones_narrow_the_plan(home, tmp_path):
+    (home / "config.yml").write_text("backends:\n  aws:\n    regions: [us-east-1, us-west-2]\n")
+    path = tmp_path / "plan-test.yml"
+    path.write_text(SERVICE.format(backend="aws", gpu="A10G") + "instance_types: [g5.2xlarge]\n"
+                    "availability_zones: [us-west-2b]\n")
+    result = _run("apply", "-f", str(path), "-y")
+    llm = next(line for line in result.output.splitlines() if "group=llm" in line)
+    assert "→ aws g5.2xlarge (us-west-2)" in llm, result.output
+    router = next(line for line in result.output.splitlines() if "group=router" in line)
+    assert "no offers" in router and "instance type g5.2xlarge" in result.output  # a CPU group finds no g5

@@ -519,3 +519,22 @@ def test_cli_file_with_errors_exits_1_listing_them(tmp_path):
     result = run("-f", str(service))
     assert result.exit_code == 1
     assert "resources.gpu" in result.stderr and "commands" in result.stderr
+
+
+# ---- matching: instance types and zones ---------------------------------------------------------------------------
+
+def test_instance_types_keep_only_those_types_and_say_so_when_none_fits():
+    kept = match_offers(CATALOG, res(gpu="A10G"), instance_types=["g5.xlarge"])
+    assert types(kept) == {"g5.xlarge"} and {o.region for o in kept} == {"us-east-1", "eu-west-1"}
+    assert not match_offers(CATALOG, res(gpu="A10G"), instance_types=["g4dn.xlarge"])
+    assert describe_mismatch(CATALOG, res(gpu="A10G"), instance_types=["g4dn.xlarge"]) == \
+        "no offer has a GPU named A10G together with instance type g4dn.xlarge"
+
+
+def test_zones_keep_the_offers_placed_there_and_only_those_zones():
+    zoned = [offer("m5.xlarge", 4, 16, 0.192).model_copy(update={"zones": ["us-east-1a", "us-east-1b"]}),
+             offer("n2-standard-4", 4, 16, 0.19, backend="gcp", region="us-central1").model_copy(update={"zones": []})]
+    kept = match_offers(zoned, res(cpu=4), zones=["us-east-1b", "us-central1-f"])
+    assert [(o.instance_type, o.zones) for o in kept] == [("n2-standard-4", ["us-central1-f"]),  # none listed: by region
+                                                         ("m5.xlarge", ["us-east-1b"])]
+    assert not match_offers(zoned, res(cpu=4), zones=["eu-west-1a"])

@@ -35,6 +35,8 @@ class GroupQuery:
     max_price: Optional[float]
     backends: Optional[list[str]]
     regions: Optional[list[str]]
+    instance_types: Optional[list[str]] = None
+    zones: Optional[list[str]] = None
 
 
 def group_queries(service, spot_policy: Optional[str] = None, max_price: Optional[float] = None,
@@ -44,7 +46,8 @@ def group_queries(service, spot_policy: Optional[str] = None, max_price: Optiona
     return [GroupQuery(name=g.name or "", resources=g.resources,
                        spot_policy=spot_policy or g.spot_policy or service.spot_policy or "on-demand",
                        max_price=max_price if max_price is not None else service.max_price,
-                       backends=backends or service.backends, regions=regions or service.regions)
+                       backends=backends or service.backends, regions=regions or service.regions,
+                       instance_types=service.instance_types, zones=service.availability_zones)
             for g in service.replica_groups]
 
 
@@ -53,7 +56,8 @@ def match_query(candidates: list[InstanceOffer], q: GroupQuery) -> tuple[list[In
     spot policy does not apply to it (as when a replica is placed there)."""
     clouds = [o for o in candidates if o.backend != "local"]
     local = [o for o in candidates if o.backend == "local"]
-    filters = dict(max_price=q.max_price, backends=q.backends, regions=q.regions)
+    filters = dict(max_price=q.max_price, backends=q.backends, regions=q.regions, instance_types=q.instance_types,
+                   zones=q.zones)
     found = match_offers(clouds, q.resources, spot_policy=q.spot_policy, **filters) + \
         match_offers(local, q.resources, spot_policy="auto", **filters)
     found.sort(key=sort_key)
