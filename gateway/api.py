@@ -95,7 +95,8 @@ def make_app(gw: GatewayServer) -> web.Application:
         spec = await body(request, CreateTokenRequest)
         token = secrets.token_urlsafe(32)
         record = GatewayToken(name=spec.name, prefix=token[:TOKEN_PREFIX_CHARS], token_sha256=hash_token(token),
-                              created_at=datetime.now(timezone.utc))
+                              created_at=datetime.now(timezone.utc),
+                              services=tuple(sorted(set(spec.services))) if spec.services else None)
         await change(lambda s: s.add_token(record))  # answered once nginx accepts it
         return _json(NewToken(**record.info().model_dump(), token=token), status=201)
 

@@ -93,10 +93,11 @@ class GatewayClient:
     async def stats(self) -> StatsReport:
         return StatsReport.model_validate_json((await self._call("GET", "/api/stats")).content)
 
-    async def create_token(self, name: str) -> NewToken:
-        """A new token, accepted by every route with auth once this returns; only its hash is kept.
-        A name in use answers 409."""
-        return NewToken.model_validate_json((await self._call("POST", "/api/tokens", {"name": name})).content)
+    async def create_token(self, name: str, services: Optional[list[str]] = None) -> NewToken:
+        """A new token, accepted by every route with auth (of ``services`` only, if given) once this returns; only its
+        hash is kept. A name in use answers 409."""
+        body = {"name": name, **({"services": services} if services else {})}
+        return NewToken.model_validate_json((await self._call("POST", "/api/tokens", body)).content)
 
     async def tokens(self) -> tuple[TokenInfo, ...]:
         return TokenList.model_validate_json((await self._call("GET", "/api/tokens")).content).tokens

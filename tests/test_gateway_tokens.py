@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway.app import GatewayServer
 from gateway.client import GatewayClient, GatewayError
-from models.gateway import CONTROL_TOKEN_FILE, hash_token
+from models.gateway import CONTROL_TOKEN_FILE, GatewayToken, hash_token
 from tests.conftest import eventually, upstreams_for as allowed
 from tests.fakes.upstream import serve
 
@@ -83,6 +83,33 @@ async def test_every_auth_route_accepts_exactly_the_current_set(gateway, client,
     await client.register("later", "later/0/r0-s0", "0", upstream)
     for service in ("svc", "later"):
         assert [await status(gateway, t, service) for t in (a, b, "c", a[:-1])] == [200, 200, 403, 403]
+
+
+async def test_a_token_scoped_to_services_opens_those_alone_and_wakes_no_other(gateway, client, upstream):
+    await client.put_service("cold")  # scaled to zero: its requests go to the activator, which wakes it
+    scoped = await client.create_token("svc-only", ["svc"])
+    everything = (await client.create_token("all")).token
+    assert scoped.services == ("svc",) and [t.services for t in await client.tokens()] == [None, ("svc",)]
+    assert [await status(gateway, scoped.token, s) for s in ("svc", "open")] == [200, 200]
+    await client.put_service("other")
+    await client.register("other", "other/0/r0-s0", "0", upstream)
+    assert await status(gateway, scoped.token, "other") == 403 and await status(gateway, everything, "other") == 200
+    # A scoped token on a service at zero is refused by nginx, before the activator counts (or holds) it.
+    assert await status(gateway, scoped.token, "cold") == 403
+    assert (await client.stats()).services["cold"].held_total == 0
+    # The control: an open token reaches the activator, which holds the request (and would wake the service).
+    async with httpx.AsyncClient(timeout=1) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            await h.get(f"{gateway.url}/services/cold/x", headers={"Authorization": f"Bearer {everything}"})
+    assert (await client.stats()).services["cold"].held_total == 1
+    # Saved with its scope: after a restart it still opens svc alone (an older state without scopes opens all).
+    saved = json.loads(gateway.state_path.read_text())["tokens"]
+    assert saved["svc-only"]["services"] == ["svc"] and saved["all"]["services"] is None
+    older = {k: v for k, v in saved["svc-only"].items() if k != "services"}  # a state written before scopes
+    assert GatewayToken.model_validate(older).services is None
+    with pytest.raises(GatewayError) as e:
+        await client.create_token("bad", ["Not_A_Service"])
+    assert e.value.status == 400
 
 
 async def test_token_api_errors(gateway, client):
