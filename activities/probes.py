@@ -1,4 +1,4 @@
-"""HTTP readiness probes (spec 1.7) against a replica's address: ``unix:/path.sock`` or ``host:port``."""
+"""HTTP readiness probes against a replica's address: ``unix:/path.sock`` or ``host:port``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rich rendering of service status: the `ps` table in the seed's layout (spec 7.1)."""
+"""Rich rendering of service status: the `ps` table in the seed's layout."""
 
 from __future__ import annotations
 

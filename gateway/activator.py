@@ -1,4 +1,4 @@
-"""The activator: scale from zero without failed requests (spec 3.5).
+"""The activator: scale from zero without failed requests.
 
 While a service has no ready replica, nginx proxies its requests (auth passed, prefix stripped) to
 the control app at ``/activator/<service>/<path>``. There each request is **held** until a replica

@@ -94,7 +94,7 @@ def _service_body(route: ServiceRoute, target: str, indent: str, internal_secret
         if not route.pass_authorization:
             # The header holds a gateway token, which opens every service: the replica must not learn it.
             lines.append('set $ds_authorization "";')
-    # Set only after auth passed: rejected requests log hit 0 (spec 4.1).
+    # Set only after auth passed: rejected requests log hit 0.
     if route.upstreams:
         lines += ["set $ds_hit 1;", f"proxy_pass {target};"]
     else:

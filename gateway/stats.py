@@ -1,4 +1,4 @@
-"""Access-log statistics (spec 4.2): an incremental tailer, 1-second frames, 30/60/300 s windows.
+"""Access-log statistics: an incremental tailer, 1-second frames, 30/60/300 s windows.
 
 Everything except :class:`LogTailer` is pure and takes ``now`` as an argument. Log lines follow
 ``gateway.render.LOG_FORMAT``: ``msec hit status request_time service upstream_addr``. Only lines

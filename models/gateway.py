@@ -1,4 +1,4 @@
-"""Gateway state and statistics: what the gateway routes, the tokens it accepts, and what it reports (spec 4).
+"""Gateway state and statistics: what the gateway routes, the tokens it accepts, and what it reports.
 
 Pure data plus pure state transitions; the gateway app persists :class:`GatewayState` as JSON and
 renders nginx configuration from it.
@@ -22,7 +22,7 @@ REPLICA_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"  # e.g. "svc/0/r3-s
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 TOKEN_PREFIX_CHARS = 6  # shown to tell tokens apart: 36 of a token's 256 random bits, nothing to guess from
-WINDOWS = (30, 60, 300)  # stats windows in seconds (spec 4.2)
+WINDOWS = (30, 60, 300)  # stats windows in seconds
 DEFAULT_COLD_START_TIMEOUT = 300  # seconds a request may wait in the activator for a first replica
 MAX_COLD_START_TIMEOUT = 86400
 MAX_UNAVAILABLE = 1024  # characters of a route's `unavailable` reason
@@ -254,14 +254,14 @@ class GatewayState(Model):
 
 
 class StatsWindow(Model):
-    """Totals of one window (spec 4.2)."""
+    """Totals of one window."""
 
     requests: int = Field(0, ge=0, description="Replica hits in the window.")
     request_time: float = Field(0.0, ge=0, description="Average request time in seconds, 3 decimals; 0.0 without requests.")
 
 
 class ServiceStats(Model):
-    """A service's request totals per window, as the autoscaler reads them (spec 3.2)."""
+    """A service's request totals per window, as the autoscaler reads them."""
 
     service: str = Field(description="Service name.")
     windows: dict[int, StatsWindow] = Field(description="Keyed by window seconds: 30, 60, 300.")

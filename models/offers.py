@@ -1,4 +1,4 @@
-"""Instance offers, and matching them against a ``resources`` requirement (spec 1.2 and 8.1).
+"""Instance offers, and matching them against a ``resources`` requirement.
 
 Pure: ``activities.catalog`` reads the catalog and this machine, and this module filters and sorts.
 Each requirement is one named check, so ``match_offers`` and ``describe_mismatch`` cannot disagree.

@@ -1,4 +1,4 @@
-"""``resources``: cpu, memory, disk, shm_size and gpu, in the short forms of spec 1.2."""
+"""``resources``: cpu, memory, disk, shm_size and gpu, in their short forms."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _VENDOR_ALIASES = {"nvidia": "nvidia", "amd": "amd", "google": "google", "tpu": 
                    "tt": "tenstorrent", "tenstorrent": "tenstorrent"}
 _ARCH_ALIASES = {"x86": "x86", "x86_64": "x86", "amd64": "x86", "arm": "arm", "arm64": "arm", "aarch64": "arm"}
 
-# GPU names whose vendor is known, so that `gpu: H100` implies NVIDIA (spec 1.2 "server defaults").
+# GPU names whose vendor is known, so that `gpu: H100` implies NVIDIA.
 KNOWN_GPU_VENDORS = {
     **{n: "nvidia" for n in ("t4", "v100", "a10", "a10g", "a100", "h100", "h200", "l4", "l40", "l40s", "b200",
                              "a4000", "a5000", "a6000", "rtx4090", "rtx3090", "p100", "k80")},
@@ -55,7 +55,7 @@ class CPUSpec(Model):
 
 
 def parse_gpu(value: Any) -> Any:
-    """Shorthand tokens separated by ``:`` in any order (spec 1.2), an int count, or a mapping."""
+    """Shorthand tokens separated by ``:`` in any order, an int count, or a mapping."""
     if isinstance(value, dict):
         return value
     if isinstance(value, bool):

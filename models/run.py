@@ -38,7 +38,7 @@ class Placement(BaseModel):
 
 
 class Replica(BaseModel):
-    """One submission of one replica (spec 2.3): the row `ps` shows."""
+    """One submission of one replica: the row `ps` shows."""
 
     replica_num: int = Field(description="Run-global replica number; only goes up, never reused by another group.")
     submission_num: int = Field(0, description="0 for the first submission; +1 for each resubmission.")

@@ -1,4 +1,4 @@
-"""The service configuration: one YAML file, several replica groups (spec section 1).
+"""The service configuration: one YAML file, several replica groups.
 
 Field-level rules live on the fields; rules that span fields or levels live in
 ``models.validation`` so that each error can name the exact path it is about.
@@ -307,7 +307,7 @@ def _gateway(value: Any) -> Any:
     raise ValueError(f"expected true, false or a gateway name, got {value!r}")
 
 
-# Fields a group shares with the service level and may override (spec 1.4).
+# Fields a group shares with the service level and may override.
 IMAGE_FIELDS = ("image", "python", "nvcc", "docker", "privileged")
 
 
@@ -451,7 +451,7 @@ class ServiceConfiguration(Model):
         return self.router_group in (None, group)
 
     def effective_probes(self) -> list[ProbeSpec]:
-        """Explicit probes, or the default chat probe when a model is set (spec 1.7)."""
+        """Explicit probes, or the default chat probe when a model is set."""
         if self.probes is not None or self.model is None:
             return list(self.probes or [])
         # json.dumps, not %-formatting: a name with a quote must not break (or rewrite) the body.

@@ -1,4 +1,4 @@
-"""Rules that span fields or levels (spec 1.5, 1.8 V2–V19, seed 003).
+"""Rules that span fields or levels.
 
 Each rule is a small function that yields ``Issue``s with the exact path it is about, so that the
 loader can point at the YAML line and one file reports every mistake at once.
@@ -41,7 +41,7 @@ class Issue:
 
 
 def _set(value: object) -> bool:
-    """Booleans count as set only when true; other fields when present (spec V14 asymmetry)."""
+    """Booleans count as set only when true; other fields when present."""
     return value is True if isinstance(value, bool) else value is not None
 
 
@@ -294,7 +294,7 @@ def _cross_level(at: Path, group: ReplicaGroup, cfg: ServiceConfiguration) -> It
             if getattr(group, other) is not None:
                 yield Issue(at + (other,), f"service-level `{field}` conflicts with group-level `{other}` "
                                            f"in replica group '{group.name}'")
-    # dstack lets this through and then runs Docker-in-Docker unprivileged (K11).
+    # dstack lets this through and then runs Docker-in-Docker unprivileged.
     if cfg.docker and group.privileged is False:
         yield Issue(at + ("privileged",), f"`privileged: false` in replica group '{group.name}' is incompatible "
                                           "with service-level `docker: true`")

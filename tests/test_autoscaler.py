@@ -1,4 +1,4 @@
-"""The RPS autoscaler (spec 3.2, 3.6) and the stats watcher's snapshot logic, without Temporal."""
+"""The RPS autoscaler and the stats watcher's snapshot logic, without Temporal."""
 
 from __future__ import annotations
 

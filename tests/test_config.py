@@ -179,7 +179,7 @@ def test_model_string_gives_default_probe_and_empty_list_disables_it():
     assert ok(BASE + "commands: [x]\nmodel: llama\nprobes: []\n").effective_probes() == []
 
 
-# --- validation rules (spec 1.8) ----------------------------------------------------------------
+# --- validation rules ----------------------------------------------------------------
 
 def test_v1_max_required_min_defaults_to_zero_and_order():
     assert "maximum number of replicas is required" in one_error(

@@ -1,4 +1,4 @@
-"""Access-log statistics: parsing, frames and windows (spec 4.2), and the tailer. Pure, no nginx."""
+"""Access-log statistics: parsing, frames and windows, and the tailer. Pure, no nginx."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""Offers: matching a resources requirement (spec 1.2, 8.1), the shipped catalog, the local offer, the CLI."""
+"""Offers: matching a resources requirement, the shipped catalog, the local offer, the CLI."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def test_prune_keeps_latest_submission_and_bounds_finished_rows():
     assert len(finished) == KEEP_FINISHED and min(r.replica_num for r in finished) == 80 - KEEP_FINISHED
 
 
-# --- rolling deployment (spec 6.5) -----------------------------------------------------------------
+# --- rolling deployment -----------------------------------------------------------------
 
 def rolling_state(replicas, desired=2, dep=1, failed=""):
     st = state(a="2", b="1..4", replicas=replicas, desired={"a": desired, "b": 1}, next_num=10)
@@ -228,7 +228,7 @@ def test_reapplying_mid_rollout_rolls_toward_the_newest_deployment():
     assert plan.start == [Start("a", 11, 0)] and plan.stop == []
     st.replicas.append(replica(11, "a", deployment=2))
     st.next_replica_num = 12
-    # Both older deployments are out of date alike; among equals the newest number goes first (spec 5).
+    # Both older deployments are out of date alike; among equals the newest number goes first.
     assert reconcile(st, NOW).stop == [Stop(10, 0, "replaced")]
 
 
@@ -269,7 +269,7 @@ def worker(num, **kw) -> Replica:
 
 
 def test_a_ready_old_worker_is_kept_while_its_surge_starts_then_stopped_once_the_new_one_is_ready():
-    # Workers behind a router are never registered: a ready one still counts as serving (spec 6.5).
+    # Workers behind a router are never registered: a ready one still counts as serving.
     old = worker(1, deployment=0)
     st = pd_state([replica(0, "router", deployment=1, placement=placed("10.0.0.1"), refs={}), old],
                   deployment=1, next_num=2)

@@ -1,5 +1,5 @@
 """Router services (PD disaggregation) on the time-skipping server with the fake cloud: only the router group
-is registered with the gateway, workers roll as spec 6.5 says, and replica addresses in commands wait, are
+is registered with the gateway, workers roll one at a time, and replica addresses in commands wait, are
 substituted, and roll their referrers when they move."""
 
 from __future__ import annotations

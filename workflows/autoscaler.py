@@ -1,4 +1,4 @@
-"""RPS target tracking per replica group (spec 3.2), as pure functions.
+"""RPS target tracking per replica group, as pure functions.
 
 Where durastack differs from dstack (DESIGN.md): the delays count from *this group's* last
 scaling event, not from any replica start or stop anywhere in the service; and a request held at

@@ -1,4 +1,4 @@
-"""What a new configuration changes in a running service, and how each change is applied (spec 6.1).
+"""What a new configuration changes in a running service, and how each change is applied.
 
 Pure: the CLI uses it to show the diff before asking, the workflow's update validator to refuse a
 change it cannot apply, and the planner (through ``spec_hash``) to tell which replicas must roll.
@@ -55,7 +55,7 @@ def classify(old: ServiceConfiguration, new: ServiceConfiguration) -> Changes:
         else:
             changes.not_updatable.append(name)
     # Which group routes decides which replicas the gateway knows: moving, adding or removing the router, or
-    # changing its type, would leave running replicas registered (or not) against the new rule (spec 6.1).
+    # changing its type, would leave running replicas registered (or not) against the new rule.
     routers = [(c.router_group, (c.group(c.router_group).router if c.router_group else None)) for c in (old, new)]
     if routers[0] != routers[1]:
         changes.not_updatable.append("router")

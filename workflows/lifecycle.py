@@ -36,7 +36,7 @@ class Note:
 
 
 def deploy(state: ServiceState, new: ServiceConfiguration) -> tuple[ApplyResult, list[Note]]:
-    """A new configuration: counts apply at once, changed jobs roll out replica by replica (spec 6).
+    """A new configuration: counts apply at once, changed jobs roll out replica by replica.
 
     Groups it changes forget their back-off and failed rollout: a fix must take effect at once."""
     changes = classify(state.config, new)
@@ -63,7 +63,7 @@ def deploy(state: ServiceState, new: ServiceConfiguration) -> tuple[ApplyResult,
 
 
 def _keep_unchanged(state: ServiceState) -> int:
-    """Replicas whose job does not change join the new deployment without a restart (spec 6.4)."""
+    """Replicas whose job does not change join the new deployment without a restart."""
     hashes = {g.name: spec_hash(state.config, g.name) for g in state.config.replica_groups}
     kept = 0
     for r in state.replicas:

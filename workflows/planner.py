@@ -1,4 +1,4 @@
-"""Pure decisions of a service run: which replicas to start and which to stop (spec sections 2.3, 5).
+"""Pure decisions of a service run: which replicas to start and which to stop.
 
 No Temporal, no I/O: functions of the state and the time, so every rule is testable on its own.
 The ServiceRunWorkflow applies what these return.
@@ -14,7 +14,7 @@ from models.run import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
 from workflows.addresses import late, readdressed, resolve
 
-# Resubmission back-off after failures in a row of a group (spec 3.5's pending back-off). The first is
+# Resubmission back-off after failures in a row of a group. The first is
 # replaced at once (a replica that served for hours and crashed should not wait); from the second in a
 # row on, the group waits these many seconds. A failure more than FAILURE_MEMORY after the end of the last
 # back-off starts a new row.
@@ -65,7 +65,7 @@ def sync_groups(config: ServiceConfiguration, groups: dict[str, GroupState]) -> 
 
 
 def importance(replica: Replica) -> int:
-    """3 serving, 2 running but not serving, 1 provisioning, 0 submitted (spec 5)."""
+    """3 serving, 2 running but not serving, 1 provisioning, 0 submitted."""
     if replica.status == "running":
         return 3 if replica.serves else 2
     return 1 if replica.status == "provisioning" else 0
