@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -56,9 +57,14 @@ _KEY_LINE = re.compile(r"^[A-Za-z0-9+/=@. -]+$")
 
 # AWS: the container runs on the instance's network (--network=host), so IMDSv2's one-hop limit no longer keeps
 # it from the metadata service, whose user data holds the instance's host key. Cloud-init has read it by now.
-CLOSE_METADATA = """\
+METADATA_RULE = ("iptables -C OUTPUT -d 169.254.169.254/32 -j REJECT 2>/dev/null || "
+                 "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT")
+CLOSE_METADATA = f"""\
   # The container shares this instance's network: close the metadata service (its user data holds the host key).
-  iptables -C OUTPUT -d 169.254.169.254/32 -j REJECT 2>/dev/null || iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT"""
+  {METADATA_RULE}"""
+# iptables rules do not outlive a reboot, and the boot script runs once on AWS: cloud-init's bootcmd, which runs at
+# every boot, closes it again once the instance has booted for durastack before (its ready file).
+REBOOT_CLOSE = json.dumps(["sh", "-c", f"if [ -e /opt/durastack/ready ]; then {METADATA_RULE}; fi"])
 
 
 def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys, close_metadata: bool = False) -> str:
@@ -86,7 +92,8 @@ def cloud_init(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:
                                               for line in script.splitlines(keepends=True))
     else:
         content = "    encoding: b64\n    content: " + base64.b64encode(script.encode()).decode() + "\n"
-    return _render("cloud-init.yml.tmpl", replica_id=job.replica_id, content=content.rstrip("\n"))
+    return _render("cloud-init.yml.tmpl", replica_id=job.replica_id, content=content.rstrip("\n"),
+                   bootcmd=REBOOT_CLOSE)
 
 
 def startup_script(job: JobSpec, *, gpu: bool, keys: BootKeys) -> str:

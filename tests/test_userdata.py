@@ -104,6 +104,12 @@ def test_aws_instances_close_the_metadata_service_to_the_host_networked_containe
     assert aws.index("169.254.169.254") < aws.index('touch "$DIR/ready"')  # before any container can start
     assert "169.254.169.254" not in startup_script(job(), gpu=True, keys=keys())
     subprocess.run(["bash", "-n"], input=aws, text=True, check=True)
+    # iptables rules do not outlive a reboot, and the boot script runs once: bootcmd (every boot) closes it again
+    # on an instance that booted for durastack before.
+    bootcmd = _load(cloud_init(job(), gpu=True, keys=keys()))["bootcmd"]
+    assert bootcmd[0][:2] == ["sh", "-c"] and bootcmd[0][2].startswith("if [ -e /opt/durastack/ready ]; then ")
+    assert "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT" in bootcmd[0][2]
+    subprocess.run(["sh", "-n", "-c", bootcmd[0][2]], check=True)
 
 
 def test_runtimes():
