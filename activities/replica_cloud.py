@@ -311,16 +311,19 @@ class CloudReplicas:
     # --- readiness and liveness ---------------------------------------------------------------------
 
     async def wait_ready(self, instance: CloudInstance, probes: list[ProbeSpec]) -> None:
-        """Ready = the instance runs and its app answers the probes (or any HTTP without probes)."""
+        """Ready = the instance runs and its app answers the probes (or any HTTP without probes). Its instance and
+        its container are checked as the monitor checks them: a command that exits before it is ready fails the
+        launch at once, as on the local backend, rather than after the launch's timeout."""
         streaks = ProbeStreaks(probes)
         checked = float("-inf")
         while True:
             now = time.monotonic()
             if now - checked >= self.poll_seconds:
-                instance, checked = await self._current(instance), now
-                if instance.state in DOWN:
-                    raise ApplicationError(f"instance {instance.instance_id} is {instance.state}",
-                                           type="ReplicaExited", non_retryable=True)
+                checked = now
+                why = await self._down(instance)
+                if why is not None:
+                    raise ApplicationError(why, type="ReplicaExited", non_retryable=True)
+                instance = self._cloud_checked.get(instance.instance_id, (now, instance))[1]
             address, connect = self.address(instance), self._connect(instance)
             if instance.state == "running" and address:
                 if streaks.probes:

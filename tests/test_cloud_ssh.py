@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from temporalio.exceptions import ApplicationError
 
 from activities.aws import AWSBackend
 from activities.gcp import GCPBackend
@@ -139,6 +140,21 @@ async def test_gcp_replica_serves_over_ssh(gce, vpc, ledger, tmp_path):
     with vpcs.Booter(vpc, lambda: vpcs.gce_instances(gce)) as booter:
         await _lifecycle(acts, "gcp", vpc, booter)
     assert gce.firewall_rules() == []  # its last instance gone, the SSH rule went with it
+
+
+async def test_a_command_that_exits_before_it_is_ready_fails_the_launch_at_once(fake_ec2, vpc, ledger, tmp_path):
+    """As on the local backend: the launch watches the container it started while it waits for readiness, and
+    fails with the container's exit, not after the launch's 30-minute timeout."""
+    fake_ec2.seed_amis("us-east-1")
+    config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
+    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home")
+    broken = job().model_copy(update={"commands": ["echo starting", "exit 3"]})
+    inp = ReplicaInput(service_workflow_id="service/svc", job=broken, resources=CPU, backends=["aws"])
+    with vpcs.Booter(vpc, vpcs.moto_instances):
+        with pytest.raises(ApplicationError) as e:
+            await asyncio.wait_for(activity_env(FakeClient()).run(acts.launch, LaunchInput(backend="aws", replica=inp)),
+                                   60)
+    assert e.value.type == "ReplicaExited" and e.value.non_retryable and e.value.message == "container exited (3)"
 
 
 async def test_a_spot_interruption_is_named_as_such(fake_ec2, vpc, ledger, tmp_path):
