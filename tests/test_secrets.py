@@ -22,6 +22,7 @@ from cli.service import _resolve
 from connect.codec import (KEY_ENV, KEY_FILE, CodecKeyError, SecretCodec, ensure_key_file, load_keys, new_key,
                            parse_keys)
 from gateway.app import free_port
+from cli.control import deliver
 from models.loader import load_config_text
 from models.replica import JobSpec
 from models.run import ApplyRequest, Launched, LaunchInput, ScaleRequest, ServiceState
@@ -236,15 +237,16 @@ async def test_service_run_history_holds_no_secret(dev_env, capsys):
                                     "DURASTACK_REPLICA": "0"}
         runs = {first_run}
         for count in (2, 1, 3, 1):  # enough history for continue-as-new hops
-            await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="burst", count=count))
+            # An update meeting a hop is answered WorkflowNotReady: asked again, as the CLI does.
+            await deliver(lambda: handle.execute_update(ServiceRunWorkflow.scale,
+                                                        ScaleRequest(group="burst", count=count)))
             await eventually(lambda: _ready(handle, "burst", count))
             runs.add((await handle.describe()).run_id)
         assert len(runs) >= 2, "expected a continue-as-new hop"
         # After the hops: the state still holds the real values, and a new secret value rolls out.
         assert (await handle.query(ServiceRunWorkflow.config)).env["HF_TOKEN"] == HF
         new = config.model_copy(update={"env": {**config.env, "HF_TOKEN": HF[::-1]}})
-        result = await handle.execute_update(ServiceRunWorkflow.apply,
-                                             ApplyRequest(config=new))
+        result = await deliver(lambda: handle.execute_update(ServiceRunWorkflow.apply, ApplyRequest(config=new)))
         assert result.rolling == ["env"]
         # A rollout on the dev server, with the suite's other tests beside it: CI once needed more than 30 s.
         await eventually(lambda: _rolled_out(handle, result.deployment), 90)

@@ -574,7 +574,8 @@ async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev)
     routes = Routes()
     reaper = ReaperActivities(env.client, {}, None, gateway=routes)
     result = await ActivityEnvironment().run(reaper.reap_replicas, 0)
-    assert result.stopped == [f"service/{name}/0/r9-s0: its service run does not own it (reset past its start?)"]
+    mine = [s for s in result.stopped if s.startswith(f"service/{name}/")]  # the server is shared by other tests
+    assert mine == [f"service/{name}/0/r9-s0: its service run does not own it (reset past its start?)"]
     await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r9-s0") == "terminated"))
     assert cloud.instances[f"{name}/0/r0-s0"] == "running"  # owned: untouched
     # Terminated from the Web UI: its replicas go too, at the next pass.
@@ -582,7 +583,7 @@ async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev)
     result = await ActivityEnvironment().run(reaper.reap_replicas, 0)
     assert f"service/{name}/0/r0-s0: its service run is terminated" in result.stopped
     await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r0-s0") == "terminated"))
-    assert routes.deleted == [name]  # and its route, which nobody else would remove
+    assert name in routes.deleted  # and its route, which nobody else would remove
 
 
 class Routes:

@@ -10,8 +10,8 @@ what the service shows in ``views``; the long watchers in ``watchers``. Children
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, Optional
 
 from pydantic import BaseModel, Field
 from temporalio import workflow
@@ -39,6 +39,11 @@ WATCH_CHILDREN = "watch-children"  # a replica workflow that closes before its r
 CONTINUE_WHEN_SETTLED = "continue-when-settled"  # a continue-as-new waits until no replica is between steps
 ROUTE_UNAVAILABLE = "route-unavailable"  # the route says why the service cannot serve: the gateway answers 503
 ONE_PLACE = "one-place"  # the replicas of a service that reach each other all go where its first one landed
+# The idle wait never cancels its timer: it keeps one for its next deadline and leaves it running when news wake the
+# loop first (a later wait reuses it; an earlier deadline adds one, and the stale one just fires). A timer started and
+# cancelled in one workflow task that a signal then made fail (UnhandledCommand) was cancelled again on the retry,
+# unknown to the server (BadCancelTimerAttributes), failing every retry after; it also cost two events a pass.
+IDLE_TIMER_KEPT = "idle-timer-kept"
 HISTORY_BYTES = "history-bytes"  # a run continues as new past history_bytes_limit too, not only past an event count
 VALIDATE_START = "validate-start"  # each run judges its own configuration first: a start that skipped apply too
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
@@ -81,6 +86,9 @@ class ServiceRunWorkflow:
         self.settle_first = False  # a continue-as-new waits for lifecycle.settled (set in _begin)
         self.router_sync = False  # an sglang router's worker list is kept (set in _begin)
         self.bytes_bound = False  # history bytes count toward continue-as-new too (set in _begin)
+        self.keep_timer = False  # the idle timer is kept, never cancelled (set in _begin)
+        self.tick: Optional[asyncio.Future] = None  # that timer, and when it fires
+        self.tick_at: Optional[datetime] = None
         self.start_bytes = 0  # the history's size when this run began (its carried state)
 
     # --- messages ---------------------------------------------------------------------------------
@@ -209,6 +217,7 @@ class ServiceRunWorkflow:
         self.settle_first = workflow.patched(CONTINUE_WHEN_SETTLED)
         self.route.say_unavailable = workflow.patched(ROUTE_UNAVAILABLE)
         self.bytes_bound = workflow.patched(HISTORY_BYTES)
+        self.keep_timer = workflow.patched(IDLE_TIMER_KEPT)
         self.start_bytes = workflow.info().get_current_history_size()
         if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
@@ -276,11 +285,20 @@ class ServiceRunWorkflow:
         due = lifecycle.next_due(self.state, now)
         wait = min(self.inp.safety_tick_seconds, (due - now).total_seconds() if due else float("inf"),
                    views.store_retry_seconds(self.state, self.inp.store_retry_seconds) or float("inf"))
+        def news() -> bool:
+            return self.dirty or self.state.stopping or self._should_continue() or self.watchers.done() or \
+                self.children.any_closed()
+
+        if self.keep_timer:
+            at = now + timedelta(seconds=max(1.0, wait))
+            if self.tick is None or self.tick.done() or self.tick_at is None or at < self.tick_at:
+                self.tick, self.tick_at = asyncio.ensure_future(asyncio.sleep((at - now).total_seconds())), at
+            tick = self.tick
+            await workflow.wait_condition(lambda: news() or tick.done())
+            return
         try:
-            await workflow.wait_condition(
-                lambda: self.dirty or self.state.stopping or self._should_continue() or self.watchers.done()
-                or self.children.any_closed(),
-                timeout=timedelta(seconds=max(1.0, wait)), timeout_summary="until something changes")
+            await workflow.wait_condition(news, timeout=timedelta(seconds=max(1.0, wait)),
+                                          timeout_summary="until something changes")
         except asyncio.TimeoutError:
             pass  # the safety tick, a back-off, a scaling delay or `max_duration` has ended: decide again
 
