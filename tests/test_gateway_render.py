@@ -49,7 +49,7 @@ def test_service_name_must_be_a_dns_label(name):
 def test_tokens_are_global_hashed_and_named():
     s1 = GatewayState().put_service("svc", True).add_token(token("ci", "s3cret-value"))
     assert s1.generation == 2 and "s3cret-value" not in s1.model_dump_json()
-    assert s1.tokens["ci"].info().model_dump() == {"name": "ci", "prefix": "s3cret",
+    assert s1.tokens["ci"].info().model_dump() == {"name": "ci", "prefix": "s3cret", "services": None,
                                                    "created_at": datetime(2026, 11, 29, tzinfo=timezone.utc)}
     with pytest.raises(DuplicateToken):  # a name is never reused silently
         s1.add_token(token("ci", "another"))

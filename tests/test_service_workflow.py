@@ -516,9 +516,11 @@ async def test_a_replica_workflow_terminated_before_it_serves_is_torn_down_and_r
     await handle.result()
 
 
-async def test_a_replica_cancelled_during_its_launch_tears_down_only_once_the_launch_stopped(ts_env, cloud):
+async def test_a_replica_cancelled_during_its_launch_tears_down_only_once_the_launch_stopped(dev_env, cloud_dev):
     """Cancelled from the Web UI while its launch seems stuck: the launch is cancelled and waited for, then the
-    teardown looks; it never runs beside a launch that could still make an instance or a route."""
+    teardown looks; it never runs beside a launch that could still make an instance or a route. (On the dev
+    server: the time-skipping one does not tell a parent that its child closed.)"""
+    ts_env, cloud = dev_env, cloud_dev
     rid = "svc-cancel/0/r0-s0"
     cloud.hang.add(rid)
     handle = await start(ts_env, cloud, "svc-cancel")
