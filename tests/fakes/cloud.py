@@ -73,6 +73,7 @@ class FakeCloud:
         self.ips: dict[str, str] = {}  # each instance's address (the order instances start in is a race)
         self.hang: set[str] = set()  # replica ids whose launch makes the instance, then never gets further
         self.router_lists: dict[str, dict[str, str]] = {}  # router replica id → worker url → worker type
+        self.newest_sync: dict[str, float] = {}  # service → when its newest router sync was scheduled
         self.router_down: set[str] = set()  # router replica ids whose worker API does not answer
 
     @staticmethod
@@ -191,8 +192,13 @@ class FakeCloud:
 
         @implements(interface.sync_router)
         async def sync_router(inp: RouterSyncInput) -> RouterView:
-            """A router's worker list in memory: put right at once, each worker healthy, its type its group's name."""
+            """A router's worker list in memory: put right at once, each worker healthy, its type its group's name.
+            An older sync stops acting once the service starts a newer one, as the real one does."""
+            mine = activity.info().scheduled_time.timestamp()
+            self.newest_sync[inp.service] = max(self.newest_sync.get(inp.service, 0.0), mine)
             while True:
+                if self.newest_sync[inp.service] > mine:
+                    return inp.known
                 changes, routers = [], []
                 for t in inp.routers:
                     rid = t.instance.replica_id
