@@ -15,6 +15,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from models.run import (
+    EngineSnapshot,
+    EngineWatch,
     Down,
     Launched,
     LaunchInput,
@@ -82,6 +84,14 @@ async def sync_router(inp: RouterSyncInput) -> RouterView:
     """Keep each router replica's worker list equal to ``inp.workers`` (adding with the role each worker's engine
     reports, removing the rest); return once what the routers know differs from ``inp.known`` or the sync changed
     something. Heartbeats meanwhile; a router that cannot be reached is retried, and said in the view."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def watch_engines(watch: EngineWatch) -> EngineSnapshot:
+    """Read the engine signal of each replica in ``watch`` every second, over its group's window; return once a
+    group's wanted count changes, a replica is read for the first time or its error changes (or after a long
+    while). Heartbeats meanwhile; on the replicas' backend queue."""
     raise NotImplementedError
 
 

@@ -31,6 +31,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities import interface
 from activities.catalog import local_offer
+from activities.engines import EngineActivities
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive
 from activities.local import LocalBackend, UnsupportedJobError
@@ -197,10 +198,11 @@ class ReplicaActivities:
         if cloud is not None:
             cloud.gateway = gateway  # its SSH tunnels unroute a replica while down and route it back
         self.router = RouterActivities(self._reach)
+        self.engines = EngineActivities(self._reach)
 
     def backend_activities(self) -> list:
         """What a ``<queue>-<backend>`` worker runs: the replica's life on that backend."""
-        return [self.launch, self.teardown, self.monitor, self.router.sync]
+        return [self.launch, self.teardown, self.monitor, self.router.sync, self.engines.watch]
 
     def route_activities(self) -> list:
         """What the main queue runs: the service's gateway route."""

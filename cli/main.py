@@ -111,7 +111,7 @@ def validate(
         rng = g["replicas"]
         count = str(rng["min"]) if rng["min"] == rng["max"] else f"{rng['min']}..{rng['max']}"
         scaling = g["scaling"]
-        how = f"rps target {scaling['target']:g}, window {scaling['window']}s" if scaling else "fixed"
+        how = f"{scaling['metric']} target {scaling['target']:g}, window {scaling['window']}s" if scaling else "fixed"
         out.print(f"  group={g['name']} replicas={count} ({how}) {g['resources']}", markup=False)
     for w in result.warnings:
         err.print(f"  [yellow]warning:[/yellow] {w}")

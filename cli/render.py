@@ -80,6 +80,9 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
             if group.waiting:
                 table.add_row(Text(f"   {label} waits: {group.waiting}", style="yellow"),
                               *[""] * (len(table.columns) - 1))
+            if verbose and group.signal:
+                table.add_row(Text(f"   {label} scales on {group.signal}", style="cyan"),
+                              *[""] * (len(table.columns) - 1))
             if group.retry_after is not None:
                 wait = f"   {label} waits on a back-off until {group.retry_after:%H:%M:%S} UTC (after failures in a row)"
                 table.add_row(Text(wait, style="yellow"), *[""] * (len(table.columns) - 1))

@@ -104,7 +104,7 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
         found = [o for o in offers[g.name or ""] if not places or f"{o.backend}/{o.region}" == places[0]]
         best = (f"{found[0].backend} {found[0].instance_type} ({found[0].region}) ${found[0].price:g}/h" if found
                 else "[red]no offers[/red]")
-        scaling = f", rps target {g.scaling.target:g}" if g.scaling else ""
+        scaling = f", {g.scaling.metric} target {g.scaling.target:g}" if g.scaling else ""
         out.print(f"  group={g.name} replicas={g.count}{scaling}  {g.resources.summary()}  → {best}")
     return problems, places
 

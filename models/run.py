@@ -95,6 +95,7 @@ class GroupState(BaseModel):
         "from it. None: no failure since the last deployment or manual scale of the group."))
     retry_after: Optional[datetime] = Field(None, description="No resubmission in this group before this time.")
     rollout_failed: str = Field("", description="Why this group's rollout stopped; old replicas keep serving.")
+    engine_note: str = Field("", description="The last engine without the metric's names noted (said once).")
     waiting: str = Field("", description="Why a replica of this group cannot start yet (a replica its commands "
                                          "reference has no address); noted once.")
     readdressed: str = Field("", description="Why replicas of this group roll though their deployment is current "
@@ -141,6 +142,8 @@ class ServiceState(BaseModel):
     backends: list[str] = Field(default_factory=list, description="Backends this deployment serves (served_backends).")
     routed: Optional[bool] = Field(None, description="The gateway route: None not put yet, True put, False refused.")
     stats: Optional["StatsSnapshot"] = Field(None, description="Latest gateway snapshot; None = no stats yet.")
+    engines: dict[str, "EngineSnapshot"] = Field(default_factory=dict, description=(
+        "Per backend, the latest engine signals of replicas whose group scales on one."))
     router_view: Optional["RouterView"] = Field(None, description="What the router replicas list, as last synced "
                                                                   "(`router: {type: sglang}`).")
     one_place: bool = Field(False, description="Its replicas reach each other (a router, address references): all "
@@ -307,6 +310,7 @@ class GroupView(BaseModel):
                                       "'worker': behind the router group, never routed to by the gateway; '' without "
                                       "a router group.")
     waiting: str = Field("", description="Why a replica of this group cannot start yet.")
+    signal: str = Field("", description="What the group's scaling metric read last, per replica, and its target.")
     retry_after: Optional[datetime] = Field(None, description="Replicas of this group wait on a back-off until then.")
     replicas: list[ReplicaView]
 
@@ -412,6 +416,66 @@ class StatsSnapshot(BaseModel):
         return self.rps.get(window, 0.0) + self.held / window
 
 
+class EngineGroupWatch(BaseModel):
+    """One group scaling on an engine signal, as one backend's engine watcher needs it."""
+
+    name: str
+    metric: str
+    target: float
+    window: int
+    lo: int
+    hi: int
+    path: str = Field("/metrics", description="The engines' Prometheus endpoint, on the replica's app port.")
+    others: float = Field(0.0, description="Sum of the values other backends' watchers last read in this group.")
+    others_read: int = Field(0, description="How many replicas those values are of.")
+    others_counted: int = Field(0, description="Those and the other backends' replicas that could not be read.")
+    wanted: int = Field(description="The count the last reading asked for; the watcher returns when it changes.")
+
+
+class EngineWatch(BaseModel):
+    """A service's serving replicas on one backend whose group scales on an engine signal."""
+
+    service: str
+    backend: str
+    groups: list[EngineGroupWatch]
+    replicas: list[Watched]
+    known: list["ReplicaSignal"] = Field(default_factory=list, description=(
+        "What the last snapshot said of each replica: the watcher also returns when a replica is read for the "
+        "first time or its error changes."))
+    poll_seconds: float = Field(1.0, description="How often each engine is read.")
+    max_seconds: int = Field(3000, description="Return a snapshot after this long even without a change.")
+
+
+NOT_READ_YET = "not read yet (a latency needs two readings)"
+UNKNOWN_NAMES = "none of "  # how an engine that exposes none of a metric's names is said
+
+
+class ReplicaSignal(BaseModel):
+    """One replica's engine signal over its group's window; None with the reason it could not be read."""
+
+    replica_num: int
+    submission_num: int
+    group: str
+    value: Optional[float] = None
+    error: str = Field("", description="Why there is no value: unreachable, none of the names, not read yet.")
+
+    def same_kind(self, other: "ReplicaSignal") -> bool:
+        return (self.value is None) == (other.value is None) and self.error == other.error
+
+    @property
+    def unreadable(self) -> bool:
+        """Its engine could not be read (not merely read once so far)."""
+        return self.value is None and self.error != NOT_READ_YET
+
+
+class EngineSnapshot(BaseModel):
+    """What one backend's engine watcher read, when."""
+
+    backend: str
+    at: datetime
+    replicas: list[ReplicaSignal] = Field(default_factory=list)
+
+
 # The instance union (a local process tree or a cloud VM) is models.router's. Imported here, after Placement:
 # models.backends, which it imports, imports models.offers only.
 from models.router import Instance, RouterLeave, RouterView  # noqa: E402
@@ -487,7 +551,7 @@ class Down(BaseModel):
     reason: str = Field(description="exited (1), instance terminated, workflow terminated, …")
     workflow_closed: bool = Field(False, description="Its workflow is gone: the service must tear it down itself.")
 
-for _model in (Replica, ReplicaUpdate, Launched, TeardownInput, Watched):
+for _model in (Replica, ReplicaUpdate, Launched, TeardownInput, Watched, EngineWatch):
     _model.model_rebuild()
 
 

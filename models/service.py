@@ -176,10 +176,27 @@ class PortMapping(Model):
     container_port: int = Field(ge=1, le=65535, description="Port the replica's app listens on.")
 
 
+# The engine signals a group may scale on, read from each replica's Prometheus endpoint; `rps` is the gateway's.
+ENGINE_METRICS = ("queue", "running", "kv_cache", "ttft", "itl")
+SCALING_TARGETS = {
+    "rps": "requests per second per replica",
+    "queue": "requests waiting per replica",
+    "running": "requests in flight (running + waiting) per replica",
+    "kv_cache": "KV-cache use per replica, 0..1",
+    "ttft": "p90 time to first token, seconds",
+    "itl": "p90 inter-token latency, seconds",
+}
+
+
 class ScalingSpec(Model):
-    metric: Literal["rps"] = Field(description="The scaling metric; only `rps` (requests per second).")
-    target: float = Field(gt=0, description="Target requests per second per replica.")
-    window: Duration = Field(60, description="Window over which the rate is measured: 30s, 60s or 300s.")
+    metric: Literal["rps", "queue", "running", "kv_cache", "ttft", "itl"] = Field(description=(
+        "The scaling metric: `rps` (the gateway's requests per second), or a signal of each replica's engine: "
+        "`queue` (waiting requests), `running` (running + waiting), `kv_cache` (KV-cache use, 0..1), `ttft` / "
+        "`itl` (p90 time to first token / inter-token latency). `rps`, `queue` and `running` scale to "
+        "ceil(sum / target); `kv_cache`, `ttft` and `itl` to ceil(replicas × value / target)."))
+    target: float = Field(gt=0, description="Target per replica: " + "; ".join(
+        f"`{k}`: {v}" for k, v in SCALING_TARGETS.items()) + ".")
+    window: Duration = Field(60, description="Window over which the metric is measured: 30s, 60s or 300s.")
     scale_up_delay: Duration = Field(300, description="Time since this group's last scaling before scaling up.")
     scale_down_delay: Duration = Field(600, description="Time since this group's last scaling before scaling down.")
 
@@ -189,6 +206,25 @@ class ScalingSpec(Model):
         if v not in SCALING_WINDOWS:
             raise ValueError("window must be one of: `30s`, `60s`, `300s`")
         return v
+
+    @model_validator(mode="after")
+    def _target(self) -> "ScalingSpec":
+        if self.metric == "kv_cache" and self.target > 1:
+            raise ValueError(f"a `kv_cache` target is a share of the KV cache, in (0, 1]; got {self.target:g}")
+        return self
+
+    @property
+    def engine(self) -> bool:
+        """Read from the replicas' engines, not from the gateway."""
+        return self.metric in ENGINE_METRICS
+
+
+class MetricsSpec(Model):
+    port: Optional[int] = Field(None, ge=1, le=65535, description=(
+        "Port of the replicas' Prometheus endpoint; default the service's port (the one port a replica is reached "
+        "on)."))
+    path: str = Field("/metrics", max_length=2048, pattern=r"^/[\x21-\x7e]*$",
+                      description="Path of the Prometheus endpoint, starting with /.")
 
 
 class ProbeSpec(Model):
@@ -315,6 +351,9 @@ class ReplicaGroup(Model):
     name: Optional[str] = Field(None, description="Group name; defaults to the group's position (\"0\", \"1\", …).")
     count: ReplicaCount = Field(description="Replica count or range, e.g. 2 or 0..4 (also spelled `replicas`).")
     scaling: Optional[ScalingSpec] = Field(None, description="Autoscaling of this group; needed for a range.")
+    metrics: Optional[MetricsSpec] = Field(None, description=(
+        "Where the replicas' engines expose Prometheus metrics (vLLM's and SGLang's names), read for an engine "
+        "`scaling.metric`; default the service's port and /metrics."))
     commands: Annotated[list[Command], _bounded(MAX_COMMANDS, "commands")] = Field(
         default_factory=list, description="Shell commands, run in order.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Resources of each replica.")
@@ -361,6 +400,7 @@ class ServiceConfiguration(Model):
     replicas: Optional[ReplicaCount] = Field(None, description="Replica count or range (no groups), or a list of groups.")
     groups: Optional[Annotated[list[ReplicaGroup], _bounded(MAX_GROUPS, "replica groups")]] = Field(None, description="Replica groups, each with its own count.")
     scaling: Optional[ScalingSpec] = Field(None, description="Autoscaling of the implicit group.")
+    metrics: Optional[MetricsSpec] = Field(None, description="The implicit group's Prometheus endpoint (see groups).")
     probes: Optional[list[ProbeSpec]] = Field(None, description="Readiness probes; [] disables the model default.")
     rate_limits: Annotated[list[RateLimit], _bounded(MAX_LIST, "rate limits")] = Field(default_factory=list, description="Rate limits at the gateway.")
     model: Optional[Annotated[ModelSpec, BeforeValidator(_model)]] = Field(None, description="Model served.")
@@ -436,7 +476,7 @@ class ServiceConfiguration(Model):
         if self.groups:
             return list(self.groups)
         return [ReplicaGroup(name="0", count=self.replicas or Range[int](min=1, max=1), scaling=self.scaling,
-                             commands=self.commands, resources=self.resources)]
+                             metrics=self.metrics, commands=self.commands, resources=self.resources)]
 
     def group(self, name: str) -> Optional[ReplicaGroup]:
         return next((g for g in self.replica_groups if g.name == name), None)

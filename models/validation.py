@@ -19,6 +19,7 @@ from models.gateway import (MAX_RATE_LIMIT_BURST, MAX_RATE_LIMIT_RPS, RATE_LIMIT
 from models.interpolation import find, group_name
 from models.resources import ResourcesSpec
 from models.service import (
+    ENGINE_METRICS,
     GROUP_NAME_RE,
     MAX_ENV_BYTES,
     MAX_GROUP_TEXT_BYTES,
@@ -215,8 +216,25 @@ def _count_rules(count_path: Path, scaling_path: Path, group: ReplicaGroup) -> I
                     (count_path,))
 
 
+def _metrics_rules(at: Path, group: ReplicaGroup, cfg: ServiceConfiguration) -> Iterator[Issue]:
+    """`metrics` is read for an engine scaling metric only, and on the one port a replica is reached on."""
+    if group.metrics is None:
+        return
+    if group.scaling is None or not group.scaling.engine:
+        metric = f"`{group.scaling.metric}`" if group.scaling else "no `scaling`"
+        yield Issue(at + ("metrics",), f"`metrics` is read only to scale on an engine signal ({', '.join(ENGINE_METRICS)}), "
+                                       f"but this group has {metric}; remove it or set `scaling.metric`",
+                    (at + ("scaling",),))
+    port = group.metrics.port
+    if port is not None and port != cfg.port.container_port:
+        yield Issue(at + ("metrics", "port"), f"port {port} is not one the group listens on: its replicas are "
+                                              f"reached on the service's port {cfg.port.container_port} only; "
+                                              "serve the metrics there (or leave `port` out)", (("port",),))
+
+
 def _homogeneous(cfg: ServiceConfiguration) -> Iterator[Issue]:
     yield from _count_rules(("replicas",), ("scaling",), cfg.replica_groups[0])
+    yield from _metrics_rules((), cfg.replica_groups[0], cfg)
     if not cfg.commands and cfg.image is None:
         # about `groups` too: when a bad `groups` was set aside, this is only its echo.
         yield Issue(("commands",), "either `commands` or `image` must be set", about=(("groups",),))
@@ -234,10 +252,13 @@ def _groups(cfg: ServiceConfiguration) -> Iterator[Issue]:
         yield Issue(("scaling",), "top-level `scaling` is not allowed when groups are set; set it per group")
     if cfg.commands:
         yield Issue(("commands",), "top-level `commands` is not allowed when groups are set; set them per group")
+    if cfg.metrics is not None:
+        yield Issue(("metrics",), "top-level `metrics` is not allowed when groups are set; set it per group")
     yield from _group_names(groups)
     for i, group in enumerate(groups):
         at = ("groups", i)
         yield from _count_rules(at + ("count",), at + ("scaling",), group)
+        yield from _metrics_rules(at, group, cfg)
         yield from _group_image_rules(at, group, cfg)
         yield from _cross_level(at, group, cfg)
     yield from _routers(groups)

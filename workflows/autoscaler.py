@@ -1,4 +1,11 @@
-"""RPS target tracking per replica group, as pure functions.
+"""Target tracking per replica group, as pure functions: on the gateway's request rate, or on a signal of the
+replicas' engines.
+
+Every metric comes down to one total to divide by the target: the rate for `rps`; the sum over the group's
+replicas of their waiting (`queue`) or in-flight (`running`) requests; and for an average (`kv_cache`) or a
+latency (`ttft`, `itl`), replicas × the mean, which is the same sum of each replica's value. A replica whose engine
+could not be read counts as an average one of those that were: neither idle nor saturated; one not read yet
+(just started) is not counted.
 
 Where durastack differs from dstack (DESIGN.md): the delays count from *this group's* last
 scaling event, not from any replica start or stop anywhere in the service; and a request held at
@@ -24,9 +31,10 @@ class Decision:
         return self.new != current
 
 
-def wanted(rps: float, target: float, lo: int, hi: int) -> tuple[int, str]:
-    """ceil(rps / target), clamped to the group's range, and how it was clamped."""
-    raw = math.ceil(rps / target) if rps > 0 else 0
+def wanted(total: float, target: float, lo: int, hi: int) -> tuple[int, str]:
+    """ceil(total / target), clamped to the group's range, and how it was clamped (a total that is the target's
+    multiple up to float error, e.g. 3 × 0.1 / 0.1, asks for that multiple, not one more)."""
+    raw = math.ceil(total / target - 1e-9) if total > 0 else 0
     if raw > hi:
         return hi, f"clamped to max {hi}"
     if raw < lo:
@@ -34,12 +42,22 @@ def wanted(rps: float, target: float, lo: int, hi: int) -> tuple[int, str]:
     return raw, "target"
 
 
-def decide(current: int, rps: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
+def engine_total(read_sum: float, read: int, counted: int) -> Optional[float]:
+    """The group's total from the replicas read (``read`` of them summing to ``read_sum``), the rest of the
+    ``counted`` ones (whose engine could not be read) as their average; None when none could be read. A replica
+    never read yet is not counted: it has taken no load yet, and counting it as loaded as the others would scale
+    a latency target up again on every replica just added."""
+    if read <= 0:
+        return None
+    return read_sum * max(counted, read) / read
+
+
+def decide(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
            last_scaled_at: Optional[datetime], now: datetime) -> Decision:
-    """The group's desired count given the rate over its window. ``rps`` None means no stats: no change."""
-    if rps is None:
+    """The group's desired count given its metric's total over its window. None means no reading: no change."""
+    if total is None:
         return Decision(current, "no stats")
-    new, why = wanted(rps, scaling.target, lo, hi)
+    new, why = wanted(total, scaling.target, lo, hi)
     since = (now - last_scaled_at).total_seconds() if last_scaled_at else None
     if new > current:
         if current == 0:
@@ -51,12 +69,12 @@ def decide(current: int, rps: Optional[float], scaling: ScalingSpec, lo: int, hi
     return Decision(new, why)
 
 
-def next_check(current: int, rps: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
+def next_check(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
                last_scaled_at: Optional[datetime]) -> Optional[float]:
     """Seconds after ``last_scaled_at`` at which a held decision becomes due, or None if none is held."""
-    if rps is None or last_scaled_at is None:
+    if total is None or last_scaled_at is None:
         return None
-    new, _ = wanted(rps, scaling.target, lo, hi)
+    new, _ = wanted(total, scaling.target, lo, hi)
     if new > current > 0:
         return scaling.scale_up_delay
     if new < current:

@@ -14,11 +14,11 @@ from typing import Optional
 from models.common import format_duration
 from models.failures import retry_event
 from models.gateway import RouteRateLimit
-from models.run import (ApplyResult, Down, Event, GroupState, Replica, ReplicaUpdate, RouteInput,
-                        ServiceState)
+from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
+                        RouteInput, ServiceState)
 from models.service import ServiceConfiguration
 from workflows import addresses
-from workflows.autoscaler import decide, next_check
+from workflows.autoscaler import decide, engine_total, next_check
 from workflows.changes import classify, spec_hash
 from workflows.planner import Plan, count_failure, sync_groups
 
@@ -180,24 +180,86 @@ def not_retried(config: ServiceConfiguration, group: GroupState, reason: str, no
 
 
 def autoscale(state: ServiceState, now: datetime, fresh: bool) -> list[Note]:
-    """The autoscaler applied to every group with `scaling`, each decision noted with the rate it used.
-    ``fresh``: a new snapshot arrived, so a decision held by a delay is worth noting once."""
-    notes, snap = [], state.stats
+    """The autoscaler applied to every group with `scaling`, each decision noted with what its metric read.
+    ``fresh``: a new reading arrived, so a decision held by a delay is worth noting once."""
+    notes = []
     for spec in state.config.replica_groups:
         if spec.scaling is None:
             continue
         group, scaling = state.groups[spec.name], spec.scaling
-        rate = snap.rate(scaling.window) if snap is not None else None
-        d = decide(group.desired, rate, scaling, spec.count.min or 0, spec.count.max or 0, group.last_scaled_at, now)
-        seen = f"rps {rate:.2f} over {scaling.window}s, target {scaling.target:g}" if rate is not None else ""
-        if seen and not state.config.routed(spec.name):  # the gateway never sees a worker's own rate
-            seen += f" (the service's rate: all its traffic enters through router group '{state.config.router_group}')"
+        total, seen = group_signal(state, spec.name)
+        d = decide(group.desired, total, scaling, spec.count.min or 0, spec.count.max or 0, group.last_scaled_at, now)
         if d.new != group.desired:
             notes.append(Note("scale", f"{group.desired} → {d.new}: {d.reason}; {seen}", group.name))
             group.desired, group.last_scaled_at = d.new, now
         elif fresh and "delay" in d.reason:
             notes.append(Note("hold", f"stays at {group.desired}: {d.reason}; {seen}", group.name))
     return notes
+
+
+def on_engines(state: ServiceState, snapshots: list[EngineSnapshot]) -> list[Note]:
+    """What the engine watchers read, kept (of serving replicas only), and noted: a replica whose engine cannot
+    be read, once each time it starts or stops being so, and an engine that exposes none of the names, once."""
+    notes: list[Note] = []
+    serving = {r.key for r in state.latest() if r.serves}
+    for snap in snapshots:
+        before = {(s.replica_num, s.submission_num): s for s in
+                  (state.engines[snap.backend].replicas if snap.backend in state.engines else [])}
+        snap = snap.model_copy(update={"replicas": [s for s in snap.replicas
+                                                    if (s.replica_num, s.submission_num) in serving]})
+        state.engines[snap.backend] = snap
+        for s in snap.replicas:
+            was = before.get((s.replica_num, s.submission_num))
+            group = state.groups.get(s.group)
+            if s.error.startswith(UNKNOWN_NAMES):  # the engine's own doing, the same on every replica: said once
+                if group is not None and group.engine_note != s.error:
+                    group.engine_note = s.error
+                    notes.append(Note("engine", f"the engines expose none of the names: {s.error}; "
+                                                "the group does not scale until they do", s.group))
+            elif s.unreadable and (was is None or was.error != s.error):
+                notes.append(Note("engine", f"replica {s.replica_num}: engine not read: {s.error} (counted as the "
+                                            "group's average)", s.group))
+            elif s.value is not None and was is not None and was.unreadable:
+                notes.append(Note("engine", f"replica {s.replica_num}: engine read again", s.group))
+    return notes
+
+
+def group_signal(state: ServiceState, name: str) -> tuple[Optional[float], str]:
+    """What a scaled group's metric totals now (None: nothing to go by) and how it was read, for the log."""
+    spec = state.config.group(name)
+    assert spec is not None and spec.scaling is not None
+    scaling, snap = spec.scaling, state.stats
+    rate = snap.rate(scaling.window) if snap is not None else None
+    if not scaling.engine:
+        if rate is None:
+            return None, ""
+        seen = f"rps {rate:.2f} over {scaling.window}s, target {scaling.target:g}"
+        if not state.config.routed(name):  # the gateway never sees a worker's own rate
+            seen += f" (the service's rate: all its traffic enters through router group '{state.config.router_group}')"
+        return rate, seen
+    serving = {r.key for r in state.latest() if r.group == name and r.serves}
+    if not serving:  # no engine to read: at zero, the first request the gateway sees wakes the group
+        if state.groups[name].desired == 0 and rate:
+            return min(rate, scaling.target), f"a request arrived (rps {rate:.2f}); {scaling.metric} target " \
+                                              f"{scaling.target:g}"
+        return None, ""
+    signals = sorted((s for e in state.engines.values() for s in e.replicas
+                      if s.group == name and (s.replica_num, s.submission_num) in serving),
+                     key=lambda s: s.replica_num)
+    read = [s.value for s in signals if s.value is not None]
+    counted = len(read) + sum(1 for s in signals if s.unreadable)  # a replica not read yet has taken no load yet
+    total = engine_total(sum(read), len(read), counted)
+    each = ", ".join(f"r{s.replica_num} {s.value:.3g}" if s.value is not None else f"r{s.replica_num} unread ({s.error})"
+                     for s in signals)
+    if total is None:
+        return None, f"{scaling.metric}: no replica read ({each or 'not read yet'})"
+    unread = counted - len(read)
+    shown = f"{total:.3g}" if scaling.metric in ("queue", "running") else f"{counted} × {total / counted:.3g}"
+    seen = (f"{scaling.metric} {shown} over {scaling.window}s ({each}"
+            f"{f'; {unread} unread counted as the average' if unread else ''}), target {scaling.target:g}")
+    if total == 0 and rate:  # idle engines, but requests still arrive: the group does not sleep (as with `rps`)
+        return min(rate, scaling.target), seen + f"; requests still arrive (rps {rate:.2f})"
+    return total, seen
 
 
 def add_replicas(state: ServiceState, plan: Plan, now: datetime) -> tuple[list[Replica], list[Note]]:
@@ -267,12 +329,11 @@ def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
     dues = [g.retry_after for g in state.groups.values() if g.retry_after is not None]
     if (due := deadline(state)) is not None:
         dues.append(due)
-    snap = state.stats
     for spec in state.config.replica_groups:
         group = state.groups[spec.name]
-        if spec.scaling is None or snap is None or group.last_scaled_at is None:
+        if spec.scaling is None or group.last_scaled_at is None:
             continue
-        delay = next_check(group.desired, snap.rate(spec.scaling.window), spec.scaling, spec.count.min or 0,
+        delay = next_check(group.desired, group_signal(state, spec.name)[0], spec.scaling, spec.count.min or 0,
                            spec.count.max or 0, group.last_scaled_at)
         if delay is not None:
             dues.append(group.last_scaled_at + timedelta(seconds=delay))

@@ -261,10 +261,11 @@ class ServiceRunWorkflow:
 
     async def _act(self) -> None:
         """What the watchers saw, then the planner's starts and stops."""
-        snapshot, downs, view = self.watchers.take()
+        snapshot, downs, view, engines = self.watchers.take()
         downs += self.children.closed()  # the monitor watches serving replicas only, and their workflows every 5 s
         if snapshot is not None:
             self.state.stats = snapshot
+        self._note(lifecycle.on_engines(self.state, engines))
         if view is not None:
             self._note(routers.on_view(self.state, view))
         for down in downs:
@@ -272,7 +273,7 @@ class ServiceRunWorkflow:
         if self.state.failure:
             return
         lifecycle.end_backoffs(self.state, workflow.now())
-        self._note(lifecycle.autoscale(self.state, workflow.now(), fresh=snapshot is not None))
+        self._note(lifecycle.autoscale(self.state, workflow.now(), fresh=snapshot is not None or bool(engines)))
         plan = reconcile(self.state, workflow.now())
         self._note(lifecycle.remember_waits(self.state, plan))
         if plan:

@@ -145,8 +145,20 @@ def _group_view(state: ServiceState, name: str, latest: list[Replica]) -> GroupV
     role = "" if router is None else "router" if name == router else "worker"
     return GroupView(name=name, desired=g.desired if g else 0, min=spec.count.min or 0, max=spec.count.max or 0,
                      resources=spec.resources.summary(), rollout=rollout, retry_after=g.retry_after if g else None,
-                     role=role, waiting=g.waiting if g else "",
+                     role=role, waiting=g.waiting if g else "", signal=_signal(state, name),
                      replicas=[_replica_view(r) for r in latest if r.group == name])
+
+
+def _signal(state: ServiceState, name: str) -> str:
+    """An engine-scaled group's metric as last read, and when (its watcher tells the service only of changes).
+    Not an `rps` group's: its rate changes with every snapshot, and the status would be published each time."""
+    spec = state.config.group(name)
+    if spec is None or spec.scaling is None or not spec.scaling.engine or name not in state.groups:
+        return ""
+    seen = lifecycle.group_signal(state, name)[1]
+    if state.engines and seen:
+        seen += f"; values read at {max(e.at for e in state.engines.values()):%H:%M:%S} UTC"
+    return seen
 
 
 def _service_status(state: ServiceState) -> str:

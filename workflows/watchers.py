@@ -1,6 +1,7 @@
 """The long activities a service keeps running while it serves: one stats watcher while some group
-autoscales, one replica monitor per backend that has serving replicas, and one router sync while a router whose
-worker list durastack keeps runs (``workflows/routers.py``).
+autoscales, one replica monitor per backend that has serving replicas, one engine watcher per backend that has
+serving replicas of a group scaling on an engine signal, and one router sync while a router whose worker list
+durastack keeps runs (``workflows/routers.py``).
 
 Each returns only when something changed (a group's wanted count, a replica that died), so an idle
 service writes no history. Each is restarted when what it watches changes, with a cancel request the
@@ -21,27 +22,31 @@ with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.replica import replica_id
     from models.router import RouterView
-    from models.run import Down, GroupWatch, MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched
+    from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, GroupWatch, MonitorInput,
+                            ServiceState, StatsSnapshot, StatsWatch, Watched)
     from workflows import routers
     from workflows.autoscaler import wanted
+    from workflows.lifecycle import group_signal
     from workflows.jobs import replica_workflow_id
     from workflows.names import backend_queue
 
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
+ENGINES = "engines/"  # a backend's engine watcher's key
 
 
 class Watchers:
     def __init__(self, heartbeat: timedelta) -> None:
         self.heartbeat = heartbeat
-        self.running: dict[str, tuple[Any, ActivityHandle]] = {}  # "stats", "router" or a backend → (what, handle)
+        # "stats", "router", "engines/<backend>" or a backend (its monitor) → (what, handle)
+        self.running: dict[str, tuple[Any, ActivityHandle]] = {}
         self.sync_router = False  # whether a router's worker list is kept (patch router-sync, set by the service)
 
     def done(self) -> bool:
         return any(handle.done() for _, handle in self.running.values())
 
-    def take(self) -> tuple[Optional[StatsSnapshot], list[Down], Optional[RouterView]]:
+    def take(self) -> tuple[Optional[StatsSnapshot], list[Down], Optional[RouterView], list[EngineSnapshot]]:
         """What the finished watchers saw; each is started again by the next ``refresh``."""
-        snapshot, downs, view = None, [], None
+        snapshot, downs, view, engines = None, [], None, []
         for key, (_, handle) in list(self.running.items()):
             if not handle.done():
                 continue
@@ -55,9 +60,11 @@ class Watchers:
                 snapshot = result
             elif key == "router":
                 view = result
+            elif key.startswith(ENGINES):
+                engines.append(result)
             else:
                 downs += result
-        return snapshot, downs, view
+        return snapshot, downs, view, engines
 
     def refresh(self, state: ServiceState) -> None:
         """Start, restart or stop each watcher so that it watches what the state has now."""
@@ -86,6 +93,11 @@ class Watchers:
                 interface.sync_router, what, task_queue=backend_queue(workflow.info().task_queue, what.backend),
                 start_to_close_timeout=timedelta(days=3650), heartbeat_timeout=self.heartbeat, retry_policy=RETRY,
                 cancellation_type=ActivityCancellationType.TRY_CANCEL, summary="keep the router's worker list")
+        if key.startswith(ENGINES):
+            return workflow.start_activity(
+                interface.watch_engines, what, task_queue=backend_queue(workflow.info().task_queue, what.backend),
+                start_to_close_timeout=timedelta(days=3650), heartbeat_timeout=self.heartbeat, retry_policy=RETRY,
+                cancellation_type=ActivityCancellationType.TRY_CANCEL, summary=f"read engines on {what.backend}")
         if key == "stats":
             return workflow.start_activity(
                 interface.watch_stats, what, start_to_close_timeout=timedelta(hours=1),
@@ -117,6 +129,42 @@ def _wanted(state: ServiceState, sync_router: bool = False) -> dict[str, Any]:
                 replica_id=replica_id(state.name, r.group, r.replica_num, r.submission_num), instance=r.instance))
     for backend, watched in by_backend.items():
         out[backend] = MonitorInput(service=state.name, backend=backend, replicas=watched)
+    for backend, watch in _engine_watches(state, by_backend).items():
+        out[ENGINES + backend] = watch
+    return out
+
+
+def _engine_watches(state: ServiceState, by_backend: dict[str, list[Watched]]) -> dict[str, EngineWatch]:
+    """Per backend, its serving replicas of groups that scale on an engine signal, and what each group's other
+    backends last read (the wanted count is the whole group's)."""
+    specs = {g.name: g for g in state.config.replica_groups if g.scaling is not None and g.scaling.engine}
+    if not specs:
+        return {}
+    serving = {name: {r.key for r in state.latest() if r.group == name and r.serves} for name in specs}
+    out = {}
+    for backend, watched in by_backend.items():
+        mine = [w for w in watched if w.group in specs and (w.replica_num, w.submission_num) in serving[w.group]]
+        if not mine:
+            continue
+        snap = state.engines.get(backend)
+        groups = []
+        for name, spec in specs.items():
+            scaling = spec.scaling
+            assert scaling is not None
+            others = [s for b, e in state.engines.items() if b != backend for s in e.replicas
+                      if s.group == name and (s.replica_num, s.submission_num) in serving[name]]
+            read = [s.value for s in others if s.value is not None]
+            total = group_signal(state, name)[0]
+            now = wanted(total, scaling.target, spec.count.min or 0, spec.count.max or 0)[0] if total is not None \
+                else -1
+            groups.append(EngineGroupWatch(
+                name=name, metric=scaling.metric, target=scaling.target, window=scaling.window, lo=spec.count.min or 0,
+                hi=spec.count.max or 0, path=spec.metrics.path if spec.metrics else "/metrics",
+                others=sum(read), others_read=len(read), others_counted=len(read) + sum(s.unreadable for s in others),
+                wanted=now))
+        known = [s for s in snap.replicas if (s.replica_num, s.submission_num) in serving.get(s.group, set())] \
+            if snap is not None else []
+        out[backend] = EngineWatch(service=state.name, backend=backend, groups=groups, replicas=mine, known=known)
     return out
 
 
@@ -127,6 +175,10 @@ def _stats_watch(state: ServiceState) -> Optional[StatsWatch]:
         if g.scaling is None:
             continue
         lo, hi = g.count.min or 0, g.count.max or 0
+        if g.scaling.engine:  # the gateway only says whether requests arrive, for a group that may sleep
+            if lo != 0:
+                continue
+            hi = min(hi, 1)
         now = wanted(snap.rate(g.scaling.window), g.scaling.target, lo, hi)[0] if snap is not None else -1
         groups.append(GroupWatch(name=g.name, target=g.scaling.target, window=g.scaling.window, lo=lo, hi=hi,
                                  wanted=now))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from temporalio import activity
@@ -27,13 +27,14 @@ from activities.interface import implements
 from activities.references import resolve_late
 from activities.replica import ORPHANED_BY
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
+from activities.engines import changed as engines_changed
 from activities.signals import judge_signal
 from activities.stats import changed
 from models.replica import LocalInstance
 from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
-from models.run import (Down, Event, Launched, LaunchInput, MonitorInput, Placement, RecordResult, ReplicaInput,
-                        RouteInput,
-                        ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
+from models.run import (Down, EngineSnapshot, EngineWatch, Event, Launched, LaunchInput, MonitorInput, Placement,
+                        RecordResult, ReplicaInput, ReplicaSignal, RouteInput, ServiceRecord, ServiceStatus,
+                        StatsSnapshot, StatsWatch, TeardownInput)
 from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
@@ -75,6 +76,8 @@ class FakeCloud:
         self.router_lists: dict[str, dict[str, str]] = {}  # router replica id → worker url → worker type
         self.newest_sync: dict[str, float] = {}  # service → when its newest router sync was scheduled
         self.router_down: set[str] = set()  # router replica ids whose worker API does not answer
+        self.engines: dict[str, float | str] = {}  # replica id → its engine signal, or why it cannot be read
+        self.engine_default: float | str = "unreachable: ConnectError"  # a replica ``engines`` does not name
 
     @staticmethod
     def _poll_again(message: str, delay: Optional[timedelta]) -> ApplicationError:
@@ -231,7 +234,27 @@ class FakeCloud:
                 activity.heartbeat()
                 await asyncio.sleep(0.2)
 
-        return [launch, teardown, monitor, sync_router]
+        @implements(interface.watch_engines)
+        async def watch_engines(inp: EngineWatch) -> EngineSnapshot:
+            """Each replica's engine signal is ``engines[replica id]`` (a value, or a string: why it is unread),
+            its window's value already; when it is told as the real watcher tells it (activities/engines.py)."""
+            known = {(s.replica_num, s.submission_num): s for s in inp.known}
+            while True:
+                signals = []
+                for w in inp.replicas:
+                    got = self.engines.get(w.replica_id, self.engine_default)
+                    signals.append(ReplicaSignal(replica_num=w.replica_num, submission_num=w.submission_num,
+                                                 group=w.group, value=None if isinstance(got, str) else got,
+                                                 error=got if isinstance(got, str) else ""))
+                if engines_changed(inp.groups, signals, known):
+                    await asyncio.sleep(0.3)  # as sync_router: a return at once races the service's cancel
+                    return EngineSnapshot(backend=inp.backend, at=datetime.now(timezone.utc), replicas=signals)
+                if self.polling:
+                    raise self._poll_again("engines steady; poll again", self._off_grid(self.poll_every))
+                activity.heartbeat()
+                await asyncio.sleep(0.2)
+
+        return [launch, teardown, monitor, sync_router, watch_engines]
 
     def activities(self):
         """The service's activities: what the main queue runs."""
