@@ -9,6 +9,7 @@ request sent while every group is at zero is held by the gateway and answered 20
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def test_seed_scales_from_zero_up_to_the_clamps_and_back_to_zero(stack: Stack):
         until(lambda: counts(stack) == {"replica-1": 2, "replica-2": 3}, 120, 0.5, "scaled to 2 and 3")
         text = stack.cli("ps").stdout
         assert "group=replica-1 replica=0" in text and "group=replica-2 replica=1" in text
+        assert re.search(r"group=replica-2 scales on rps [\d.]+ over 30s, target 2", stack.cli("ps", NAME, "-v").stdout)
     finally:
         statuses = load.stop()
     assert set(statuses) == {200}, statuses  # the first requests were held, not refused

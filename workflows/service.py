@@ -95,7 +95,7 @@ class ServiceRunWorkflow:
 
     @workflow.query
     def status(self) -> ServiceStatus:
-        return views.status_view(self.state)
+        return views.status_view(self.state, asked=True)
 
     @workflow.query
     def config(self) -> ServiceConfiguration:

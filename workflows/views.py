@@ -87,9 +87,10 @@ def store_retry_seconds(state: ServiceState, every: float) -> Optional[float]:
 _ROLES = {"": "", "router": " (router: the gateway routes here)", "worker": " (worker behind the router)"}
 
 
-def status_view(state: ServiceState) -> ServiceStatus:
+def status_view(state: ServiceState, asked: bool = False) -> ServiceStatus:
+    """``asked``: for the `status` query, which may show what changes too often to publish (an `rps` rate)."""
     latest = state.latest()
-    groups = [_group_view(state, spec.name, latest) for spec in state.config.replica_groups]
+    groups = [_group_view(state, spec.name, latest, asked) for spec in state.config.replica_groups]
     names = {g.name for g in state.config.replica_groups}
     return ServiceStatus(name=state.name, status=_service_status(state), deployment=state.deployment_num,
                          auth=state.config.auth, submitted_at=state.submitted_at, groups=groups,
@@ -135,7 +136,7 @@ def set_gauges(state: ServiceState) -> None:
         desired.set(spec.desired if spec is not None and not state.stopping else 0, {"group": group})
 
 
-def _group_view(state: ServiceState, name: str, latest: list[Replica]) -> GroupView:
+def _group_view(state: ServiceState, name: str, latest: list[Replica], asked: bool = False) -> GroupView:
     spec, g = state.config.group(name), state.groups.get(name)
     assert spec is not None
     rollout = ""
@@ -145,18 +146,19 @@ def _group_view(state: ServiceState, name: str, latest: list[Replica]) -> GroupV
     role = "" if router is None else "router" if name == router else "worker"
     return GroupView(name=name, desired=g.desired if g else 0, min=spec.count.min or 0, max=spec.count.max or 0,
                      resources=spec.resources.summary(), rollout=rollout, retry_after=g.retry_after if g else None,
-                     role=role, waiting=g.waiting if g else "", signal=_signal(state, name),
+                     role=role, waiting=g.waiting if g else "", signal=_signal(state, name, asked),
                      replicas=[_replica_view(r) for r in latest if r.group == name])
 
 
-def _signal(state: ServiceState, name: str) -> str:
-    """An engine-scaled group's metric as last read, and when (its watcher tells the service only of changes).
-    Not an `rps` group's: its rate changes with every snapshot, and the status would be published each time."""
+def _signal(state: ServiceState, name: str, asked: bool) -> str:
+    """A scaled group's metric as last read, and when an engine watcher read it (it tells the service only of
+    changes). An `rps` group's only when ``asked``: its rate changes with every snapshot, and a published status
+    would be written to the store each time."""
     spec = state.config.group(name)
-    if spec is None or spec.scaling is None or not spec.scaling.engine or name not in state.groups:
+    if spec is None or spec.scaling is None or name not in state.groups or not (spec.scaling.engine or asked):
         return ""
     seen = lifecycle.group_signal(state, name)[1]
-    if state.engines and seen:
+    if spec.scaling.engine and state.engines and seen:
         seen += f"; values read at {max(e.at for e in state.engines.values()):%H:%M:%S} UTC"
     return seen
 
