@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from activities.probes import Connect, client_for
 from models.run import UNKNOWN_NAMES
+from models.service import SUMMED_METRICS
 
 # Requests the engine is working on, and requests waiting for a slot: running + waiting is what is in flight.
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -31,7 +32,6 @@ NAMES = {
     "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
             "sglang:inter_token_latency_seconds"),
 }
-SUMMED = ("queue", "running")
 HISTOGRAMS = ("ttft", "itl")
 QUANTILE = 0.9
 
@@ -74,7 +74,7 @@ def read(metric: str, text: str, at: float) -> Reading:
     found = [n for n in NAMES[metric] if n in families]
     if not found:
         raise UnknownNames(f"{UNKNOWN_NAMES}{', '.join(NAMES[metric])} in the engine's metrics")
-    if metric in SUMMED:  # running + waiting: each name once, summed over its series
+    if metric in SUMMED_METRICS:  # running + waiting: each name once, summed over its series
         return Reading(at=at, value=sum(float(s.value) for n in found for s in families[n].samples if s.name == n))
     values = [float(s.value) for s in families[found[0]].samples if s.name == found[0]]
     return Reading(at=at, value=sum(values) / len(values) if values else 0.0)

@@ -178,6 +178,7 @@ class PortMapping(Model):
 
 # The engine signals a group may scale on, read from each replica's Prometheus endpoint; `rps` is the gateway's.
 ENGINE_METRICS = ("queue", "running", "kv_cache", "ttft", "itl")
+SUMMED_METRICS = ("queue", "running")  # the group's sum; the others are each replica's share, latency or mean
 SCALING_TARGETS = {
     "rps": "requests per second per replica",
     "queue": "requests waiting per replica",

@@ -16,7 +16,7 @@ from models.failures import retry_event
 from models.gateway import RouteRateLimit
 from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
                         RouteInput, ServiceState)
-from models.service import ServiceConfiguration
+from models.service import SUMMED_METRICS, ServiceConfiguration
 from workflows import addresses
 from workflows.autoscaler import decide, engine_total, next_check
 from workflows.changes import classify, spec_hash
@@ -254,7 +254,7 @@ def group_signal(state: ServiceState, name: str) -> tuple[Optional[float], str]:
     if total is None:
         return None, f"{scaling.metric}: no replica read ({each or 'not read yet'})"
     unread = counted - len(read)
-    shown = f"{total:.3g}" if scaling.metric in ("queue", "running") else f"{counted} × {total / counted:.3g}"
+    shown = f"{total:.3g}" if scaling.metric in SUMMED_METRICS else f"{counted} × {total / counted:.3g}"
     seen = (f"{scaling.metric} {shown} over {scaling.window}s ({each}"
             f"{f'; {unread} unread counted as the average' if unread else ''}), target {scaling.target:g}")
     if total == 0 and rate:  # idle engines, but requests still arrive: the group does not sleep (as with `rps`)
