@@ -2,7 +2,8 @@
 model gateway (`smg`) as the router group, started with no workers, and stand-in SGLang engines as the prefill and
 decode groups. durastack fills the router's worker list; every request through the gateway enters the router,
 which pairs a prefill and a decode worker; a decode scale step is learned by the router without restarting it;
-a killed worker is replaced and the router serves from the replacement.
+a killed worker is replaced and the router serves from the replacement. A group of the stand-in engine with vLLM's
+names scales on its engines' queue.
 
 The replicas run isolated on their service's network (the default as root), so the router and the engines listen
 inside their own namespaces, never on the host.
@@ -10,9 +11,12 @@ inside their own namespaces, never on the host.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -95,3 +99,52 @@ def test_the_real_router_learns_its_workers_scales_and_serves_from_a_replacement
     assert "router r0: added decode replica" in events.split("down: exited")[-1], events
     assert stack.cli("stop", NAME, "-y").returncode == 0
     until(lambda: not engines(stack.home), 60, 0.5, "the engines gone")
+
+
+QUEUED = """
+type: service
+name: queued
+port: 8000
+env: [PD_EXAMPLE]
+replicas: 1..3
+scaling: {metric: queue, target: 1, window: 30s, scale_up_delay: 0s, scale_down_delay: 10m}
+commands:
+  - >-
+    python3 "$PD_EXAMPLE/engine.py" --metric-names vllm --max-running 1 --decode-seconds-per-token 0.05
+    --host 0.0.0.0 --port "$PORT"
+resources: {cpu: 1, memory: 1GB..}
+"""
+
+
+def test_a_group_scales_on_its_engines_queue_read_through_the_cli(stack, tmp_path):
+    """The stand-in engine with vLLM's names, one request at a time (16 tokens × 50 ms): four clients at once keep
+    three waiting, so the group goes past one replica on `vllm:num_requests_waiting` alone."""
+    path = tmp_path / "queued.yml"
+    path.write_text(QUEUED)
+    assert stack.cli("validate", "-f", str(path)).stdout.count("queue target 1, window 30s") == 1
+    applied = stack.cli("apply", "-f", str(path), "-y")
+    assert applied.returncode == 0, applied.stderr
+    url = f"{stack.gateway}/services/queued/v1/completions"
+    token, stop, statuses = stack.token(), threading.Event(), []
+
+    def client() -> None:
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {token}"}) as c:
+            for i in range(400):  # bounded: ~0.8 s each while one replica serves
+                if stop.is_set():
+                    return
+                statuses.append(c.post(url, json={"model": "standin", "prompt": f"hi {i}", "max_tokens": 16}).status_code)
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in clients:
+        t.start()
+    try:
+        until(lambda: len(ready(stack.ps("queued"))["0"]) >= 2, 120, 0.5, "a second replica on the queue")
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=60)
+    assert statuses and set(statuses) == {200}
+    scale = [e["message"] for e in json.loads(stack.cli("events", "queued", "--json").stdout) if e["kind"] == "scale"]
+    assert any(re.search(r"1 → [23]: target; queue [\d.]+ over 30s \(r0 [\d.]+\), target 1", m) for m in scale), scale
+    assert re.search(r"group=0 scales on queue [\d.]+ over 30s \(r0 [\d.]+", stack.cli("ps", "queued", "-v").stdout)
+    assert stack.cli("stop", "queued", "-y").returncode == 0
