@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,14 +18,7 @@ from activities.router import RouterActivities
 from models.replica import LocalInstance
 from models.router import RouterLeave, RouterSyncInput, RouterTarget, RouterView, RouterWorker
 from tests.conftest import eventually, tool
-
-ENGINE = Path(__file__).resolve().parents[1] / "examples" / "pd-disaggregation" / "engine.py"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.standins import Processes, free_port
 
 
 def _instance(port: int) -> LocalInstance:
@@ -36,47 +26,34 @@ def _instance(port: int) -> LocalInstance:
                          address=f"127.0.0.1:{port}", isolated=False, log_path="/nonexistent")
 
 
-class Procs:
-    def __init__(self):
-        self.started: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.started.append(p)
-        return p
-
+class Procs(Processes):
     def router(self) -> int:
-        port = _port()
+        port = free_port()
         # round robin: the default cache-aware policy sends a test's alike prompts to one worker
-        self.start([tool("smg"), "launch", "--pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
+        self.spawn([tool("smg"), "launch", "--pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
                     "--port", str(port),
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_port())])
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())])
         return port
 
     def old_router(self) -> int:
         """SGLang's router before the model gateway (sglang-router 0.1.9): only /add_worker, /list_workers and
         /remove_worker; it answers 404 to /workers."""
         pytest.importorskip("sglang_router", reason="pip install -e '.[test]'")
-        port = _port()
-        self.start([sys.executable, "-m", "sglang_router.launch_router", "--policy", "round_robin", "--host",
+        port = free_port()
+        self.spawn([sys.executable, "-m", "sglang_router.launch_router", "--policy", "round_robin", "--host",
                     "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                    str(_port())])
+                    str(free_port())])
         return port
 
     def engine(self, mode: str, latency: float = 0.02) -> int:
-        port = _port()
-        self.start([sys.executable, str(ENGINE), "--disaggregation-mode", mode, "--host", "127.0.0.1", "--port",
-                    str(port), "--disaggregation-bootstrap-port", str(_port()), "--latency", str(latency)])
-        return port
+        return self.start_engine(mode, latency=latency)[0]
 
 
 @pytest.fixture
 def procs():
     p = Procs()
     yield p
-    for proc in p.started:  # only what this test started, by its PID
-        proc.kill()
-        proc.wait()
+    p.stop_all()
 
 
 async def _answers(port: int, path: str) -> bool:
@@ -172,7 +149,7 @@ async def test_a_scale_step_and_a_replacement_change_the_list_without_restarting
 
 async def test_a_router_that_is_down_is_said_and_retried_and_a_new_router_starts_from_the_full_list(procs):
     prefill, decode = procs.engine("prefill"), procs.engine("decode")
-    dead = _port()  # nothing listens there
+    dead = free_port()  # nothing listens there
     await _up(prefill, decode)
     acts, workers = _activities(), [_worker(prefill, "prefill", 1), _worker(decode, "decode", 2)]
     view = await ActivityEnvironment().run(acts.sync, _sync_input([_target(dead)], workers))

@@ -6,53 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import eventually
+from tests.standins import Processes, free_port
 
-ENGINE = Path(__file__).resolve().parents[1] / "examples" / "pd-disaggregation" / "engine.py"
 VLLM_TTFT_BOUNDS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 VLLM_ITL_BOUNDS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Engines:
-    def __init__(self):
-        self.started: list[subprocess.Popen] = []
-
+class Engines(Processes):
     def start(self, mode: str, *flags: str, bootstrap: int = 0) -> tuple[int, subprocess.Popen]:
-        port = _port()
-        argv = [sys.executable, str(ENGINE), "--disaggregation-mode", mode, "--host", "127.0.0.1", "--port",
-                str(port), "--disaggregation-bootstrap-port", str(bootstrap or _port()), "--latency", "0", *flags]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.started.append(proc)
-        return port, proc
+        """The engine as bench/slo.py runs it: no fixed latency, its stdout readable."""
+        return self.start_engine(mode, *flags, latency=0, bootstrap=bootstrap, capture=True)
 
 
 @pytest.fixture
 def engines():
     e = Engines()
     yield e
-    for proc in e.started:  # only what this test started, by its PID
-        proc.kill()
-        proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+    e.stop_all()
 
 
 async def _get(port: int, path: str) -> httpx.Response:
@@ -167,7 +147,7 @@ async def test_a_stream_gives_one_chunk_per_token_at_the_decode_pace_then_done(e
 
 
 async def test_prefill_records_ttft_and_decode_records_itl_across_the_kv_hand_off(engines):
-    boot = _port()
+    boot = free_port()
     prefill, _ = engines.start("prefill", "--metric-names", "vllm", "--prefill-seconds-per-token", "0.002",
                                bootstrap=boot)
     decode, _ = engines.start("decode", "--metric-names", "vllm", "--decode-seconds-per-token", "0.01")
