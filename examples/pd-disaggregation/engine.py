@@ -139,10 +139,11 @@ class Scheduler:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = 0
-        self.ttft = Histogram(VLLM_TTFT_BUCKETS if ARGS.metric_names == "vllm" else SGLANG_TTFT_BUCKETS)
-        self.itl = Histogram(VLLM_ITL_BUCKETS if ARGS.metric_names == "vllm" else SGLANG_ITL_BUCKETS)
-        self.e2e = Histogram(VLLM_REQUEST_BUCKETS if ARGS.metric_names == "vllm" else SGLANG_E2E_BUCKETS)
-        self.queue_time = Histogram(VLLM_REQUEST_BUCKETS if ARGS.metric_names == "vllm" else SGLANG_E2E_BUCKETS)
+        vllm = ARGS.metric_names == "vllm"
+        self.ttft = Histogram(VLLM_TTFT_BUCKETS if vllm else SGLANG_TTFT_BUCKETS)
+        self.itl = Histogram(VLLM_ITL_BUCKETS if vllm else SGLANG_ITL_BUCKETS)
+        self.e2e = Histogram(VLLM_REQUEST_BUCKETS if vllm else SGLANG_E2E_BUCKETS)
+        self.queue_time = Histogram(VLLM_REQUEST_BUCKETS if vllm else SGLANG_E2E_BUCKETS)  # vLLM's only
 
     def _fits(self, reserve: int) -> bool:
         if self.max_running and self.running >= self.max_running:
@@ -189,79 +190,61 @@ def server_info() -> dict:
             "replica": os.environ.get("DURASTACK_REPLICA", "")}
 
 
-def _family(name: str, kind: str, help_text: str) -> str:
-    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
+# Each engine's families as its exporter writes them: (name, type, help, what it reports, further labels).
+VLLM_FAMILIES = (
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "running", ""),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "waiting", ""),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "usage", ""),
+    ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", "prompt", ""),
+    ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", "generated", ""),
+    ("vllm:request_success_total", "counter", "Count of successfully processed requests.", "finished",
+     ',finished_reason="length"'),
+    ("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.", "ttft", ""),
+    ("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.", "itl", ""),
+    ("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.", "e2e", ""),
+    ("vllm:request_queue_time_seconds", "histogram", "Histogram of time spent in WAITING phase for request.",
+     "queue", ""),
+)
+SGLANG_FAMILIES = (
+    ("sglang:num_running_reqs", "gauge", "The number of running requests.", "running", ""),
+    ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", "waiting", ""),
+    ("sglang:token_usage", "gauge", "The token usage.", "usage", ""),
+    ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", "prompt", ""),
+    ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", "generated", ""),
+    ("sglang:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.", "ttft", ""),
+    ("sglang:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.", "itl", ""),
+    ("sglang:e2e_request_latency_seconds", "histogram", "Histogram of End-to-end request latency in seconds", "e2e",
+     ""),
+)
 
 
 def metrics() -> str:
-    with _lock:
-        in_flight, queued, running = _running, len(SCHED.queue), SCHED.running
-        usage = SCHED.kv_usage(in_flight)
-        prompt, generated, served, finished = SCHED.prompt_tokens, SCHED.generation_tokens, _served, SCHED.finished
-        hists = {k: (list(h.counts), h.sum, h.bounds) for k, h in
-                 (("ttft", SCHED.ttft), ("itl", SCHED.itl), ("e2e", SCHED.e2e), ("queue", SCHED.queue_time))}
-
-    def hist(key: str) -> Histogram:
-        h = Histogram(hists[key][2])
-        h.counts, h.sum = hists[key][0], hists[key][1]
-        return h
-
-    name = ARGS.served_model_name
-    if ARGS.metric_names == "vllm":
-        # vLLM keeps a request waiting for remote KV in its waiting queue; what is neither waiting nor in the batch
-        # (the fixed --latency before it queues) is not counted by vLLM either, but drains count running + waiting:
-        # so it is counted as waiting too.
-        waiting = in_flight - running
-        labels = f'model_name="{name}",engine="0"'
-        out = [
-            _family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
-            f"vllm:num_requests_running{{{labels}}} {_num(running)}\n",
-            _family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
-            f"vllm:num_requests_waiting{{{labels}}} {_num(waiting)}\n",
-            _family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
-            f"vllm:kv_cache_usage_perc{{{labels}}} {_num(usage)}\n",
-            _family("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
-            f"vllm:prompt_tokens_total{{{labels}}} {_num(prompt)}\n",
-            _family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed."),
-            f"vllm:generation_tokens_total{{{labels}}} {_num(generated)}\n",
-            _family("vllm:request_success_total", "counter", "Count of successfully processed requests."),
-            f'vllm:request_success_total{{{labels},finished_reason="length"}} {_num(finished)}\n',
-            _family("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds."),
-            *hist("ttft").lines("vllm:time_to_first_token_seconds", labels),
-            _family("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds."),
-            *hist("itl").lines("vllm:inter_token_latency_seconds", labels),
-            _family("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds."),
-            *hist("e2e").lines("vllm:e2e_request_latency_seconds", labels),
-            _family("vllm:request_queue_time_seconds", "histogram",
-                    "Histogram of time spent in WAITING phase for request."),
-            *hist("queue").lines("vllm:request_queue_time_seconds", labels),
-        ]
-        return "".join(out)
-    labels = f'model_name="{name}"'
-    return "".join([
-        # Everything not waiting for a place in the batch counts as running (the KV hand-off and the fixed
-        # --latency too), as this stand-in always counted what it had in flight.
-        "# HELP sglang:num_running_reqs The number of running requests.\n# TYPE sglang:num_running_reqs gauge\n",
-        f'sglang:num_running_reqs{{{labels}}} {in_flight - queued}\n',
-        "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n",
-        "# TYPE sglang:num_queue_reqs gauge\n", f'sglang:num_queue_reqs{{{labels}}} {queued}\n',
-        "# HELP sglang:token_usage The token usage.\n# TYPE sglang:token_usage gauge\n",
-        f'sglang:token_usage{{{labels}}} {usage:.4f}\n',
-        "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n",
-        "# TYPE sglang:prompt_tokens_total counter\n",
-        # before the performance model this counted requests served; with one, prompt tokens
-        f'sglang:prompt_tokens_total{{{labels}}} {prompt if _modelled() else served}\n',
-        "# HELP sglang:generation_tokens_total Number of generation tokens processed.\n",
-        "# TYPE sglang:generation_tokens_total counter\n",
-        f'sglang:generation_tokens_total{{{labels}}} {generated}\n',
-        _family("sglang:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds."),
-        *hist("ttft").lines("sglang:time_to_first_token_seconds", labels),
-        _family("sglang:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds."),
-        *hist("itl").lines("sglang:inter_token_latency_seconds", labels),
-        _family("sglang:e2e_request_latency_seconds", "histogram",
-                "Histogram of End-to-end request latency in seconds"),
-        *hist("e2e").lines("sglang:e2e_request_latency_seconds", labels),
-    ])
+    vllm = ARGS.metric_names == "vllm"
+    labels = f'model_name="{ARGS.served_model_name}"' + (',engine="0"' if vllm else "")
+    out = []
+    with _lock:  # one consistent reading; rendering it takes microseconds
+        in_flight, queued = _running, len(SCHED.queue)
+        if vllm:
+            # vLLM keeps a request waiting for remote KV in its waiting queue; what is neither waiting nor in the
+            # batch (the fixed --latency before it queues) is not counted by vLLM either, but drains count running
+            # + waiting: so it is counted as waiting too.
+            running, waiting = SCHED.running, in_flight - SCHED.running
+        else:
+            # Everything not waiting for a place in the batch counts as running (the KV hand-off and the fixed
+            # --latency too), as this stand-in always counted what it had in flight.
+            running, waiting = in_flight - queued, queued
+        values = {"running": running, "waiting": waiting, "usage": SCHED.kv_usage(in_flight),
+                  # SGLang's count before the performance model was of requests served; with one, prompt tokens
+                  "prompt": SCHED.prompt_tokens if vllm or _modelled() else _served,
+                  "generated": SCHED.generation_tokens, "finished": SCHED.finished}
+        hists = {"ttft": SCHED.ttft, "itl": SCHED.itl, "e2e": SCHED.e2e, "queue": SCHED.queue_time}
+        for name, kind, help_text, what, extra in VLLM_FAMILIES if vllm else SGLANG_FAMILIES:
+            out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
+            if kind == "histogram":
+                out += hists[what].lines(name, labels)
+            else:
+                out.append(f"{name}{{{labels}{extra}}} {_num(values[what])}\n")
+    return "".join(out)
 
 
 def _modelled() -> bool:
