@@ -191,6 +191,8 @@ class BenchStack:
             self.log_line(f"kept {self.tmp}")
 
     def __enter__(self) -> "BenchStack":
+        # A bench ended by SIGTERM (kill, timeout) stops its stack as one ended by Ctrl-C does: through __exit__.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         return self.start()
 
     def __exit__(self, exc_type, *_) -> None:
