@@ -10,7 +10,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BeforeValidator, Field, FieldSerializationInfo, field_serializer,
+from pydantic import (AfterValidator, BeforeValidator, Field, FieldSerializationInfo, ValidationInfo, field_serializer,
                       field_validator, model_validator)
 
 from models.common import Duration, IntRange, Model, Range, duration_or_off
@@ -41,7 +41,8 @@ MAX_LINE = 1024                      # one-line settings: image, user, working_d
 MAX_LIST = 64                        # lists of one-line settings
 
 PYTHON_VERSIONS = ("3.9", "3.10", "3.11", "3.12", "3.13", "3.14")
-SCALING_WINDOWS = (30, 60, 300)
+SCALING_WINDOWS = (30, 60, 300)  # the gateway's stats windows, which `rps` is read over
+ENGINE_WINDOWS = (5, 300)  # an engine is read every second: any window in this range, in seconds
 MAX_PROBES = 10
 MAX_PROBE_TIMEOUT = 300
 
@@ -197,15 +198,22 @@ class ScalingSpec(Model):
         "ceil(sum / target); `kv_cache`, `ttft` and `itl` to ceil(replicas × value / target)."))
     target: float = Field(gt=0, description="Target per replica: " + "; ".join(
         f"`{k}`: {v}" for k, v in SCALING_TARGETS.items()) + ".")
-    window: Duration = Field(60, description="Window over which the metric is measured: 30s, 60s or 300s.")
+    window: Duration = Field(60, description=(
+        "Window over which the metric is measured: `rps` 30s, 60s or 300s (the gateway's windows); an engine "
+        f"signal, read every second, any window from {ENGINE_WINDOWS[0]}s to {ENGINE_WINDOWS[1]}s."))
     scale_up_delay: Duration = Field(300, description="Time since this group's last scaling before scaling up.")
     scale_down_delay: Duration = Field(600, description="Time since this group's last scaling before scaling down.")
 
     @field_validator("window")
     @classmethod
-    def _window(cls, v: int) -> int:
-        if v not in SCALING_WINDOWS:
-            raise ValueError("window must be one of: `30s`, `60s`, `300s`")
+    def _window(cls, v: int, info: ValidationInfo) -> int:
+        lo, hi = ENGINE_WINDOWS
+        if info.data.get("metric") in ENGINE_METRICS:
+            if not lo <= v <= hi:
+                raise ValueError(f"window of an engine metric must be from `{lo}s` to `{hi}s`")
+        elif v not in SCALING_WINDOWS:
+            raise ValueError("window must be one of: `30s`, `60s`, `300s` (an engine metric takes any from "
+                             f"`{lo}s` to `{hi}s`)")
         return v
 
     @model_validator(mode="after")
@@ -218,6 +226,12 @@ class ScalingSpec(Model):
     def engine(self) -> bool:
         """Read from the replicas' engines, not from the gateway."""
         return self.metric in ENGINE_METRICS
+
+    @property
+    def rate_window(self) -> int:
+        """The gateway window the group's request rate is read over (an engine group's: whether requests arrive):
+        its own window, or for an engine window between the gateway's, the next longer one."""
+        return next(w for w in SCALING_WINDOWS if w >= self.window)
 
 
 class MetricsSpec(Model):

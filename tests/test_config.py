@@ -308,6 +308,12 @@ def test_v17_router_rules():
 
 def test_v18_scaling_fields():
     assert "window must be one of" in one_error(BASE + "replicas: 0..2\nscaling: {metric: rps, target: 1, window: 45s}\ncommands: [x]\n")
+    engine = BASE + "replicas: 0..2\nscaling: {{metric: queue, target: 1, window: {}}}\ncommands: [x]\n"
+    # an engine is read every second: a window shorter than the gateway's is its own
+    assert load(engine.format("10s")).config.replica_groups[0].scaling.window == 10
+    assert one_error(engine.format("4s")).startswith("scaling.window: window of an engine metric must be "
+                                                     "from `5s` to `300s`")
+    assert "window of an engine metric" in one_error(engine.format("10m"))
     assert one_error(BASE + "replicas: 0..2\nscaling: {metric: rps, target: 0}\ncommands: [x]\n").startswith("scaling.target:")
     assert one_error(BASE + "replicas: 0..2\nscaling: {metric: cpu, target: 1}\ncommands: [x]\n").startswith("scaling.metric:")
 

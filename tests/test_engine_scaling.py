@@ -37,7 +37,7 @@ type: service
 name: {name}
 port: 8000
 replicas: 0..2
-scaling: {{metric: running, target: 4, window: 30s, scale_up_delay: 0s, scale_down_delay: 0s}}
+scaling: {{metric: running, target: 4, window: 10s, scale_up_delay: 0s, scale_down_delay: 0s}}
 commands: ["serve"]
 """
 
@@ -142,7 +142,9 @@ async def test_a_group_at_zero_wakes_on_the_first_request_and_sleeps_when_idle(t
     name = "asleep"
     handle = await start(ts_env, cloud, ASLEEP, name)
     await until_desired(handle, {"0": 0})
-    cloud.rps = 0.5  # the gateway holds the first request: the group wakes (an engine metric alone never would)
+    # the gateway holds the first request: the group wakes (an engine metric alone never would), on the gateway's
+    # shortest window that holds the engine's 10 s
+    cloud.rps = 0.5
     await until_desired(handle, {"0": 1})
     assert any("0 → 1: from zero; a request arrived" in m for m in await events(handle, "scale"))
     cloud.engines[f"{name}/0/r0-s0"] = 9.0  # 9 in flight: ceil(9 / 4) = 3, clamped to 2
@@ -150,7 +152,7 @@ async def test_a_group_at_zero_wakes_on_the_first_request_and_sleeps_when_idle(t
     for rid in list(cloud.provisions):  # idle engines, but requests still arrive: one replica stays
         cloud.engines[rid] = 0.0
     await until_desired(handle, {"0": 1})
-    assert any(m.startswith("0: 2 → 1: target; running 0 over 30s") and m.endswith("requests still arrive (rps 0.50)")
+    assert any(m.startswith("0: 2 → 1: target; running 0 over 10s") and m.endswith("requests still arrive (rps 0.50)")
                for m in await events(handle, "scale")), await events(handle, "scale")
     cloud.rps = 0.0  # none arrives any more: it sleeps
     await until_desired(handle, {"0": 0})
