@@ -2,7 +2,8 @@
 
     .venv/bin/python -m bench.slo [--policies static,rps,running,ttft] [--period 200] [--duration 200] \
                                   [--low 1] [--peak 8] [--seed 7] [--ttft 2.0] [--itl 0.06] [--cold-start 20] \
-                                  [--static-prefill 4] [--static-decode 3] [--timeline] [--dump FILE] [--keep]
+                                  [--static-prefill 4] [--static-decode 3] [--engine-window 10] [--timeline] \
+                                  [--dump FILE] [--keep]
 
 One `durastack server` (bench/stack.py) serves every run. Each policy gets its own service (`slo-<policy>`), applied
 with `durastack apply -f FILE -y` from one template (SERVICE below, the shape of
@@ -19,7 +20,10 @@ stopped with `durastack stop NAME -y`. Only the groups' `replicas` and `scaling`
   time to first token, decode on running + waiting), `itl` (prefill on TTFT, decode on p90 inter-token latency).
 
 Every policy but `static` ranges from `--min-prefill` (1) / `--min-decode` (2) replicas to `--max-prefill` /
-`--max-decode` (5), window 30 s, scale-up delay 0 s, scale-down delay `--scale-down-delay` (30 s). One decode replica
+`--max-decode` (static's sizes, 4 and 3: the same peak pool), scale-up delay 0 s, scale-down delay
+`--scale-down-delay` (60 s: a short window is noisy, and a group scaled down in the middle of the burst misses until
+its replacement has loaded); the window is the gateway's shortest, 30 s, for `rps` and `--engine-window` (10 s) for
+the engine signals, which a gauge's mean follows about half a window late. One decode replica
 (4 requests at once) saturates at about 2.4 req/s of the burst's output-heavy rise, 25 s into it: sooner than any
 reactive policy can add one (its 20 s cold start after the window has seen the rise), so decode keeps two.
 The `itl` policy is not in the default set: vLLM's ITL buckets are 25 ms and 50 ms around the stand-in's 30–35 ms steps, so the p90 read from them is 47.5 ms whatever the batch (Prometheus's interpolation
@@ -47,7 +51,12 @@ missed. The client runs on the same 2 CPUs as everything else: its own delays co
 **Replica-seconds**: the bench counts the live stand-in engine processes of each worker group (prefill, decode) every
 second from /proc (by their `DURASTACK_SERVICE` / `DURASTACK_GROUP` environment) and integrates them over the trace,
 from its first request's send time to its last; a replica counts from its spawn (its 20 s "model load" included, as
-a cloud bills it) until its process exits. The router (one replica in every policy) is not counted.
+a cloud bills it) until its process exits. The router (one replica in every policy) is not counted. Beside the
+policies the summary prints **foresight**, what the cost goal is measured against: the replica-seconds of a policy
+that knew the trace (foresight() below), each second at the fewest replicas that keep each group as busy as static's
+busiest moment keeps it, within the same min and max, paying each added replica's cold start. No reactive policy
+can be cheaper at static's attainment; on the default trace it is 80 % of static, the pools being small (4 + 3 at
+the peak), so a count rounded up costs a quarter to a third of a replica's work.
 
 **Decision lag**, per scale-up of a group during the trace (from `durastack events NAME --json`: `a → b` scale
 events): the event's time minus the moment the group's signal crossed its target — the first of the bench's own
@@ -93,9 +102,11 @@ EXAMPLE = ROOT / "examples" / "pd-disaggregation"
 # The stand-in engines' performance model (examples/pd-disaggregation/engine.py): vLLM's names, a 20 s cold start,
 # prefill 2 ms per prompt token one request at a time, decode 30 ms per step for one request, 5 % slower per further
 # request in a batch of at most 4, KV hand-offs waiting as long as a prefill queue may take.
+PREFILL_SECONDS_PER_TOKEN, DECODE_SECONDS_PER_TOKEN, DECODE_BATCH, DECODE_SLOWDOWN = 0.002, 0.03, 4, 0.05
 ENGINE_COMMON = "--metric-names vllm --latency 0 --kv-timeout 300 --cold-start {cold_start:g}"
-ENGINE_PREFILL = "--max-running 1 --prefill-seconds-per-token 0.002 --kv-cache-tokens 8192"
-ENGINE_DECODE = "--max-running 4 --decode-seconds-per-token 0.03 --decode-batch-slowdown 0.05 --kv-cache-tokens 8192"
+ENGINE_PREFILL = f"--max-running 1 --prefill-seconds-per-token {PREFILL_SECONDS_PER_TOKEN} --kv-cache-tokens 8192"
+ENGINE_DECODE = (f"--max-running {DECODE_BATCH} --decode-seconds-per-token {DECODE_SECONDS_PER_TOKEN} "
+                 f"--decode-batch-slowdown {DECODE_SLOWDOWN} --kv-cache-tokens 8192")
 
 SERVICE = """\
 type: service
@@ -141,7 +152,7 @@ POLICIES: dict[str, Optional[dict[str, tuple[str, float]]]] = {
     "itl": {"prefill": ("ttft", 1.2), "decode": ("itl", 0.034)},
 }
 WORKERS = ("prefill", "decode")
-WINDOW = 30.0  # one of the gateway's stats windows, which `rps` needs
+RPS_WINDOW = 30  # the gateway's shortest stats window, which `rps` is read over
 
 
 # ---- the trace ------------------------------------------------------------------------------------------------------
@@ -177,6 +188,28 @@ def _poisson(rng: random.Random, lam: float) -> int:
         if p < limit:
             return k
         k += 1
+
+
+def foresight(trace: list[Req], args: argparse.Namespace, smooth: int = 20) -> dict[str, float]:
+    """Replica-seconds per worker group of a policy that knew the trace: each second, the fewest replicas that keep
+    the group's work (prefill seconds; decode slots busy at a full batch's pace; a centred mean over ``smooth`` s)
+    at or below the share of its static pool the busiest moment takes, within the policies' min and max, each
+    replica added started a cold start ahead and paid for. What the cost goal is measured against."""
+    seconds = int(args.duration)
+    work = {g: [0.0] * seconds for g in WORKERS}
+    step = DECODE_SECONDS_PER_TOKEN * (1 + DECODE_SLOWDOWN * (DECODE_BATCH - 1))
+    for r in trace:
+        work["prefill"][int(r.at)] += r.isl * PREFILL_SECONDS_PER_TOKEN
+        work["decode"][int(r.at)] += r.osl * step / DECODE_BATCH
+    out = {}
+    for g, (static, lo, hi) in {"prefill": (args.static_prefill, args.min_prefill, args.max_prefill),
+                                "decode": (args.static_decode, args.min_decode, args.max_decode)}.items():
+        spans = [work[g][max(0, t - smooth // 2):t + smooth // 2] for t in range(seconds)]
+        mean = [sum(span) / len(span) for span in spans]
+        busiest = max(mean) / static
+        counts = [min(hi, max(lo, math.ceil(m / busiest - 1e-9))) for m in mean]
+        out[g] = sum(counts) + args.cold_start * sum(max(0, b - a) for a, b in zip(counts, counts[1:]))
+    return out
 
 
 # ---- the load -------------------------------------------------------------------------------------------------------
@@ -268,8 +301,9 @@ class Watch:
     """A thread that, every second: counts the engines per worker group, and reads each group's signal the way its
     policy's autoscaler does (for the decision lag)."""
 
-    def __init__(self, stack: BenchStack, service: str, policy: Optional[dict[str, tuple[str, float]]]):
-        self.stack, self.service, self.policy = stack, service, policy
+    def __init__(self, stack: BenchStack, service: str, policy: Optional[dict[str, tuple[str, float]]],
+                 window: float):
+        self.stack, self.service, self.policy, self.window = stack, service, policy, window
         self.counts: list[tuple[float, dict[str, int]]] = []  # (epoch, group → live engines)
         self.wanted: dict[str, list[tuple[float, Optional[int]]]] = {g: [] for g in WORKERS}  # (epoch, wanted count)
         self.readings: dict[str, deque] = {}  # replica dir → its engine_metrics.Reading, oldest first
@@ -329,7 +363,7 @@ class Watch:
                 "Authorization": f"Bearer {self.stack.settings.control_token}"}).json()["services"].get(self.service)
         except (httpx.HTTPError, ValueError, KeyError):
             return None
-        return stats["windows"][str(int(WINDOW))]["requests"] / WINDOW if stats else 0.0
+        return stats["windows"][str(RPS_WINDOW)]["requests"] / RPS_WINDOW if stats else 0.0
 
     def _engine_value(self, replica_dir: Path, metric: str) -> Optional[float]:
         try:
@@ -353,9 +387,9 @@ class Watch:
             return None
         history = self.readings.setdefault(key, deque())
         history.append(reading)
-        while len(history) > 1 and history[1].at <= reading.at - WINDOW:
+        while len(history) > 1 and history[1].at <= reading.at - self.window:
             history.popleft()
-        return engine_metrics.over_window(metric, list(history), WINDOW)
+        return engine_metrics.over_window(metric, list(history), self.window)
 
 
 # ---- one run --------------------------------------------------------------------------------------------------------
@@ -392,8 +426,9 @@ def group_spec(policy: str, group: str, args: argparse.Namespace) -> str:
         return f"    replicas: {args.static_prefill if group == 'prefill' else args.static_decode}"
     metric, target = targets[group]
     lo, hi = (args.min_prefill, args.max_prefill) if group == "prefill" else (args.min_decode, args.max_decode)
+    window = RPS_WINDOW if metric == "rps" else args.engine_window
     return (f"    replicas: {lo}..{hi}\n"
-            f"    scaling: {{metric: {metric}, target: {target:g}, window: {int(WINDOW)}s, scale_up_delay: 0s, "
+            f"    scaling: {{metric: {metric}, target: {target:g}, window: {window}s, scale_up_delay: 0s, "
             f"scale_down_delay: {args.scale_down_delay:g}s}}")
 
 
@@ -427,7 +462,7 @@ def run_policy(stack: BenchStack, policy: str, trace: list[Req], args: argparse.
     until(lambda: settled(stack, name), 300, 1.0, f"{name} ready, every worker listed by the router")
     token = stack.token()
     url = f"{stack.gateway}/services/{name}/v1/completions"
-    with Watch(stack, name, policy_targets(policy, args)) as watch:
+    with Watch(stack, name, policy_targets(policy, args), args.engine_window) as watch:
         epoch0, mono0 = time.time(), time.monotonic()
         results, start, end = asyncio.run(drive(url, token, trace, args.request_timeout))
     start_epoch, end_epoch = epoch0 + (start - mono0), epoch0 + (end - mono0)
@@ -512,7 +547,11 @@ def report(runs: list[Run], args: argparse.Namespace, trace: list[Req]) -> None:
         itl = f"{percentile(itls, 90):.3f}" if itls else "n/a"
         print(f"{r.policy:8} {n:>8} {failed:>6} {met / n if n else 0:>8.1%} {ttft:>19} {itl:>9} "
               f"{rs['prefill']:>6.0f}+{rs['decode']:<6.0f}={total:<5.0f} {vs:>6} {r.scale_ups:>9} {lag:>18}")
-    print("replica-s: live engine processes (cold start included) integrated over the trace; lag: scale-up event "
+    seen = foresight(trace, args)
+    vs = f"{sum(seen.values()) / base:.0%}" if base else "n/a"
+    print(f"{'foresight':9} {'':>53} {seen['prefill']:>6.0f}+{seen['decode']:<6.0f}={sum(seen.values()):<5.0f} {vs:>6}")
+    print("replica-s: live engine processes (cold start included) integrated over the trace; foresight: a policy "
+          "that knew the trace, at static's busiest share (bench/slo.py foresight()); lag: scale-up event "
           "minus the bench's own reading of the signal crossing its target, read once a second (negative: the "
           "autoscaler's reading crossed first; 'unseen': the bench's had not crossed 3 s after)")
     if base:
@@ -590,9 +629,11 @@ def main() -> None:
     p.add_argument("--static-decode", type=int, default=3, help="Decode replicas of `static` (the peak's size).")
     p.add_argument("--min-prefill", type=int, default=1, help="Fewest prefill replicas of every scaled policy.")
     p.add_argument("--min-decode", type=int, default=2, help="Fewest decode replicas of every scaled policy.")
-    p.add_argument("--max-prefill", type=int, default=5)
-    p.add_argument("--max-decode", type=int, default=5)
-    p.add_argument("--scale-down-delay", type=float, default=30.0)
+    p.add_argument("--max-prefill", type=int, default=4, help="Most prefill replicas of every scaled policy.")
+    p.add_argument("--max-decode", type=int, default=3, help="Most decode replicas of every scaled policy.")
+    p.add_argument("--engine-window", type=int, default=10,
+                   help="`window` of the engine-signal policies (s); `rps` is read over the gateway's 30 s.")
+    p.add_argument("--scale-down-delay", type=float, default=60.0)
     p.add_argument("--cold-start", type=float, default=20.0, help="The engines' model-load time (s).")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--print-files", action="store_true", help="Print each policy's service file.")
