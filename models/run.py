@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from models.gateway import RouteRateLimit
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.service import ProbeSpec, ServiceConfiguration
+from models.service import SCALING_WINDOWS, ProbeSpec, ServiceConfiguration
 
 ReplicaStatus = Literal["submitted", "provisioning", "running", "terminating", "terminated", "failed"]
 ACTIVE = ("submitted", "provisioning", "running")
@@ -412,8 +412,10 @@ class StatsSnapshot(BaseModel):
     held: int = Field(0, description="Requests held by the gateway's activator, waiting for a replica.")
 
     def rate(self, window: int) -> float:
+        """Over the gateway's shortest window that holds ``window`` (an engine group's may be shorter than any)."""
+        kept = next(w for w in SCALING_WINDOWS if w >= window)
         # Held requests are arrivals too: they make a scaled-to-zero group wake at once.
-        return self.rps.get(window, 0.0) + self.held / window
+        return self.rps.get(kept, 0.0) + self.held / kept
 
 
 class EngineGroupWatch(BaseModel):

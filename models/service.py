@@ -227,12 +227,6 @@ class ScalingSpec(Model):
         """Read from the replicas' engines, not from the gateway."""
         return self.metric in ENGINE_METRICS
 
-    @property
-    def rate_window(self) -> int:
-        """The gateway window the group's request rate is read over (an engine group's: whether requests arrive):
-        its own window, or for an engine window between the gateway's, the next longer one."""
-        return next(w for w in SCALING_WINDOWS if w >= self.window)
-
 
 class MetricsSpec(Model):
     port: Optional[int] = Field(None, ge=1, le=65535, description=(

@@ -229,7 +229,7 @@ def group_signal(state: ServiceState, name: str) -> tuple[Optional[float], str]:
     spec = state.config.group(name)
     assert spec is not None and spec.scaling is not None
     scaling, snap = spec.scaling, state.stats
-    rate = snap.rate(scaling.rate_window) if snap is not None else None
+    rate = snap.rate(scaling.window) if snap is not None else None
     if not scaling.engine:
         if rate is None:
             return None, ""

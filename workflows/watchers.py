@@ -179,9 +179,8 @@ def _stats_watch(state: ServiceState) -> Optional[StatsWatch]:
             if lo != 0:
                 continue
             hi = min(hi, 1)
-        window = g.scaling.rate_window
-        now = wanted(snap.rate(window), g.scaling.target, lo, hi)[0] if snap is not None else -1
-        groups.append(GroupWatch(name=g.name, target=g.scaling.target, window=window, lo=lo, hi=hi,
+        now = wanted(snap.rate(g.scaling.window), g.scaling.target, lo, hi)[0] if snap is not None else -1
+        groups.append(GroupWatch(name=g.name, target=g.scaling.target, window=g.scaling.window, lo=lo, hi=hi,
                                  wanted=now))
     return StatsWatch(service=state.name, groups=groups) if groups else None
 
