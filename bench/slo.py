@@ -190,6 +190,19 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
+@dataclass(frozen=True)
+class Sizes:
+    static: int  # the static policy's count: the peak's pool
+    lo: int  # every scaled policy's range
+    hi: int
+
+
+def sizes(args: argparse.Namespace) -> dict[str, Sizes]:
+    """Each worker group's sizes, from the command line."""
+    return {"prefill": Sizes(args.static_prefill, args.min_prefill, args.max_prefill),
+            "decode": Sizes(args.static_decode, args.min_decode, args.max_decode)}
+
+
 def foresight(trace: list[Req], args: argparse.Namespace, smooth: int = 20) -> dict[str, float]:
     """Replica-seconds per worker group of a policy that knew the trace: each second, the fewest replicas that keep
     the group's work (prefill seconds; decode slots busy at a full batch's pace; a centred mean over ``smooth`` s)
@@ -197,17 +210,16 @@ def foresight(trace: list[Req], args: argparse.Namespace, smooth: int = 20) -> d
     replica added started a cold start ahead and paid for. What the cost goal is measured against."""
     seconds = int(args.duration)
     work = {g: [0.0] * seconds for g in WORKERS}
-    step = DECODE_SECONDS_PER_TOKEN * (1 + DECODE_SLOWDOWN * (DECODE_BATCH - 1))
+    full_step = DECODE_SECONDS_PER_TOKEN * (1 + DECODE_SLOWDOWN * (DECODE_BATCH - 1))
     for r in trace:
         work["prefill"][int(r.at)] += r.isl * PREFILL_SECONDS_PER_TOKEN
-        work["decode"][int(r.at)] += r.osl * step / DECODE_BATCH
+        work["decode"][int(r.at)] += r.osl * full_step / DECODE_BATCH
     out = {}
-    for g, (static, lo, hi) in {"prefill": (args.static_prefill, args.min_prefill, args.max_prefill),
-                                "decode": (args.static_decode, args.min_decode, args.max_decode)}.items():
+    for g, size in sizes(args).items():
         spans = [work[g][max(0, t - smooth // 2):t + smooth // 2] for t in range(seconds)]
         mean = [sum(span) / len(span) for span in spans]
-        busiest = max(mean) / static
-        counts = [min(hi, max(lo, math.ceil(m / busiest - 1e-9))) for m in mean]
+        busiest = max(mean) / size.static
+        counts = [min(size.hi, max(size.lo, math.ceil(m / busiest - 1e-9))) for m in mean]
         out[g] = sum(counts) + args.cold_start * sum(max(0, b - a) for a, b in zip(counts, counts[1:]))
     return out
 
@@ -415,19 +427,17 @@ def policy_targets(policy: str, args: argparse.Namespace) -> Optional[dict[str, 
     spec = POLICIES[policy]
     if spec is None:
         return None
-    statics = {"prefill": args.static_prefill, "decode": args.static_decode}
-    return {group: (metric, round(args.peak / statics[group], 3) if metric == "rps" else target)
+    return {group: (metric, round(args.peak / sizes(args)[group].static, 3) if metric == "rps" else target)
             for group, (metric, target) in spec.items()}
 
 
 def group_spec(policy: str, group: str, args: argparse.Namespace) -> str:
-    targets = policy_targets(policy, args)
+    targets, size = policy_targets(policy, args), sizes(args)[group]
     if targets is None:
-        return f"    replicas: {args.static_prefill if group == 'prefill' else args.static_decode}"
+        return f"    replicas: {size.static}"
     metric, target = targets[group]
-    lo, hi = (args.min_prefill, args.max_prefill) if group == "prefill" else (args.min_decode, args.max_decode)
     window = RPS_WINDOW if metric == "rps" else args.engine_window
-    return (f"    replicas: {lo}..{hi}\n"
+    return (f"    replicas: {size.lo}..{size.hi}\n"
             f"    scaling: {{metric: {metric}, target: {target:g}, window: {window}s, scale_up_delay: 0s, "
             f"scale_down_delay: {args.scale_down_delay:g}s}}")
 
