@@ -242,12 +242,14 @@ async def cloud_dev(dev_env):
         yield fake
 
 
-@pytest.mark.parametrize("limit", [{"history_limit": 60}, {"history_bytes_limit": 30_000}], ids=["events", "bytes"])
-async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev, limit):
+# Each its own name: a stopped run's replica workflows close a workflow task after the run (children.py).
+@pytest.mark.parametrize("name,limit", [("svc-hops", {"history_limit": 60}),
+                                        ("svc-hops-bytes", {"history_bytes_limit": 30_000})], ids=["events", "bytes"])
+async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev, name, limit):
     """On the dev server: the time-skipping one can lose a hop's last events (tests/conftest.py). A run hops past
     an event count, or past a size in bytes (a large configuration fills a history in fewer events)."""
     ts_env, cloud = dev_env, cloud_dev
-    handle = await start(ts_env, cloud, "svc-hops", **limit)
+    handle = await start(ts_env, cloud, name, **limit)
     await wait_ready(handle, {"0": [0], "1": []})
     runs = {(await handle.describe()).run_id}
     for count in (1, 2, 3, 2, 1, 2, 3):
@@ -258,12 +260,12 @@ async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev, limi
     assert len(runs) >= 2, "expected continue-as-new hops"
     # The newest run shows the service in the Web UI's details from its first task on.
     meta = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
-    assert meta.current_details.startswith("**svc-hops** running"), meta.current_details
+    assert meta.current_details.startswith(f"**{name}** running"), meta.current_details
     status = await status_of(handle)
     assert ready_replicas(status)["0"] == [0]
     # Nothing was provisioned twice, and the first replica survived every hop.
     assert all(n == 1 for n in cloud.provisions.values())
-    assert "svc-hops/0/r0-s0" in cloud.running()
+    assert f"{name}/0/r0-s0" in cloud.running()
     await handle.signal(ServiceRunWorkflow.stop)
     assert await last_run_result(ts_env.client, handle.id) == "stopped"
     assert cloud.running() == set()
@@ -273,7 +275,7 @@ async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev, limi
     scales = [e.message.split(" (")[0] for e in mine if e.kind == "scale"]
     assert scales == ["0 → 1", "1 → 2", "2 → 3", "3 → 2", "2 → 1", "1 → 2", "2 → 3"]
     assert [e.at for e in mine] == sorted(e.at for e in mine)
-    assert mine[-1].message == "service stopped" and cloud.rows["svc-hops"].status == "terminated"
+    assert mine[-1].message == "service stopped" and cloud.rows[name].status == "terminated"
 
 
 async def test_seed_autoscaling_with_real_default_delays(ts_env_alone, cloud_alone):
@@ -586,6 +588,23 @@ async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev)
     assert f"service/{name}/0/r0-s0: its service run is terminated" in result.stopped
     await eventually(lambda: _true(cloud.instances.get(f"{name}/0/r0-s0") == "terminated"))
     assert name in routes.deleted  # and its route, which nobody else would remove
+
+
+async def test_a_taken_workflow_id_starts_the_next_submission(ts_env, cloud):
+    """A stopped run's replica workflows close a workflow task after it: `apply` of the same name at once found
+    their ids taken, and the service failed. Now the replica takes the next submission, and nothing failed."""
+    name = "svc-taken"
+    config = load_config_text(CONFIG.format(name=name)).config
+    holder = await ts_env.client.start_workflow(  # on a queue nobody serves: it stays open
+        ReplicaWorkflow.run, replica_input(config, name, service_workflow_id(name), "0", 0, 0, 0),
+        id=f"service/{name}/0/r0-s0", task_queue=f"{cloud.queue}-unserved")
+    handle = await start(ts_env, cloud, name)
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    assert [(r.replica, r.submission) for g in status.groups for r in g.replicas] == [(0, 1)]
+    assert cloud.instances == {f"{name}/0/r0-s1": "running"} and status.status == "running"
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await handle.result() == "stopped"
+    await holder.terminate()
 
 
 class Routes:

@@ -12,7 +12,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.failures import NO_OFFERS
-    from models.run import Down, Replica, ReplicaUpdate, ServiceState, Step, StopRequest, TeardownInput
+    from models.run import Down, Replica, ReplicaInput, ReplicaUpdate, ServiceState, Step, StopRequest, TeardownInput
     from workflows import lifecycle
     from workflows.jobs import job_spec, replica_input, replica_workflow_id
     from workflows.names import backend_queue
@@ -21,6 +21,9 @@ with workflow.unsafe.imports_passed_through():
 SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
 SA_GROUP = SearchAttributeKey.for_keyword("DurastackGroup")
 TEARDOWN_RETRY = RetryPolicy(maximum_interval=timedelta(minutes=1))  # never gives up: a leak costs money
+# Patch (CONTRIBUTING.md): a replica whose workflow id is taken starts as its next submission; before, it failed.
+NEXT_SUBMISSION = "next-submission"
+TAKEN_IDS = 5  # submissions tried in a row before the replica fails (each taken id is a workflow left running)
 
 
 class Children:
@@ -32,7 +35,35 @@ class Children:
         self.watch = False
 
     async def start(self, replica: Replica) -> list[lifecycle.Note]:
-        """Start the replica's workflow; one that cannot start fails at once (and counts as a failure)."""
+        """Start the replica's workflow; one that cannot start fails at once (and counts as a failure). An id still
+        held by a workflow of an earlier run of this name (a service stopped and applied again at once, whose
+        replicas' workflows were a task away from closing; an orphan) is no failure: the replica takes the next
+        submission."""
+        state = self.state
+        for _ in range(TAKEN_IDS):
+            inp = self._input(replica)
+            if not inp.launch_on:  # the service names only backends this deployment has no configuration for
+                return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
+                                             f"($DURASTACK_HOME/config.yml; this deployment serves "
+                                             f"{', '.join(state.backends) or 'none'})")
+            try:
+                self.handles[replica.key] = await workflow.start_child_workflow(
+                    ReplicaWorkflow.run, inp, id=self._id(replica), parent_close_policy=ParentClosePolicy.ABANDON,
+                    static_summary=f"**{state.name}** group={replica.group} replica={replica.replica_num}",
+                    search_attributes=TypedSearchAttributes([SearchAttributePair(SA_SERVICE, state.name),
+                                                             SearchAttributePair(SA_GROUP, replica.group)]))
+                return []
+            except exceptions.WorkflowAlreadyStartedError as e:
+                if not workflow.patched(NEXT_SUBMISSION):
+                    return self._failed(replica, f"could not start: {e}")
+                workflow.logger.info("%s is taken: the replica starts as the next submission", self._id(replica))
+                replica.submission_num += 1
+            except Exception as e:  # noqa: BLE001 — the child could not start
+                return self._failed(replica, f"could not start: {e}")
+        return self._failed(replica, f"could not start: {TAKEN_IDS} workflow ids in a row are taken, up to "
+                                     f"{self._id(replica)}")
+
+    def _input(self, replica: Replica) -> ReplicaInput:
         state = self.state
         inp = replica_input(state.config, state.name, workflow.info().workflow_id, replica.group,
                             replica.replica_num, replica.submission_num, replica.deployment_num, replica.refs)
@@ -44,19 +75,7 @@ class Children:
             where = [p.split("/", 1) for p in places]
             inp.launch_on = [b for b in dict.fromkeys(backend for backend, _ in where) if b in inp.launch_on]
             inp.regions = list(dict.fromkeys(region for _, region in where))  # region names are each cloud's own
-        if not inp.launch_on:  # the service names only backends this deployment has no configuration for
-            return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
-                                         f"($DURASTACK_HOME/config.yml; this deployment serves "
-                                         f"{', '.join(state.backends) or 'none'})")
-        try:
-            self.handles[replica.key] = await workflow.start_child_workflow(
-                ReplicaWorkflow.run, inp, id=self._id(replica), parent_close_policy=ParentClosePolicy.ABANDON,
-                static_summary=f"**{state.name}** group={replica.group} replica={replica.replica_num}",
-                search_attributes=TypedSearchAttributes([SearchAttributePair(SA_SERVICE, state.name),
-                                                         SearchAttributePair(SA_GROUP, replica.group)]))
-        except Exception as e:  # noqa: BLE001 — e.g. an orphan with the same id is still running
-            return self._failed(replica, f"could not start: {e}")
-        return []
+        return inp
 
     def closed(self) -> list[Down]:
         """Replicas whose workflow closed before they finished (terminated from the Web UI, failed), serving or not:
