@@ -20,7 +20,8 @@ from gateway.app import free_port
 BIN = Path(sys.executable).parent
 
 
-def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+def until(check, timeout: float = 60.0, interval: float = 0.2, what="condition"):
+    """``what``: the condition's name, or a function that says it (and what explains its failure) when it fails."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -28,7 +29,7 @@ def until(check, timeout: float = 60.0, interval: float = 0.2, what: str = "cond
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
+    raise AssertionError(f"{what() if callable(what) else what} not met within {timeout}s (last: {last!r})")
 
 
 def evidence(stack: "Stack", name: str) -> str:
@@ -54,6 +55,13 @@ class Stack:
         self.gateway = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_PORT']}"
         self.control = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_CONTROL_PORT']}"
         self._token: str | None = None
+
+    def wait_up(self, what: str = "control plane up") -> None:
+        """Until `ps` answers: slow beside a loaded suite; a server that exited, or never answered, says why."""
+        until(lambda: self.proc.poll() is not None or self.cli("ps").returncode == 0, 180, 0.5,
+              lambda: f"{what} (server {'exited' if self.proc.poll() is not None else 'running'}; its output:\n"
+                      f"{(self.home / 'server.out').read_text(errors='replace')[-4000:]})")
+        assert self.proc.poll() is None, (self.home / "server.out").read_text(errors="replace")[-4000:]
 
     def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "durastack"), *args], env=self.env, capture_output=True, text=True,
@@ -152,9 +160,7 @@ def running_stack(tmp_path_factory, env: dict[str, str] | None = None):
     """A started stack for a test module; stopping it must leave no replica process behind."""
     s = Stack(tmp_path_factory.mktemp("home"), env)
     try:
-        # Slow beside a loaded suite; a server that exited says why at once.
-        until(lambda: s.proc.poll() is not None or s.cli("ps").returncode == 0, 180, 0.5, "control plane up")
-        assert s.proc.poll() is None, (s.home / "server.out").read_text()[-4000:]
+        s.wait_up()
         yield s
     finally:
         s.stop()

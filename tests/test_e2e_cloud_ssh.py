@@ -114,7 +114,7 @@ def _history_has(stack: Stack, text: str) -> bool:
 def _apply(stack: Stack, path) -> None:
     """`apply -y` once the control plane answers; a worker slow to start can time the first one out, and the same
     file again is the same update."""
-    until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+    stack.wait_up()
     result = stack.cli("apply", "-f", str(path), "-y", timeout=600)
     if result.returncode == 2 and "Applying the same file again is safe" in result.stderr:
         result = stack.cli("apply", "-f", str(path), "-y", timeout=600)

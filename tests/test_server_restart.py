@@ -46,7 +46,7 @@ def test_a_killed_server_restarts_under_load_without_refusing_a_request(tmp_path
     stack = Stack(tmp_path)
     leftovers: list[int] = []
     try:
-        until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane up")
+        stack.wait_up()
         (tmp_path / "steady.yml").write_text(SERVICE)
         applied = stack.cli("apply", "-f", str(tmp_path / "steady.yml"), "-y")
         assert applied.returncode == 0, applied.stderr
@@ -67,7 +67,7 @@ def test_a_killed_server_restarts_under_load_without_refusing_a_request(tmp_path
         until(lambda: (c := children(stack)).get("worker") and c["gateway"]["pid"] != old["gateway"]["pid"],
               90, 0.2, "the new server's children")
         leftovers = []
-        until(lambda: stack.cli("ps").returncode == 0, 90, 0.5, "control plane back")
+        stack.wait_up("control plane back")
         until(lambda: ready(stack.ps("steady")) == {"0": [0]}, 90, 0.5, "the replica still ready")
         until(lambda: load.counts[200] >= killed_at + 40, 30, 0.1, "load flowing after the restart")
         counts = load.stop()
