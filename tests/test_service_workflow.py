@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import pytest
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.testing import ActivityEnvironment
 
@@ -592,7 +596,8 @@ async def test_the_reaper_stops_replicas_no_service_run_owns(dev_env, cloud_dev)
 
 async def test_a_taken_workflow_id_starts_the_next_submission(ts_env, cloud):
     """A stopped run's replica workflows close a workflow task after it: `apply` of the same name at once found
-    their ids taken, and the service failed. Now the replica takes the next submission, and nothing failed."""
+    their ids taken, and the service failed. Now the holder is asked to stop, the replica takes the next
+    submission, and nothing failed."""
     name = "svc-taken"
     config = load_config_text(CONFIG.format(name=name)).config
     holder = await ts_env.client.start_workflow(  # on a queue nobody serves: it stays open
@@ -602,9 +607,34 @@ async def test_a_taken_workflow_id_starts_the_next_submission(ts_env, cloud):
     status = await wait_ready(handle, {"0": [0], "1": []})
     assert [(r.replica, r.submission) for g in status.groups for r in g.replicas] == [(0, 1)]
     assert cloud.instances == {f"{name}/0/r0-s1": "running"} and status.status == "running"
+    # The holder, which no run owns, was asked to stop (it would serve beside the new submission).
+    signals = [e.workflow_execution_signaled_event_attributes.signal_name
+               for e in (await holder.fetch_history()).events if e.HasField("workflow_execution_signaled_event_attributes")]
+    assert signals == ["stop"]
     await handle.signal(ServiceRunWorkflow.stop)
     assert await handle.result() == "stopped"
     await holder.terminate()
+
+
+async def test_a_reset_to_the_first_task_leaves_one_replica_per_slot(dev_env, cloud_dev):
+    """Reset from the Web UI to the run's first workflow task: the new run starts its replicas again, finds their
+    ids held by the old run's (abandoned) children, stops those and serves with the next submission."""
+    env, cloud, name = dev_env, cloud_dev, "svc-reset"
+    handle = await start(env, cloud, name)
+    await wait_ready(handle, {"0": [0], "1": []})
+    first_task = next(e.event_id for e in (await handle.fetch_history()).events
+                      if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+    await env.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+        namespace=env.client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+        reason="from the Web UI", workflow_task_finish_event_id=first_task, request_id=str(uuid.uuid4())))
+    handle = env.client.get_workflow_handle(handle.id)  # the reset's run
+    status = await wait_ready(handle, {"0": [0], "1": []})
+    assert [(r.replica, r.submission) for g in status.groups for r in g.replicas] == [(0, 1)]
+    await eventually(lambda: _true(cloud.running() == {f"{name}/0/r0-s1"}))
+    assert cloud.instances[f"{name}/0/r0-s0"] == "terminated"
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await last_run_result(env.client, handle.id) == "stopped"
+    assert cloud.running() == set()
 
 
 class Routes:

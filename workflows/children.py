@@ -37,8 +37,8 @@ class Children:
     async def start(self, replica: Replica) -> list[lifecycle.Note]:
         """Start the replica's workflow; one that cannot start fails at once (and counts as a failure). An id still
         held by a workflow of an earlier run of this name (a service stopped and applied again at once, whose
-        replicas' workflows were a task away from closing; an orphan) is no failure: the replica takes the next
-        submission."""
+        replicas' workflows were a task away from closing; a reset's or a terminated run's orphan) is no failure:
+        that workflow is asked to stop, and the replica takes the next submission."""
         state = self.state
         for _ in range(TAKEN_IDS):
             inp = self._input(replica)
@@ -56,12 +56,23 @@ class Children:
             except exceptions.WorkflowAlreadyStartedError as e:
                 if not workflow.patched(NEXT_SUBMISSION):
                     return self._failed(replica, f"could not start: {e}")
-                workflow.logger.info("%s is taken: the replica starts as the next submission", self._id(replica))
+                await self._supersede(self._id(replica))
                 replica.submission_num += 1
             except Exception as e:  # noqa: BLE001 — the child could not start
                 return self._failed(replica, f"could not start: {e}")
         return self._failed(replica, f"could not start: {TAKEN_IDS} workflow ids in a row are taken, up to "
                                      f"{self._id(replica)}")
+
+    @staticmethod
+    async def _supersede(workflow_id: str) -> None:
+        """Stop the replica workflow that holds an id this run starts: no run of the service owns it any more (this
+        one knows every replica it started), so it would only serve beside its slot's new submission."""
+        workflow.logger.info("%s is taken: stopped, the replica starts as the next submission", workflow_id)
+        try:
+            await workflow.get_external_workflow_handle(workflow_id).signal(ReplicaWorkflow.stop, StopRequest(
+                reason="superseded: the service's current run started its slot again"))
+        except Exception as e:  # noqa: BLE001 — it closed meanwhile
+            workflow.logger.info("stop of %s not delivered: %s", workflow_id, e)
 
     def _input(self, replica: Replica) -> ReplicaInput:
         state = self.state
