@@ -21,7 +21,7 @@ from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
                                  PartialCredentialsError, ProfileNotFound)
 
-from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
+from activities.cloud_errors import AWS_HINTS, CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
 from activities.userdata import BootKeys, cloud_init
 from connect.ssh_keys import SSHKeys
 from models.backends import TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
@@ -50,8 +50,9 @@ def _errors(what: str) -> Iterator[None]:
     except ClientError as e:
         err, meta = e.response.get("Error", {}), e.response.get("ResponseMetadata", {})
         code = err.get("Code", "Unknown")
+        hint = f" — {AWS_HINTS[code]}" if code in AWS_HINTS else ""
         raise CloudError(classify_aws(code, int(meta.get("HTTPStatusCode") or 400)),
-                         _short(f"{what}: {code}: {err.get('Message', '')}"), code=code) from e
+                         _short(f"{what}: {code}: {err.get('Message', '')}") + hint, code=code) from e
     except _FATAL_BOTO as e:
         raise CloudError(ErrorKind.FATAL, f"{what}: AWS credentials/configuration: {e}", code=type(e).__name__) from e
     except BotoCoreError as e:  # connection, timeout, unparsable response: the call may have happened

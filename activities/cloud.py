@@ -129,7 +129,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
         key = keys[id(offer)]
         scope = next((s for s in blocked if s.covers(offer)), None)
         if scope is not None:
-            reasons.append(f"{_where(offer)}: skipped, quota exceeded for {scope}")
+            reasons.append(f"{_where(offer)}: skipped, {scope.cause} for {scope}")
             continue
         progress(f"trying {_where(offer)}")
         ledger.record(key, INTENT, _ledger_data(job, offer))
@@ -144,6 +144,8 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
                 raise
             if e.kind is ErrorKind.QUOTA:
                 blocked.append(e.scope or QuotaScope(backend=offer.backend, region=offer.region))
+            if e.kind is ErrorKind.REGION:
+                blocked.append(QuotaScope(backend=offer.backend, region=offer.region, cause=e.code))
             log.info("offer failed for %s: %s: %s", job.replica_id, _where(offer), e.message)
             reasons.append(f"{_where(offer)}: {e.message}")
             continue

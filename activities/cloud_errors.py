@@ -1,5 +1,6 @@
-"""How the offer walk (activities/cloud.py) reads a cloud's failure: capacity (try the next offer), quota
-(skip what the quota covers), transient (retry the same call, same key) or fatal (fail the replica).
+"""How the offer walk (activities/cloud.py) reads a cloud's failure: capacity (try the next zone, then the next
+offer), quota (skip what the quota covers), region (skip a region the account may not launch in yet), transient
+(retry the same call, same key) or fatal (fail the replica).
 
 The AWS and GCP backends raise ``CloudError`` with a kind from ``classify_aws`` / ``classify_gcp``; only
 activities handle these, so they live beside them rather than with the models that travel through history.
@@ -18,6 +19,7 @@ from models.offers import InstanceOffer
 class ErrorKind(str, Enum):
     CAPACITY = "capacity"    # no capacity for this offer (or zone): try the next offer
     QUOTA = "quota"          # account quota: skip the offer's region and quota class
+    REGION = "region"        # the account may not launch in the region (not enabled, being verified): skip it
     TRANSIENT = "transient"  # throttling, 5xx, network, lost response: retry the same call (same key)
     FATAL = "fatal"          # credentials, permissions, bad configuration: fail the replica with the message
 
@@ -25,9 +27,11 @@ class ErrorKind(str, Enum):
 AWS_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity",
                 "InsufficientHostCapacity", "SpotMaxPriceTooLow", "Unsupported", "InvalidInstanceType",
                 "InvalidInstanceType.NotFound",
+                "InsufficientFreeAddressesInSubnet",  # the zone's subnet is full: the next zone's may not be
                 # The launch under this key ran before and its instance is gone: that offer is spent.
                 "IdempotentInstanceTerminated"}
 AWS_QUOTA = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
+AWS_REGION = {"OptInRequired", "PendingVerification"}
 AWS_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
                  "ServiceUnavailable", "Unavailable", "RequestTimeout", "RequestExpired"}
 
@@ -38,6 +42,8 @@ def classify_aws(code: str, http_status: int = 400) -> ErrorKind:
         return ErrorKind.CAPACITY
     if code in AWS_QUOTA:
         return ErrorKind.QUOTA
+    if code in AWS_REGION:
+        return ErrorKind.REGION
     if code in AWS_TRANSIENT or http_status >= 500:
         return ErrorKind.TRANSIENT
     return ErrorKind.FATAL
@@ -49,6 +55,17 @@ GCP_CAPACITY = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WI
 GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
 GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
                  "internalError"}
+
+
+# What to do about a code, said after the cloud's own message (which names no setting).
+AWS_HINTS = {
+    "OptInRequired": "the account has not enabled this region (AWS console → Account → AWS Regions) or subscribed "
+                     "to the image; the region is skipped",
+    "PendingVerification": "AWS is still verifying the account for this region (minutes, at most 4 hours); the "
+                           "region is skipped until then",
+    "InsufficientFreeAddressesInSubnet": "the zone's subnet has no free address (free some, or give the VPC "
+                                         "larger subnets in `subnet_ids`); the next zone is tried",
+}
 
 
 def classify_gcp(codes: list[str], http_status: int) -> ErrorKind:
@@ -77,7 +94,9 @@ class QuotaScope(BaseModel):
     backend: str = Field(description="aws or gcp.")
     region: Optional[str] = Field(None, description="The region; None means every region (a global quota).")
     quota_class: Optional[str] = Field(None, description="aws_quota_class value; None means every class.")
-    spot_only: bool = Field(False, description="Only spot offers (MaxSpotInstanceCountExceeded).")
+    spot_only: bool = Field(False, description="Only spot offers (MaxSpotInstanceCountExceeded, GCP's PREEMPTIBLE_* "
+                                               "quotas).")
+    cause: str = Field("quota exceeded", description="Why the offers it covers are skipped, as the walk says it.")
 
     def covers(self, offer: InstanceOffer) -> bool:
         return (offer.backend == self.backend and (self.region is None or offer.region == self.region)

@@ -73,7 +73,11 @@ def _errors(what: str) -> Iterator[None]:
 
 
 def _zone_lacks_it(e: CloudError) -> bool:
-    return e.code == "invalid" and ("Unknown zone" in e.message or "does not exist in zone" in e.message)
+    """The zone does not exist or lacks the machine or accelerator type (400 invalid; 404 notFound for a resource
+    under zones/), or the project's network profile keeps it out of the zone: the next zone may have it."""
+    return (e.code == "invalid" and ("Unknown zone" in e.message or "does not exist in zone" in e.message
+                                     or "only allows resource creation in location" in e.message)) or \
+        (e.code == "notFound" and "/zones/" in e.message)
 
 
 def _home():
@@ -300,7 +304,9 @@ class GCPBackend:
                     continue
                 if e.kind is ErrorKind.QUOTA:
                     # GPUS_ALL_REGIONS is project-wide: no other region can help either.
-                    e.scope = QuotaScope(backend="gcp", region=None if "ALL_REGIONS" in e.message else offer.region)
+                    # PREEMPTIBLE_* quotas count spot VMs only: on-demand offers there stay open.
+                    e.scope = QuotaScope(backend="gcp", region=None if "ALL_REGIONS" in e.message else offer.region,
+                                         spot_only="'PREEMPTIBLE_" in e.message)
                 raise
         raise CloudError(ErrorKind.CAPACITY, _short(f"no capacity for {offer.instance_type} in any zone of "
                                                     f"{offer.region} ({'; '.join(exhausted)})"),

@@ -270,6 +270,28 @@ def test_capacity_in_one_zone_moves_to_the_next_zone_before_the_next_offer(aws, 
     assert zones == ["us-east-1a", "us-east-1b"]
 
 
+def test_a_full_subnet_moves_to_the_next_zone(aws, ledger, fake_ec2):
+    two_zones = G5.model_copy(update={"zones": ["us-east-1a", "us-east-1b"]})
+    fake_ec2.fail("InsufficientFreeAddressesInSubnet", zone="us-east-1a",
+                  message="There are not enough free addresses in subnet 'subnet-1' to satisfy the requested number "
+                          "of instances.")
+    chosen, inst = walk(aws, ledger, [two_zones, P4])
+    assert chosen.instance_type == "g5.xlarge" and inst.zone == "us-east-1b"
+
+
+@pytest.mark.parametrize("code", ["OptInRequired", "PendingVerification"])
+def test_a_region_the_account_cannot_use_yet_is_skipped_and_said(aws, ledger, fake_ec2, code):
+    fake_ec2.fail(code, region="us-east-1")
+    chosen, _ = walk(aws, ledger, [G4, G5, G5_WEST])
+    assert (chosen.instance_type, chosen.region) == ("g5.xlarge", "us-west-2")
+    assert [r["region"] for r in fake_ec2.run_requests] == ["us-east-1", "us-west-2"]  # g5 there skipped
+    with pytest.raises(NoCapacity) as e:
+        walk(aws, ledger, [G4, G5], j=job(1))
+    first, second = e.value.reasons
+    assert code in first and "the region is skipped" in first  # what to do, after the cloud's own words
+    assert second == f"aws g5.xlarge in us-east-1 ($1.006/h): skipped, {code} for aws us-east-1 (all)"
+
+
 def test_root_volume_is_at_least_the_ami_snapshot(aws, fake_ec2):
     image = aws._ami("us-east-1", G5)
     small = G5.model_copy(update={"disk_gb": 1.0})

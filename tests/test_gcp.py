@@ -343,6 +343,25 @@ def test_a_zone_without_the_type_moves_to_the_next_zone_then_the_next_offer(gcp,
     assert chosen.instance_type == "g2-standard-4"
 
 
+@pytest.mark.parametrize("status,reason,message", [
+    (404, "notFound", "The resource 'projects/proj/zones/us-central1-a/acceleratorTypes/nvidia-tesla-t4' was not "
+                      "found"),
+    (400, "invalid", "Network profile only allows resource creation in location us-central1-b.")])
+def test_a_zone_the_insert_cannot_use_moves_to_the_next_zone(gcp, ledger, gce, status, reason, message):
+    gce.fail("http", zone="us-central1-a", status=status, reason=reason, message=message)
+    _, inst = walk(gcp, ledger, [N1_T4])
+    assert inst.zone == "us-central1-b"
+
+
+def test_a_spot_quota_leaves_on_demand_in_the_region_open(gcp, ledger, gce):
+    gce.fail("quota", zone="us-central1-a",
+             message="Quota 'PREEMPTIBLE_NVIDIA_T4_GPUS' exceeded.  Limit: 0.0 in region us-central1.")
+    spot_g2 = offer("g2-standard-4", 0.25, gpu=("L4", 24.0, 1), spot=True)
+    chosen, _ = walk(gcp, ledger, [N1_T4_SPOT, spot_g2, N1_T4])
+    assert (chosen.instance_type, chosen.spot) == ("n1-standard-4", False)
+    assert len(gce.inserts()) == 2  # the spot g2 in us-central1 skipped
+
+
 def test_two_control_planes_share_a_project_without_touching_each_other(gcp, ledger, gce):
     laptop, cluster = (GCPBackend(gcp.config, installation=i) for i in ("h-laptop", "t-cluster"))
     old = walk(gcp, ledger, [G2], j=job(5))[1]  # from before installations were labelled

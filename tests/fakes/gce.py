@@ -42,9 +42,10 @@ class GCEFault:
     reason: str = ""
     message: str = ""
 
-    def matches(self, zone: str, machine_type: str) -> bool:
+    def matches(self, zone: str, machine_type: str, spot: bool) -> bool:
+        """A quota fault of a PREEMPTIBLE_* quota counts spot VMs only, as Compute's quotas do."""
         return (self.times is None or self.times > 0) and self.zone in (None, zone) and \
-            self.machine_type in (None, machine_type)
+            self.machine_type in (None, machine_type) and (spot or "'PREEMPTIBLE_" not in self.message)
 
 
 def _http_error(status: int, message: str, reason: str = "") -> tuple[int, dict]:
@@ -208,7 +209,7 @@ class FakeGCE(ServedInThread):
                                         f"'{acc.get('acceleratorType')}'. Accelerator type '{kind}' does not exist "
                                         f"in zone '{z}'.", "invalid")
         for fault in self.faults:
-            if fault.matches(z, machine_type):
+            if fault.matches(z, machine_type, body.get("scheduling", {}).get("provisioningModel") == "SPOT"):
                 if fault.times is not None:
                     fault.times -= 1
                 return self._fault(p, z, name, fault, request_id)
