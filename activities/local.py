@@ -60,6 +60,8 @@ from models.replica import InstanceStatus, JobSpec, LocalInstance
 
 ENV_ISOLATION = "DURASTACK_LOCAL_ISOLATION"  # "0"/"off" forces isolation off, e.g. to test that mode
 POLL = 0.05
+# How durastack's own lines in a replica's log begin (here and in local_init.py): the rest is the replica's output.
+OWN_LINES = "[durastack] "
 KILL_WAIT = 5.0
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes including the NUL
 _REPLICA_ID = re.compile(r"(?P<service>[A-Za-z0-9][A-Za-z0-9._-]*)/(?P<group>[A-Za-z0-9][A-Za-z0-9._-]*)"
@@ -443,7 +445,7 @@ class LocalBackend:
             now = datetime.now(timezone.utc).isoformat(timespec="seconds")
             for line in [f"{now} starting {job.replica_id} ({self.isolation_reason}; {self.confinement_reason}) "
                          f"at {address}", *notes]:
-                log.write(f"[durastack] {line}\n".encode())
+                log.write(f"{OWN_LINES}{line}\n".encode())
             log.flush()
             # A new session: the tree outlives the worker and is not hit by signals sent to the worker's group.
             # The launcher's env is fixed: unshare and local_init run as root in the host's namespaces, and the

@@ -34,7 +34,7 @@ from activities.catalog import local_offer
 from activities.engines import EngineActivities
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive
-from activities.local import LocalBackend, UnsupportedJobError
+from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
 from activities.local_cgroup import Limits, limits_for
 from activities.metrics import provisioning_failed
 from activities.probes import Connect, ProbeStreaks, answers_http
@@ -46,6 +46,7 @@ from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERM
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
+from models.failures import LAST_LINES, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
 from models.run import (Down, Instance, Launched, LaunchInput, MonitorInput, NoCapacity, Placement, ReplicaInput,
@@ -83,6 +84,7 @@ class Backend(Protocol):
     def reach(self, instance) -> tuple[str, Optional[Connect]]: ...
     async def wait_ready(self, instance, probes: list[ProbeSpec]) -> None: ...
     async def down(self, instances: list) -> list[Optional[str]]: ...
+    async def last_output(self, instance, lines: int) -> str: ...  # '' when it cannot be read
     async def stop(self, job: JobSpec, backend: str, instance) -> None: ...
 
 
@@ -178,6 +180,11 @@ class LocalReplicas:
 
         return await asyncio.to_thread(statuses)
 
+    async def last_output(self, instance: LocalInstance, lines: int) -> str:
+        """Its commands' last lines: durastack's own lines in its log (how it started, its limits) left out."""
+        text = await asyncio.to_thread(self.local.logs, instance, lines + 20)
+        return "\n".join([line for line in text.splitlines() if not line.startswith(OWN_LINES)][-lines:])
+
     async def stop(self, job: JobSpec, backend: str, instance: Optional[LocalInstance]) -> None:
         """Stop the replica's processes; none (never started, or already gone) is success."""
         instance = instance or self.local.find(job)
@@ -233,7 +240,7 @@ class ReplicaActivities:
         sent = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONED, "running",
                                                                placement=placement, instance=instance))
         try:
-            await backend.wait_ready(instance, r.probes)
+            await self._wait_ready(backend, job, instance, r.probes)
             if r.route:  # a worker behind the service's router group is reached by the router alone
                 await self.gateway.register(job.service, job.replica_id, job.group, placement.address)
                 if hasattr(backend, "routed"):
@@ -245,6 +252,18 @@ class ReplicaActivities:
         log.info("%s: serving on %s at %s%s", job.replica_id, placement.backend, placement.address,
                  "" if r.route else " (behind the router group)")
         return Launched(placement=placement, instance=instance, refs=refs)
+
+    @staticmethod
+    async def _wait_ready(backend: Backend, job: JobSpec, instance, probes: list[ProbeSpec]) -> None:
+        """The backend's readiness wait; a replica that exits first fails with its last lines of output."""
+        try:
+            await backend.wait_ready(instance, probes)
+        except ApplicationError as e:
+            if e.type != "ReplicaExited":
+                raise
+            output = await backend.last_output(instance, LAST_LINES)
+            raise ApplicationError(with_output(e.message, output, job.env.values()), type="ReplicaExited",
+                                   non_retryable=True) from None
 
     # --- teardown -----------------------------------------------------------------------------------
 

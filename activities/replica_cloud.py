@@ -39,8 +39,8 @@ from activities.cloud_errors import CloudError, ErrorKind
 from activities.interface import no_capacity
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
-from activities.ssh import NotReady, SSHClient, SSHTarget, Tunnel, container_state, start_job, tunnel_socket, \
-    wait_booted
+from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, SSHClient, SSHTarget, Tunnel, container_state, \
+    logs_command, run, start_job, tunnel_socket, wait_booted
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
@@ -318,7 +318,7 @@ class CloudReplicas:
         checked = float("-inf")
         while True:
             now = time.monotonic()
-            if now - checked >= self.poll_seconds:
+            if now - checked >= self.min_poll_seconds:  # the container every few seconds, the cloud API less
                 checked = now
                 why = await self._down(instance)
                 if why is not None:
@@ -351,12 +351,8 @@ class CloudReplicas:
         if current.state in DOWN:
             # A spot instance going away is the cloud taking its capacity back: said so in the event.
             return f"{SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
-        if self.ssh is not None and self.private_path(instance):
-            connection = await self._control(instance)
-        else:
-            tunnel = self.tunnels.get(instance.instance_id)
-            connection = tunnel.connection if tunnel is not None else None
-        if self.ssh is None or connection is None:
+        connection = await self._connection(instance)
+        if connection is None:
             return None  # no SSH now (a lost tunnel reconnects; the replica is unrouted meanwhile)
         try:
             state = await container_state(connection)
@@ -365,6 +361,27 @@ class CloudReplicas:
             self._drop_control(instance.instance_id, connection)
             return None
         return f"container {state}" if state else None
+
+    async def _connection(self, instance: CloudInstance) -> Optional[asyncssh.SSHClientConnection]:
+        """The SSH connection the instance's container is checked over: its tunnel's, or the monitor's own."""
+        if self.ssh is None:
+            return None
+        if self.private_path(instance):
+            return await self._control(instance)
+        tunnel = self.tunnels.get(instance.instance_id)
+        return tunnel.connection if tunnel is not None else None
+
+    async def last_output(self, instance: CloudInstance, lines: int) -> str:
+        connection = await self._connection(instance)
+        if connection is None:
+            return ""
+        try:
+            _, out, _ = await run(connection, logs_command(follow=False, tail=lines) + " 2>&1",
+                                  timeout=CONTAINER_CHECK_SECONDS)
+        except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:
+            log.info("%s: last output: %s", instance.instance_id, e)
+            return ""
+        return out
 
     async def _control(self, instance: CloudInstance) -> Optional[asyncssh.SSHClientConnection]:
         """``data_path: private``: the monitor's SSH connection to the instance (no tunnel to share). Made in the

@@ -8,7 +8,7 @@ configuration's `retry` replaces the replica (workflows/lifecycle.py).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Iterable, Literal
 
 RetryEvent = Literal["no-capacity", "interruption", "error"]
 RETRY_EVENTS: tuple[RetryEvent, ...] = ("no-capacity", "interruption", "error")
@@ -19,6 +19,24 @@ NO_BACKEND = "no backend serves this replica"  # this deployment serves none of 
 SPOT_INTERRUPTION = "spot interruption"  # the cloud took a spot instance back: "spot interruption (instance …)"
 
 _NO_CAPACITY = (NO_OFFERS, ALL_OFFERS_FAILED, NO_BACKEND)
+LAST_LINES = 5  # of a replica's output, told with the reason it exited before it was ready
+LAST_OUTPUT_CHARS = 400
+OUTPUT = "; last output: "
+
+
+def with_output(reason: str, output: str, hide: Iterable[str] = ()) -> str:
+    """``reason`` ("exited (1)") and the replica's last lines of output, on one line (it goes to `events`), with
+    every value in ``hide`` (the replica's env) masked: a command that dies may print its configuration."""
+    for value in sorted((v for v in hide if len(v) >= 4), key=len, reverse=True):
+        output = output.replace(value, "***")
+    said = " | ".join(line.strip() for line in output.splitlines() if line.strip())
+    said = said if len(said) <= LAST_OUTPUT_CHARS else "…" + said[-(LAST_OUTPUT_CHARS - 1):]
+    return f"{reason}{OUTPUT}{said}" if said else reason
+
+
+def without_output(reason: str) -> str:
+    """The reason alone, for what others see (the gateway's 503 to clients): the output stays in `events`."""
+    return reason.split(OUTPUT, 1)[0]
 
 
 def retry_event(reason: str) -> RetryEvent:

@@ -65,9 +65,9 @@ def ledger(tmp_path):
     return StoreLedger(Store(f"sqlite:///{tmp_path}/store.db"))
 
 
-def _cloud(name, backend, config, ledger, vpc, home) -> ReplicaActivities:
+def _cloud(name, backend, config, ledger, vpc, home, poll_seconds=0.2) -> ReplicaActivities:
     keys = SSHKeys.of_home(home)  # the session's DURASTACK_SSH_DIR: the backends put its public half in user data
-    cloud = CloudReplicas(config, {name: backend}, ledger, catalog=[AWS_M5, GCP_N2], poll_seconds=0.2,
+    cloud = CloudReplicas(config, {name: backend}, ledger, catalog=[AWS_M5, GCP_N2], poll_seconds=poll_seconds,
                           boot_timeout=60, ssh=SSHClient.from_keys(keys, socket_factory=vpc.socket_factory),
                           ssh_keys=keys, home=home)
     return ReplicaActivities(None, FakeGateway(), cloud=cloud)
@@ -144,17 +144,22 @@ async def test_gcp_replica_serves_over_ssh(gce, vpc, ledger, tmp_path):
 
 async def test_a_command_that_exits_before_it_is_ready_fails_the_launch_at_once(fake_ec2, vpc, ledger, tmp_path):
     """As on the local backend: the launch watches the container it started while it waits for readiness, and
-    fails with the container's exit, not after the launch's 30-minute timeout."""
+    fails with the container's exit and its last lines (the env's values masked), not after the launch's 30-minute
+    timeout. The container is checked every few seconds, whatever the cloud API's (here hour-long) poll."""
     fake_ec2.seed_amis("us-east-1")
     config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
-    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home")
-    broken = job().model_copy(update={"commands": ["echo starting", "exit 3"]})
+    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home",
+                  poll_seconds=3600)
+    broken = job().model_copy(update={
+        "commands": ["echo starting", "sleep 1", "echo \"no model at $MODEL\"", "exit 3"],
+        "env": {"HF_TOKEN": SECRET, "MODEL": "s3://secret-bucket/m"}})
     inp = ReplicaInput(service_workflow_id="service/svc", job=broken, resources=CPU, backends=["aws"])
     with vpcs.Booter(vpc, vpcs.moto_instances):
         with pytest.raises(ApplicationError) as e:
             await asyncio.wait_for(activity_env(FakeClient()).run(acts.launch, LaunchInput(backend="aws", replica=inp)),
                                    60)
-    assert e.value.type == "ReplicaExited" and e.value.non_retryable and e.value.message == "container exited (3)"
+    assert e.value.type == "ReplicaExited" and e.value.non_retryable
+    assert e.value.message == "container exited (3); last output: starting | no model at ***"
 
 
 async def test_a_spot_interruption_is_named_as_such(fake_ec2, vpc, ledger, tmp_path):

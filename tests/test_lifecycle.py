@@ -314,7 +314,9 @@ def test_a_crash_looping_router_makes_the_service_unavailable_with_why_and_when(
     from tests.test_planner import pd_state, worker
     st = pd_state([_starting(0, "router"), worker(1)], next_num=2)
     assert lifecycle.unavailable(st) == ""  # a first start in progress: held
-    lifecycle.on_replica_update(st, update(0, "failed", 11, reason="exited (1)"), NOW)
+    # Its last output goes to `events`, never to the gateway's clients.
+    notes = lifecycle.on_replica_update(st, update(0, "failed", 11, reason="exited (1); last output: at /srv/x"), NOW)
+    assert any("exited (1); last output: at /srv/x" in n.message for n in notes)
     assert lifecycle.unavailable(st) == "router group 'router': replica 0 exited (1); a new replica is starting"
     st.replicas.append(_starting(2, "router"))
     lifecycle.on_replica_update(st, update(2, "failed", 11, reason="exited (1)"), NOW + timedelta(seconds=5))
@@ -378,3 +380,13 @@ def test_a_serving_replica_that_reports_its_own_failure_is_no_failed_start():
     lifecycle.on_replica_update(st, update(0, "terminating", 10, reason="exited (1)"), NOW)
     assert st.groups["router"].failures == 1 and st.groups["router"].failed_start == ""
     assert lifecycle.unavailable(st) == ""
+
+
+def test_a_replicas_last_output_is_one_bounded_line_with_its_env_masked():
+    from models.failures import LAST_OUTPUT_CHARS, with_output, without_output
+    said = with_output("exited (1)", "\nloading hf_abc123xyz\n\n  Traceback\nKeyError: 'hf_abc123'\n",
+                       hide=["hf_abc123", "hf_abc123xyz", "1"])
+    assert said == "exited (1); last output: loading *** | Traceback | KeyError: '***'"  # longest value first
+    assert without_output(said) == "exited (1)" and with_output("exited (1)", "\n \n") == "exited (1)"
+    long = with_output("exited (2)", "x" * 1000 + "\nthe end")
+    assert long.endswith("the end") and len(long) == len("exited (2); last output: ") + LAST_OUTPUT_CHARS

@@ -125,11 +125,14 @@ async def test_a_failed_report_never_fails_the_launch(local):
 
 
 async def test_an_app_that_exits_before_it_is_ready_fails_the_launch_for_good(local):
-    inp = _input(config=CONFIG.replace("python3 -m http.server $PORT --bind 127.0.0.1", "exit 3"))
+    """With its last lines, the env's values masked: what `events` shows of a command that died."""
+    config = CONFIG.replace("commands: [python3 -m http.server $PORT --bind 127.0.0.1]",
+                            "env: {HF_TOKEN: hf_abcdef}\ncommands: ['echo loading', 'echo \"bad token $HF_TOKEN\" >&2',"
+                            " 'exit 3']")
     with pytest.raises(ApplicationError) as failed:
-        await _launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp)
+        await _launch(ReplicaActivities(local, FakeGateway()), FakeClient(), _input(config=config))
     assert failed.value.type == "ReplicaExited" and failed.value.non_retryable
-    assert failed.value.message == "exited (3)"
+    assert failed.value.message == "exited (3); last output: loading | bad token ***"
 
 
 async def test_teardown_without_an_instance_stops_what_a_dead_launch_started(local):
@@ -247,7 +250,7 @@ async def test_a_retried_launch_whose_app_exited_fails_rather_than_start_it_agai
     await eventually(lambda: _exited(local, earlier), timeout=10)
     with pytest.raises(ApplicationError) as failed:
         await _launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp)
-    assert failed.value.type == "ReplicaExited" and failed.value.message == "exited (4)"
+    assert failed.value.type == "ReplicaExited" and failed.value.message.startswith("exited (4)")
     assert local.find(inp.job) == earlier  # not started a second time
 
 

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Optional
 
 from models.common import format_duration
-from models.failures import retry_event
+from models.failures import retry_event, without_output
 from models.gateway import RouteRateLimit
 from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
                         RouteInput, ServiceState)
@@ -145,12 +145,14 @@ def _failed(state: ServiceState, group: GroupState, replica: Replica, reason: st
     count_failure(group, now)
     # A replica that was ready when it failed had served (the monitor saw it die): its replacement is a cold start.
     served = replica.ready if served is None else served
-    group.failed_start = "" if served else f"replica {replica.replica_num} {reason}"
+    # What the gateway's 503 and `ps` say: the replica's last output stays in its event.
+    group.failed_start = "" if served else f"replica {replica.replica_num} {without_output(reason)}"
     rollout = state.rolling(group.name) and replica.deployment_num == state.deployment_num
     if not rollout and not state.stopping:
         why = not_retried(state.config, group, reason, now)
         if why:
-            state.stopping, state.failure = True, f"replica {replica.replica_num} {reason}; not retried: {why}"
+            state.stopping, state.failure = True, \
+                f"replica {replica.replica_num} {without_output(reason)}; not retried: {why}"
             return [Note("stop", f"service failed: {state.failure}", group.name)]
     notes = []
     if group.retry_after is not None:

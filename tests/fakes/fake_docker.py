@@ -150,6 +150,11 @@ def main(argv: list[str]) -> int:
             print(f"Error: No such container: {name}", file=sys.stderr)
             return 1
         with open(path, "rb") as f:
+            if "--tail" in args:  # the last N lines, then (with -f) what follows
+                tail = int(args[args.index("--tail") + 1])
+                lines = f.read().splitlines(keepends=True)
+                sys.stdout.buffer.write(b"".join(lines[-tail:] if tail > 0 else []))
+                sys.stdout.flush()
             while True:
                 chunk = f.read(65536)
                 if chunk:
