@@ -146,6 +146,7 @@ groups:
 POLICIES: dict[str, Optional[dict[str, tuple[str, float]]]] = {
     "static": None,
     "rps": {"prefill": ("rps", 0.0), "decode": ("rps", 0.0)},
+    "rps-headroom": {"prefill": ("rps", 0.0), "decode": ("rps", 0.0)},
     "running": {"prefill": ("running", 1.0), "decode": ("running", 3.0)},
     "queue": {"prefill": ("queue", 0.5), "decode": ("running", 3.0)},
     "ttft": {"prefill": ("ttft", 1.2), "decode": ("running", 3.0)},
@@ -423,11 +424,13 @@ class Run:
 
 def policy_targets(policy: str, args: argparse.Namespace) -> Optional[dict[str, tuple[str, float]]]:
     """Each worker group's (metric, target) under ``policy``; None for static. An rps target is the peak's rate
-    over the group's static size: the rate one replica of the peak's pool serves."""
+    over the group's static size: the rate one replica of the peak's pool serves (× `--rps-headroom` for
+    `rps-headroom`: more replicas, at about an engine signal's cost)."""
     spec = POLICIES[policy]
     if spec is None:
         return None
-    return {group: (metric, round(args.peak / sizes(args)[group].static, 3) if metric == "rps" else target)
+    scale = args.rps_headroom if policy == "rps-headroom" else 1.0
+    return {group: (metric, round(args.peak / sizes(args)[group].static * scale, 3) if metric == "rps" else target)
             for group, (metric, target) in spec.items()}
 
 
@@ -641,6 +644,8 @@ def main() -> None:
     p.add_argument("--min-decode", type=int, default=2, help="Fewest decode replicas of every scaled policy.")
     p.add_argument("--max-prefill", type=int, default=4, help="Most prefill replicas of every scaled policy.")
     p.add_argument("--max-decode", type=int, default=3, help="Most decode replicas of every scaled policy.")
+    p.add_argument("--rps-headroom", type=float, default=0.75,
+                   help="`rps-headroom`'s targets as a share of `rps`'s: rps at about an engine signal's cost.")
     p.add_argument("--engine-window", type=int, default=10,
                    help="`window` of the engine-signal policies (s); `rps` is read over the gateway's 30 s.")
     p.add_argument("--scale-down-delay", type=float, default=60.0)
