@@ -148,7 +148,7 @@ def worker_activities(client: Client, settings: Settings, gateway: GatewayClient
     backends = BackendsServed(served(settings, clouds))
     own = (["local"] if settings.local_replicas else []) + sorted(clouds.backends)
     return {settings.task_queue: [*acts.route_activities(), stats.watch_stats, reaper.reap_orphans,
-                                  reaper.reap_replicas, record,
+                                  reaper.reap_replicas, reaper.reap_closed, record,
                                   backends.served_backends, judge_signal],
             **{names.backend_queue(settings.task_queue, b): acts.backend_activities() for b in own}}
 
@@ -209,7 +209,8 @@ def reaper_input(settings: Settings, clouds: Clouds, environ: Mapping[str, str] 
     targets += [ReapTarget(task_queue=q, backends=[c]) for c, q in sorted(clouds.queues.items())]
     minutes = {k: float(environ.get(f"DURASTACK_REAPER_{k.upper()}_MINUTES") or 10) for k in ("interval", "grace")}
     return ReaperInput(targets=targets, replicas_queue=settings.task_queue,
-                       interval_seconds=max(1, round(minutes["interval"] * 60)), grace_seconds=round(minutes["grace"] * 60))
+                       interval_seconds=max(1, round(minutes["interval"] * 60)), grace_seconds=round(minutes["grace"] * 60),
+                       closed_seconds=max(1, int(environ.get("DURASTACK_REAPER_CLOSED_SECONDS") or 30)))
 
 
 async def start_reaper(client: Client, settings: Settings, inp: ReaperInput) -> None:

@@ -33,6 +33,7 @@ from workflows import names
 
 log = logging.getLogger("durastack.reaper")
 RUNNING_REPLICAS = "WorkflowType='ReplicaWorkflow' AND ExecutionStatus='Running'"
+RUNNING_SERVICES = "WorkflowType='ServiceRunWorkflow' AND ExecutionStatus='Running'"
 # workflows.jobs.replica_workflow_id: service/<service>/<group>/r<N>-s<M> (names cannot hold '/').
 _REPLICA_ID = re.compile(r"^service/([^/]+)/([^/]+)/r(\d+)-s(\d+)$")
 QUERIES_AT_ONCE = 16
@@ -110,31 +111,69 @@ class ReaperActivities:
         for service, replicas in sorted(by_service.items()):
             activity.heartbeat(service)
             owned, why = await self._owner_of(service)
-            for workflow_id in replicas:
-                if owned is not None and workflow_id not in owned:
-                    await self._stop_replica(workflow_id, why)
-                    result.stopped.append(f"{workflow_id}: {why}")
-            if owned == set() and self.gateway is not None:  # no open run: nobody else removes its route
-                try:
-                    await self.gateway.delete_service(service)
-                except Exception as e:  # noqa: BLE001 — the next pass tries again while replicas remain
-                    log.info("reaper: could not remove the route of %s: %s", service, e)
+            if owned is not None:
+                await self._stop_all(service, [r for r in replicas if r not in owned], why, owned == set(), result)
         return result
+
+    @activity.defn(name=names.REAP_CLOSED)
+    async def reap_closed(self) -> ReplicaReapResult:
+        """The quick pass: stop at once the running replica workflows of a service whose run has closed without
+        stopping them (terminated from the Web UI, timed out), its route with them. No grace and no query: the
+        server alone answers (one list of open services, and a describe of each service that seems closed, since
+        the list may lag a start). A reset, whose run is open, waits for ``reap_replicas``."""
+        result = ReplicaReapResult()
+        open_runs = {wf.id async for wf in self.client.list_workflows(RUNNING_SERVICES)}
+        by_service: dict[str, list[str]] = {}
+        async for wf in self.client.list_workflows(RUNNING_REPLICAS):
+            result.checked += 1
+            parsed = parse_replica_workflow_id(wf.id)
+            if parsed is not None and f"service/{parsed[0]}" not in open_runs:
+                by_service.setdefault(parsed[0], []).append(wf.id)
+        for service, replicas in sorted(by_service.items()):
+            activity.heartbeat(service)
+            why = await self._closed(service)
+            if why:
+                await self._stop_all(service, replicas, why, True, result)
+        return result
+
+    async def _stop_all(self, service: str, replicas: list[str], why: str, no_run: bool,
+                        result: ReplicaReapResult) -> None:
+        """Stop the service's orphan replicas; with ``no_run`` (no open run: nobody else removes it), its route."""
+        for workflow_id in replicas:
+            await self._stop_replica(workflow_id, why)
+            result.stopped.append(f"{workflow_id}: {why}")
+        if no_run and self.gateway is not None:
+            try:
+                await self.gateway.delete_service(service)
+            except Exception as e:  # noqa: BLE001 — the next pass tries again while replicas remain
+                log.info("reaper: could not remove the route of %s: %s", service, e)
+
+    async def _closed(self, service: str) -> Optional[str]:
+        """Why the service has no open run ("its service run is terminated"); '' while one is open; None when it
+        cannot be asked."""
+        try:
+            status = (await self.client.get_workflow_handle(f"service/{service}").describe()).status
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                return "its service run is gone"
+            log.info("reaper: cannot ask service %s (%s); keeping its replicas", service, e)
+            return None
+        if status == WorkflowExecutionStatus.RUNNING:
+            return ""
+        return f"its service run is {status.name.lower().replace('_', ' ')}"
 
     async def _owner_of(self, service: str) -> tuple[Optional[set[str]], str]:
         """The replica workflows the service's open run owns (empty when no run is open), and why the others are
         orphans; None when the service cannot be asked."""
-        handle = self.client.get_workflow_handle(f"service/{service}")
+        why = await self._closed(service)
+        if why is None:
+            return None, ""
+        if why:
+            return set(), why
         try:
-            status = (await handle.describe()).status
-            if status != WorkflowExecutionStatus.RUNNING:
-                return set(), f"its service run is {status.name.lower().replace('_', ' ')}"
-            return set(await handle.query("owned", result_type=list[str], rpc_timeout=timedelta(seconds=10))), \
+            return set(await self.client.get_workflow_handle(f"service/{service}").query(
+                "owned", result_type=list[str], rpc_timeout=timedelta(seconds=10))), \
                 "its service run does not own it (reset past its start?)"
-        except RPCError as e:
-            if e.status == RPCStatusCode.NOT_FOUND:
-                return set(), "its service run is gone"
-            log.info("reaper: cannot ask service %s (%s); keeping its replicas", service, e)
         except Exception as e:  # noqa: BLE001 — e.g. a query that met a continue-as-new: next pass
             log.info("reaper: cannot ask service %s (%s); keeping its replicas", service, e)
         return None, ""

@@ -19,6 +19,8 @@ class ReaperInput(BaseModel):
                                                 "queue); '' for none.")
     interval_seconds: int = Field(600, gt=0, description="Between two reaps.")
     grace_seconds: int = Field(600, ge=0, description="An instance younger than this is never reaped.")
+    closed_seconds: int = Field(30, gt=0, description="Between two quick passes over the replicas of services "
+                                                      "whose run closed without stopping them (terminated).")
 
 
 class ReapRequest(BaseModel):

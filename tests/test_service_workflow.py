@@ -15,15 +15,18 @@ from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.testing import ActivityEnvironment
+from temporalio.worker import Worker
 
 from activities.reaper import ReaperActivities
 from cli.control import deliver
 from models.loader import load_config_file, load_config_text
+from models.reaper import ReaperInput
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.jobs import replica_input
+from workflows.reaper import ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -635,6 +638,32 @@ async def test_a_reset_to_the_first_task_leaves_one_replica_per_slot(dev_env, cl
     await handle.signal(ServiceRunWorkflow.stop)
     assert await last_run_result(env.client, handle.id) == "stopped"
     assert cloud.running() == set()
+
+
+async def test_a_terminated_services_replicas_go_at_the_reapers_quick_pass(dev_env, cloud_dev):
+    """Terminated from the Web UI, a service left its (abandoned) replicas running and routed until the reaper's
+    full pass, up to an interval and a grace later (20 min by default). The quick pass, every `closed_seconds`,
+    stops them however young; an open service's replicas stay."""
+    env, cloud = dev_env, cloud_dev
+    gone, alive = await start(env, cloud, "svc-terminated"), await start(env, cloud, "svc-open")
+    await wait_ready(gone, {"0": [0], "1": []})
+    await wait_ready(alive, {"0": [0], "1": []})
+    await gone.terminate(reason="from the Web UI")
+    routes, queue = Routes(), f"reaper-{uuid.uuid4()}"
+    reaper = ReaperActivities(env.client, {}, None, gateway=routes)
+    async with Worker(env.client, task_queue=queue, workflows=[ReaperWorkflow],
+                      activities=[reaper.reap_replicas, reaper.reap_closed]):
+        handle = await env.client.start_workflow(ReaperWorkflow.run, ReaperInput(
+            replicas_queue=queue, interval_seconds=3600, grace_seconds=3600, closed_seconds=1),
+            id=f"reaper-{queue}", task_queue=queue)
+        await eventually(lambda: _true(cloud.instances.get("svc-terminated/0/r0-s0") == "terminated"))
+        stopped = (await handle.query(ReaperWorkflow.last_replicas)).stopped
+        assert "service/svc-terminated/0/r0-s0: its service run is terminated" in stopped
+        assert "svc-terminated" in routes.deleted and "svc-open" not in routes.deleted
+        await handle.terminate("test over")
+    assert cloud.instances["svc-open/0/r0-s0"] == "running"
+    await alive.signal(ServiceRunWorkflow.stop)
+    assert await last_run_result(env.client, alive.id) == "stopped"
 
 
 class Routes:

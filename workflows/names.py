@@ -8,6 +8,7 @@ REMOVE_ROUTE = "remove_route"
 WATCH_STATS = "watch_stats"
 REAP_ORPHANS = "reap_orphans"
 REAP_REPLICAS = "reap_replicas"
+REAP_CLOSED = "reap_closed"
 RECORD_SERVICE = "record_service"  # a local activity: decision log + read model in the store
 
 # The service's signal its replicas report on (ServiceRunWorkflow.replica_changed, payload ReplicaUpdate). Named
