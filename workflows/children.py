@@ -39,13 +39,12 @@ class Children:
         held by a workflow of an earlier run of this name (a service stopped and applied again at once, whose
         replicas' workflows were a task away from closing; a reset's or a terminated run's orphan) is no failure:
         that workflow is asked to stop, and the replica takes the next submission."""
-        state = self.state
+        state, inp = self.state, self._input(replica)
+        if not inp.launch_on:  # the service names only backends this deployment has no configuration for
+            return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
+                                         f"($DURASTACK_HOME/config.yml; this deployment serves "
+                                         f"{', '.join(state.backends) or 'none'})")
         for _ in range(TAKEN_IDS):
-            inp = self._input(replica)
-            if not inp.launch_on:  # the service names only backends this deployment has no configuration for
-                return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
-                                             f"($DURASTACK_HOME/config.yml; this deployment serves "
-                                             f"{', '.join(state.backends) or 'none'})")
             try:
                 self.handles[replica.key] = await workflow.start_child_workflow(
                     ReplicaWorkflow.run, inp, id=self._id(replica), parent_close_policy=ParentClosePolicy.ABANDON,
@@ -58,6 +57,7 @@ class Children:
                     return self._failed(replica, f"could not start: {e}")
                 await self._supersede(self._id(replica))
                 replica.submission_num += 1
+                inp = self._input(replica)
             except Exception as e:  # noqa: BLE001 — the child could not start
                 return self._failed(replica, f"could not start: {e}")
         return self._failed(replica, f"could not start: {TAKEN_IDS} workflow ids in a row are taken, up to "
