@@ -280,7 +280,8 @@ async def _rollback(settings: Settings, name: str, detach: bool) -> None:
 
 
 async def _follow(client: Client, name: str) -> None:
-    """Redraw the ps table until every group has its desired replicas ready (Ctrl-C detaches)."""
+    """Redraw the ps table until every group has its desired replicas ready (Ctrl-C detaches), or until the service
+    cannot serve and backs off after failures in a row (a command that keeps exiting): exit 1, saying why."""
     try:
         with Live(console=out, refresh_per_second=4) as live:
             while True:
@@ -296,6 +297,11 @@ async def _follow(client: Client, name: str) -> None:
                     live.stop()
                     raise user_error("; ".join(stuck) + f". The service keeps running; its workers start once "
                                      f"replicas can reach each other (or `durastack stop {name}`)")
+                if status.unavailable and any(g.retry_after for g in status.groups):
+                    live.stop()  # failures in a row: waiting would only redraw the back-off
+                    raise user_error(f"service {name} cannot serve: {status.unavailable}. durastack keeps retrying; "
+                                     f"`durastack events {name}` shows each failure with its last output, "
+                                     f"`durastack stop {name}` ends it")
                 failure = _failed_rollout(status)
                 if failure:
                     live.stop()

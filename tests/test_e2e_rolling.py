@@ -104,3 +104,18 @@ def test_failed_rollout_keeps_serving_and_rollback_restores(stack: Stack, tmp_pa
     status = stack.ps(NAME)
     assert status["deployment"] == 3 and versions(stack) == before  # same replicas, bumped in place
     assert stack.cli("stop", NAME, "-y").returncode == 0
+
+
+def test_apply_of_a_service_that_keeps_exiting_says_why_and_returns(stack: Stack, tmp_path: Path):
+    """Not a table redrawn for ever: once its replicas failed twice in a row, `apply` exits 1 with the exit, and
+    `events` has each failure with the last output, the env's values masked."""
+    path = tmp_path / "crashing.yml"
+    path.write_text("type: service\nname: crashing\nport: 8000\nenv:\n  HF_TOKEN: hf_e2e_crash_123\ncommands:\n"
+                    "  - echo loading\n  - 'echo \"refused: $HF_TOKEN\" >&2'\n  - exit 7\n")
+    result = stack.cli("apply", "-f", str(path), "-y")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "service crashing cannot serve: group '0': replica 0 exited (7)" in result.stderr
+    events = stack.cli("events", "crashing").stdout
+    assert "exited (7); last output: loading | refused: ***" in events and "hf_e2e_crash_123" not in events
+    assert stack.cli("stop", "crashing", "-y").returncode == 0
+
