@@ -261,7 +261,11 @@ class ReplicaActivities:
         except ApplicationError as e:
             if e.type != "ReplicaExited":
                 raise
-            output = await backend.last_output(instance, LAST_LINES)
+            try:
+                output = await backend.last_output(instance, LAST_LINES)
+            except Exception as why:  # noqa: BLE001 — the exit is the news: never lose it for want of its output
+                log.info("%s: last output unread: %s", job.replica_id, why)
+                output = ""
             raise ApplicationError(with_output(e.message, output, job.env.values()), type="ReplicaExited",
                                    non_retryable=True) from None
 
