@@ -270,6 +270,12 @@ class LocalBackend:
         """What an earlier attempt to start ``job`` recorded (a worker may die before reporting it)."""
         return self.find_instance(job.replica_id)
 
+    def never_ran(self, inst: LocalInstance) -> bool:
+        """Whether the instance ended before its commands could run: an isolated one whose namespace was never ready
+        (its worker died between spawning it and linking it into its service's network, and the link never came)."""
+        ready = Path(inst.work_dir) / ".durastack" / "ns_ready"
+        return inst.isolated and not ready.exists() and self.status(inst).state != "running"
+
     def recorded_at(self, job: JobSpec) -> Optional[float]:
         """When ``job``'s instance was last recorded (Unix time), or None: tells this run's record from one a
         service of the same name left behind (work dirs outlive their replicas, for their logs)."""

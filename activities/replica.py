@@ -72,6 +72,7 @@ LOCAL_THREADS = 64
 # Tolerated difference between the Temporal server's clock (a launch's scheduled time) and this machine's.
 CLOCK_SKEW_SECONDS = 5.0
 DRAIN_POLL_SECONDS = 0.2
+HEADER_LINES = 8  # at most, at the top of a local replica's log (activities/local.py)
 
 
 class Backend(Protocol):
@@ -141,9 +142,10 @@ class LocalReplicas:
     def _start_once(self, job: JobSpec, since: float, later: bool, limits: Limits) -> LocalInstance:
         """The instance an earlier attempt of this launch started (recorded ``since`` its first attempt), even if
         it has exited since: starting it again would run the submission twice, and the readiness wait reports
-        the exit instead. Otherwise ``start``, which also adopts a live tree an attempt left unrecorded."""
+        the exit instead, unless its commands never ran (``never_ran``). Otherwise ``start``, which also adopts a
+        live tree an attempt left unrecorded."""
         recorded = self.local.find(job)
-        if recorded is not None and (self.local.recorded_at(job) or 0) >= since:
+        if recorded is not None and (self.local.recorded_at(job) or 0) >= since and not self.local.never_ran(recorded):
             return recorded
         return self.local.start(job, later, limits)
 
@@ -181,9 +183,14 @@ class LocalReplicas:
         return await asyncio.to_thread(statuses)
 
     async def last_output(self, instance: LocalInstance, lines: int) -> str:
-        """Its commands' last lines: durastack's own lines in its log (how it started, its limits) left out."""
-        text = await asyncio.to_thread(self.local.logs, instance, lines + 20)
-        return "\n".join([line for line in text.splitlines() if not line.startswith(OWN_LINES)][-lines:])
+        """Its last lines, without the header durastack wrote at the top of its log (how it started, its limits);
+        what its init said later (a namespace that could not be set up) stays: it is why it exited."""
+        read = lines + HEADER_LINES
+        got = (await asyncio.to_thread(self.local.logs, instance, read)).splitlines()
+        if len(got) < read:  # the whole log: it begins with the header
+            while got and got[0].startswith(OWN_LINES):
+                got.pop(0)
+        return "\n".join(got[-lines:])
 
     async def stop(self, job: JobSpec, backend: str, instance: Optional[LocalInstance]) -> None:
         """Stop the replica's processes; none (never started, or already gone) is success."""

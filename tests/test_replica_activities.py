@@ -12,6 +12,7 @@ import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -284,3 +285,26 @@ async def test_a_monitor_heartbeats_every_half_heartbeat_timeout_not_every_poll(
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(monitor, 5)
     assert 3 <= len(beats) <= 8, beats
+
+
+async def test_a_retried_launch_starts_again_a_replica_whose_setup_never_finished(tmp_path):
+    """A worker killed between spawning an isolated replica and linking it into its service's network left it to
+    give up (exit 125) before the retry came: its commands never ran, so the retry starts it again rather than
+    fail the replica (seen in a rolling update whose worker was killed, under load)."""
+    from activities.local import isolation_available
+    from activities.local_cgroup import Limits
+    if not isolation_available():
+        pytest.skip("replicas are not isolated on this machine (not root)")
+    local = LocalBackend(tmp_path / "home")
+    try:
+        inp = _input()
+        earlier = await asyncio.to_thread(local.start, inp.job)
+        await asyncio.to_thread(local.stop, earlier)
+        (Path(earlier.work_dir) / ".durastack" / "ns_ready").unlink(missing_ok=True)  # as if never set up
+        assert local.never_ran(earlier)
+        replicas = ReplicaActivities(local, FakeGateway()).local  # a retry of the launch that recorded `earlier`
+        again = await asyncio.to_thread(replicas._start_once, inp.job, 0.0, False, Limits())
+        assert again.pid != earlier.pid and local.status(again).state == "running"
+    finally:
+        local.stop_all(grace_seconds=2)
+
