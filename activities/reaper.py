@@ -17,7 +17,7 @@ import asyncio
 import logging
 import re
 from datetime import datetime, timedelta, timezone
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
@@ -102,12 +102,8 @@ class ReaperActivities:
         asked (when unsure, keep). Stopped through the replica's own `stop`: it leaves the gateway and tears down."""
         result = ReplicaReapResult()
         young = self.now() - timedelta(seconds=grace_seconds)
-        by_service: dict[str, list[str]] = {}
-        async for wf in self.client.list_workflows(RUNNING_REPLICAS):
-            parsed = parse_replica_workflow_id(wf.id)
-            result.checked += 1
-            if parsed is not None and wf.start_time is not None and wf.start_time <= young:
-                by_service.setdefault(parsed[0], []).append(wf.id)
+        by_service = await self._running_replicas(
+            lambda service, wf: wf.start_time is not None and wf.start_time <= young, result)
         for service, replicas in sorted(by_service.items()):
             activity.heartbeat(service)
             owned, why = await self._owner_of(service)
@@ -123,18 +119,24 @@ class ReaperActivities:
         the list may lag a start). A reset, whose run is open, waits for ``reap_replicas``."""
         result = ReplicaReapResult()
         open_runs = {wf.id async for wf in self.client.list_workflows(RUNNING_SERVICES)}
-        by_service: dict[str, list[str]] = {}
-        async for wf in self.client.list_workflows(RUNNING_REPLICAS):
-            result.checked += 1
-            parsed = parse_replica_workflow_id(wf.id)
-            if parsed is not None and f"service/{parsed[0]}" not in open_runs:
-                by_service.setdefault(parsed[0], []).append(wf.id)
+        by_service = await self._running_replicas(lambda service, wf: f"service/{service}" not in open_runs, result)
         for service, replicas in sorted(by_service.items()):
             activity.heartbeat(service)
             why = await self._closed(service)
             if why:
                 await self._stop_all(service, replicas, why, True, result)
         return result
+
+    async def _running_replicas(self, keep: Callable[[str, Any], bool],
+                                result: ReplicaReapResult) -> dict[str, list[str]]:
+        """Service → ids of its running replica workflows that ``keep(service, listed workflow)``, each counted."""
+        by_service: dict[str, list[str]] = {}
+        async for wf in self.client.list_workflows(RUNNING_REPLICAS):
+            result.checked += 1
+            parsed = parse_replica_workflow_id(wf.id)
+            if parsed is not None and keep(parsed[0], wf):
+                by_service.setdefault(parsed[0], []).append(wf.id)
+        return by_service
 
     async def _stop_all(self, service: str, replicas: list[str], why: str, no_run: bool,
                         result: ReplicaReapResult) -> None:

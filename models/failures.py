@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable, Literal
 
+from models.secrets import REDACTED
+
 RetryEvent = Literal["no-capacity", "interruption", "error"]
 RETRY_EVENTS: tuple[RetryEvent, ...] = ("no-capacity", "interruption", "error")
 
@@ -28,7 +30,7 @@ def with_output(reason: str, output: str, hide: Iterable[str] = ()) -> str:
     """``reason`` ("exited (1)") and the replica's last lines of output, on one line (it goes to `events`), with
     every value in ``hide`` (the replica's env) masked: a command that dies may print its configuration."""
     for value in sorted((v for v in hide if len(v) >= 4), key=len, reverse=True):
-        output = output.replace(value, "***")
+        output = output.replace(value, REDACTED)
     said = " | ".join(line.strip() for line in output.splitlines() if line.strip())
     said = said if len(said) <= LAST_OUTPUT_CHARS else "…" + said[-(LAST_OUTPUT_CHARS - 1):]
     return f"{reason}{OUTPUT}{said}" if said else reason

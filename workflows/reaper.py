@@ -69,13 +69,9 @@ class ReaperWorkflow:
         about that, not an interval and a grace later (a reset's wait for the full pass)."""
         end = workflow.now() + timedelta(seconds=self.inp.interval_seconds)
         quick = bool(self.inp.replicas_queue) and workflow.patched(REAP_CLOSED)
-        while True:
-            left = (end - workflow.now()).total_seconds()
-            if left <= 0:
-                return
-            if not await self._wait(min(left, self.inp.closed_seconds) if quick else left) or not quick:
-                return
-            if workflow.now() >= end:
+        while (left := (end - workflow.now()).total_seconds()) > 0:
+            if not await self._wait(min(left, self.inp.closed_seconds) if quick else left) or not quick \
+                    or workflow.now() >= end:
                 return
             closed = await self._reap_replicas(names.REAP_CLOSED, [], "stop replicas of closed services")
             if closed.stopped or closed.error:
