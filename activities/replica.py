@@ -140,12 +140,14 @@ class LocalReplicas:
             await self._blocking(self.local.give_commands, inp.job)
 
     def _start_once(self, job: JobSpec, since: float, later: bool, limits: Limits) -> LocalInstance:
-        """The instance an earlier attempt of this launch started (recorded ``since`` its first attempt), even if
-        it has exited since: starting it again would run the submission twice, and the readiness wait reports
-        the exit instead, unless its commands never ran (``never_ran``). Otherwise ``start``, which also adopts a
-        live tree an attempt left unrecorded."""
+        """The instance an earlier attempt of this launch started (recorded ``since`` its first attempt) if it has
+        exited since: starting it again would run the submission twice, and the readiness wait reports the exit
+        instead, unless its commands never ran (``never_ran``). Otherwise ``start``, which adopts a live one and
+        finishes its setup: the earlier attempt may have died before linking it to the gateway (it would then run,
+        unreachable, and never be ready)."""
         recorded = self.local.find(job)
-        if recorded is not None and (self.local.recorded_at(job) or 0) >= since and not self.local.never_ran(recorded):
+        if (recorded is not None and (self.local.recorded_at(job) or 0) >= since
+                and self.local.status(recorded).state != "running" and not self.local.never_ran(recorded)):
             return recorded
         return self.local.start(job, later, limits)
 

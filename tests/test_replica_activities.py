@@ -308,3 +308,26 @@ async def test_a_retried_launch_starts_again_a_replica_whose_setup_never_finishe
     finally:
         local.stop_all(grace_seconds=2)
 
+
+async def test_a_retried_launch_finishes_the_setup_of_a_replica_still_running(tmp_path):
+    """A worker killed after spawning a replica but before linking it to the gateway left it running, unreachable:
+    the retry adopts it (the same process, its commands not run twice) and finishes its setup, rather than wait
+    for it to answer forever (seen in a rolling update whose worker was killed, under load)."""
+    from activities.local_cgroup import Limits
+    local = LocalBackend(tmp_path / "home")
+    try:
+        inp = _input()
+        earlier = await asyncio.to_thread(local.start, inp.job)
+        setups = []
+        start = local.start
+        local.start = lambda *a: setups.append(a) or start(*a)
+        replicas = ReplicaActivities(local, FakeGateway()).local  # a retry of the launch that recorded `earlier`
+        again = await asyncio.to_thread(replicas._start_once, inp.job, 0.0, False, Limits())
+        assert again.pid == earlier.pid and local.status(again).state == "running"
+        assert len(setups) == 1
+        await asyncio.to_thread(local.stop, earlier)
+        again = await asyncio.to_thread(replicas._start_once, inp.job, 0.0, False, Limits())
+        assert again.pid == earlier.pid and len(setups) == 1  # exited after it ran: reported, not run twice
+    finally:
+        local.stop_all(grace_seconds=2)
+
