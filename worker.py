@@ -71,7 +71,8 @@ MAX_ACTIVITIES = 20_000
 MAX_CACHED_WORKFLOWS = 1_500
 # The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: every 16 s against the 20 s
 # default, so a worker 4 s late (a busy loop, a slow network) timed a live launch out and a second one started.
-# Sent as often as the activities beat (every half timeout), a heartbeat has half the timeout to spare.
+# Sent as often as the activities beat (a third of the timeout, activities/liveness.py), two may be lost or late
+# before the timeout, for any heartbeat timeout of 15 s or more.
 HEARTBEAT_THROTTLE = timedelta(seconds=5)
 # Workflow task polls open at once (the SDK's default is 5, one of them for new and evicted workflows): when
 # thousands of replicas start, each poll waits on the server, and more of them start services sooner.

@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Awaitable, Callable, TypeVar
+from datetime import timedelta
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 from temporalio import activity
 
 T = TypeVar("T")
+# Heartbeats go out every third of the heartbeat timeout: a worker two heartbeats late (a busy loop, a slow
+# network) is not yet taken for dead, so a live launch is never timed out and started a second time.
+HEARTBEATS_PER_TIMEOUT = 3
+
+
+def heartbeat_interval(timeout: Optional[timedelta]) -> Optional[float]:
+    """Seconds between heartbeats under ``timeout`` (None without one)."""
+    return timeout.total_seconds() / HEARTBEATS_PER_TIMEOUT if timeout else None
 
 
 async def heartbeating(work: Awaitable[T]) -> T:
-    """Await ``work``, heartbeating every half heartbeat timeout meanwhile (nothing without a timeout)."""
-    timeout = activity.info().heartbeat_timeout
+    """Await ``work``, heartbeating every third of the heartbeat timeout meanwhile (nothing without a timeout)."""
+    every = heartbeat_interval(activity.info().heartbeat_timeout)
     task = asyncio.ensure_future(work)
-    if not timeout:
+    if every is None:
         return await task
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=timeout.total_seconds() / 2)
+            done, _ = await asyncio.wait({task}, timeout=every)
             if done:
                 return task.result()
             activity.heartbeat()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -36,9 +37,31 @@ async def test_heartbeats_while_a_slow_call_runs_and_returns_its_result():
     deadline = asyncio.get_running_loop().time() + 20
     while len(beats) < 3 and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.02)
-    assert len(beats) >= 3  # one every half heartbeat timeout
+    assert len(beats) >= 3  # one every third of the heartbeat timeout
     release.set()
     assert await run == 42
+
+
+async def test_heartbeats_leave_two_thirds_of_the_timeout_to_spare():
+    """Two heartbeats may be late or lost before the timeout takes a live worker for dead."""
+    release = threading.Event()
+
+    @activity.defn
+    @keeps_alive
+    async def slow() -> None:
+        await asyncio.to_thread(release.wait, 30)
+
+    env, _ = _env(timedelta(seconds=1.2))
+    times: list[float] = []
+    env.on_heartbeat = lambda *details: times.append(time.monotonic())
+    run = asyncio.ensure_future(env.run(slow))
+    deadline = time.monotonic() + 20
+    while len(times) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    release.set()
+    await run
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    assert len(gaps) >= 3 and gaps[len(gaps) // 2] < 0.5, gaps  # every 0.4 s; every half timeout would be 0.6 s
 
 
 async def test_no_heartbeats_without_a_heartbeat_timeout_and_errors_pass_through():

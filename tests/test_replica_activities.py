@@ -270,12 +270,12 @@ async def _exited(local: LocalBackend, instance: LocalInstance) -> bool:
     return local.status(instance).state != "running"
 
 
-async def test_a_monitor_heartbeats_every_half_heartbeat_timeout_not_every_poll(local):
+async def test_a_monitor_heartbeats_every_third_of_its_heartbeat_timeout_not_every_poll(local):
     client = FakeClient()
     acts = ReplicaActivities(local, FakeGateway())
     inp = _input()
     launched = await _launch(acts, client, inp)
-    env, beats = _env(client, heartbeat_timeout=0.4), []
+    env, beats = _env(client, heartbeat_timeout=0.6), []
     env.on_heartbeat = lambda *details: beats.append(details)
     monitor = asyncio.ensure_future(env.run(acts.monitor, MonitorInput(
         service="svc", backend="local", replicas=[_watched(inp, launched.instance)], poll_seconds=0.02,

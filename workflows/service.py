@@ -62,8 +62,8 @@ class ServiceRunInput(BaseModel):
         "env values) travel in many events, and Temporal refuses a history past 50 MB."))
     heartbeat_seconds: int = Field(
         20, description="Heartbeat timeout of the long activities: how soon a dead worker's launches, teardowns "
-                        "and watchers are taken over by another worker (each heartbeats every half of it: one "
-                        "monitor per service and backend, so 1,000 services cost 100 heartbeats a second).")
+                        "and watchers are taken over by another worker (each heartbeats every third of it: one "
+                        "monitor per service and backend, so 1,000 services cost 150 heartbeats a second).")
     unserved_seconds: int = Field(600, description=(
         "A launch no worker of its backend takes within this is given up on that backend (a cloud worker not "
         "running): said, and the next backend tried."))
