@@ -232,8 +232,8 @@ class ReplicaInput(BaseModel):
     route: bool = Field(True, description="Register it with the gateway once ready; False for a worker behind the "
                                           "service's router group.")
     heartbeat_seconds: int = Field(20, description="Heartbeat timeout of its launch and teardown (the service's).")
-    unserved_seconds: int = Field(600, description="Its launch on a backend no worker takes within this moves on "
-                                                   "to the next backend (the service's).")
+    unserved_seconds: int = Field(60, description="Its launch on a backend no worker takes within this moves on "
+                                                  "to the next backend (the service's).")
     late_refs: list[str] = Field(default_factory=list, description=(
         "References its launch resolves once the replica is placed (workflows.addresses.late): they stay in the "
         "job's commands as expressions until then."))

@@ -559,6 +559,27 @@ async def test_a_backend_whose_worker_is_missing_is_said_and_the_next_one_tried(
     await handle.result()
 
 
+async def test_a_backend_with_no_worker_at_all_is_said_in_events_and_ps(dev_env, cloud_dev):
+    """Its only backend has no worker: within `unserved_seconds` (60 s by default) `events` and `ps` say which queue
+    has no worker. Before, it took 10 minutes, and then the replica stayed submitted for good: its end waited for a
+    teardown on that backend, which no worker took either, though its launch had made nothing there."""
+    assert ServiceRunInput.model_fields["unserved_seconds"].default <= 60
+    env, cloud = dev_env, cloud_dev
+    cloud.served = ["aws"]
+    handle = await start(env, cloud, "svc-no-worker", unserved_seconds=2)
+    missing = f"aws: no worker took the launch within 2 s (is a worker serving {cloud.queue}-aws running?)"
+
+    async def said():
+        status = await status_of(handle)
+        return status if any(missing in r.reason for r in status.groups[0].replicas) else None
+    status = await eventually(said)
+    assert not any(r.ready for r in status.groups[0].replicas)
+    events = await handle.query(ServiceRunWorkflow.events)
+    assert any(missing in e.message for e in events), [e.message for e in events]
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def test_a_lost_serving_report_is_made_good_by_the_replica_workflow(ts_env, cloud):
     """The launch's reports are fire-and-forget; once it returned, its workflow tells `serving` again, durably: the
     service never keeps a routed replica it thinks is still starting (unwatched, never replaced)."""

@@ -34,6 +34,9 @@ CANCEL_LAUNCH_FIRST = "cancel-launch-first"
 # Serving is told durably too, once the launch returned: the launch's own report is fire-and-forget, and a lost one
 # left a routed replica "submitted", unwatched and never replaced.
 DURABLE_SERVING = "durable-serving"
+# A launch no worker ever took made nothing: its backend is not torn down (no worker would take that either, and the
+# replica's end waited for it for ever). Runs recorded before it scheduled that teardown.
+UNTAKEN_MADE_NOTHING = "untaken-made-nothing"
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
@@ -66,6 +69,14 @@ def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Op
         return NoCapacity(backend=backend, tried=True, reasons=[
             f"{backend}: no worker took the launch within {seconds} s (is a worker serving {queue} running?)"])
     return None
+
+
+def never_taken(error: ActivityError) -> bool:
+    """Whether no attempt of the activity ever ran: it timed out waiting for a worker, and no earlier attempt
+    failed (Temporal keeps an earlier attempt's failure as the timeout's cause)."""
+    cause = error.cause
+    return (isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START
+            and cause.cause is None)
 
 
 def no_capacity(error: ActivityError) -> Optional[NoCapacity]:
@@ -127,6 +138,8 @@ class ReplicaWorkflow:
                 details = no_capacity(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
                 if details is None:
                     return reason_of(e)
+                if never_taken(e) and workflow.patched(UNTAKEN_MADE_NOTHING):
+                    self.tried.remove(backend)
                 refusals.append(details)
         return no_capacity_reason(refusals)
 

@@ -64,9 +64,10 @@ class ServiceRunInput(BaseModel):
         20, description="Heartbeat timeout of the long activities: how soon a dead worker's launches, teardowns "
                         "and watchers are taken over by another worker (each heartbeats every third of it: one "
                         "monitor per service and backend, so 1,000 services cost 150 heartbeats a second).")
-    unserved_seconds: int = Field(600, description=(
+    unserved_seconds: int = Field(60, description=(
         "A launch no worker of its backend takes within this is given up on that backend (a cloud worker not "
-        "running): said, and the next backend tried."))
+        "running): said in `events` and `ps`, and the next backend tried. A live worker takes a launch at once "
+        "(its activity slots are never full), so a minute is only ever a missing worker."))
     store_retry_seconds: float = Field(
         30, description="While the store fails, try it again this often (each try costs a few history events).")
 
