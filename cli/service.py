@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 user error, 2 control plane down.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from cli.client import ControlPlaneDown, connect, run
 from cli.console import FileOption, err, out, print_errors, user_error
 from cli.control import RPC, ask, deliver, last_run, live_status, running, service_url, ui_link
 from cli.render import ps_table
+from connect.codec import CodecKeys, load_keys
 from models.loader import load_config_file
 from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, ServiceStatus
 from models.secrets import REVEAL
@@ -173,7 +173,8 @@ async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, de
     else:
         _confirm(f"Submit the service {name}?", yes)
     after = await last_run(client, name) if seen is None else None
-    result = await _apply_with_start(client, settings, config, apply_update_id(config, seen, after), places or [])
+    update_id = apply_update_id(config, load_keys(settings.home), seen, after)
+    result = await _apply_with_start(client, settings, config, update_id, places or [])
     if not result.changed and (seen is not None or result.deployment > 0):
         other = "" if result.deployment == seen else ", from another apply"
         out.print(f"Active run {name} already exists. Detected no changes (deployment {result.deployment}{other}).")
@@ -187,7 +188,8 @@ async def _apply(settings: Settings, config: ServiceConfiguration, yes: bool, de
     _print_access(settings, config)
 
 
-def apply_update_id(config: ServiceConfiguration, seen: Optional[int], after: Optional[str] = None) -> str:
+def apply_update_id(config: ServiceConfiguration, keys: CodecKeys, seen: Optional[int],
+                    after: Optional[str] = None) -> str:
     """The id of the `apply` update: the configuration's hash and the deployment it was applied over, or, when no
     run was open, the run it follows (``after``, the last closed run's id; none for a service never run).
 
@@ -196,9 +198,10 @@ def apply_update_id(config: ServiceConfiguration, seen: Optional[int], after: Op
     with the hash alone, applying A, then B, then A again would get back the answer of the first A and change
     nothing. The closed run is part of it because Temporal answers an update-with-start whose id completed in the
     workflow's last run with that old answer, and starts nothing: `stop`, then the same file again, would start
-    no service. Secret values count (a new token is a change), hashed as the workflow hashes replica specs."""
+    no service. Secret values count (a new token is a change): the hash is keyed with the codec key, since the id
+    sits in history in clear, where a plain hash would let anyone test guesses of a secret against it."""
     payload = config.model_dump(mode="json", context=REVEAL)
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    digest = keys.digest("apply update id", json.dumps(payload, sort_keys=True).encode())
     if seen is not None:
         return f"apply-{digest}-d{seen}"
     return f"apply-{digest}-" + ("new" if after is None else f"after-{after}")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from cli.service import _print_result, apply_update_id
+from connect.codec import CodecKeys
+from models.secrets import REVEAL
 from models.loader import load_config_text
 from models.run import ApplyRequest, ApplyResult
 
@@ -24,14 +29,28 @@ def config(token: str = "hf_one"):
     return result.config
 
 
+KEYS = CodecKeys((b"k" * 32,), "test")
+
+
 def test_the_same_file_over_the_same_deployment_is_the_same_update():
-    assert apply_update_id(config(), 3) == apply_update_id(config(), 3)
-    assert apply_update_id(config(), None) == apply_update_id(config(), None)
+    assert apply_update_id(config(), KEYS, 3) == apply_update_id(config(), KEYS, 3)
+    assert apply_update_id(config(), KEYS, None) == apply_update_id(config(), KEYS, None)
     # Over another deployment it is another update: A, B, then A again must apply A again.
-    assert apply_update_id(config(), 3) != apply_update_id(config(), 4) != apply_update_id(config(), None)
+    ids = [apply_update_id(config(), KEYS, seen) for seen in (3, 4, None)]
+    assert len(set(ids)) == 3
     # A new secret value is a change, and the id does not show it.
-    assert apply_update_id(config("hf_two"), 3) != apply_update_id(config(), 3)
-    assert "hf_one" not in apply_update_id(config(), 3)
+    assert apply_update_id(config("hf_two"), KEYS, 3) != apply_update_id(config(), KEYS, 3)
+    assert "hf_one" not in apply_update_id(config(), KEYS, 3)
+
+
+def test_the_update_id_cannot_be_recomputed_without_the_codec_key():
+    """The id is in history in clear: a plain hash of the file would let anyone who reads history test guesses of
+    its secret values (a short token) against it."""
+    payload = config().model_dump(mode="json", context=REVEAL)
+    plain = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    ours = apply_update_id(config(), KEYS, 3)
+    assert plain not in ours
+    assert ours != apply_update_id(config(), CodecKeys((b"o" * 32,), "another"), 3)
 
 
 def test_the_request_carries_the_typed_configuration():
