@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from secrets import token_hex
 from typing import Awaitable, Optional
 
 import typer
@@ -215,7 +216,8 @@ async def _apply_with_start(client: Client, settings: Settings, config: ServiceC
         # USE_EXISTING: two concurrent applies never make two runs of one service; the workflow runs their updates
         # one at a time, so each gets its own deployment number. A start operation serves one request only.
         start = WithStartWorkflowOperation(
-            ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config, places=places)),
+            ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config, places=places,
+                                                                       hash_key=token_hex(32))),
             id=service_workflow_id(name), id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             task_queue=settings.task_queue, static_summary=f"service **{name}**")
         return client.execute_update_with_start_workflow(

@@ -65,6 +65,14 @@ def unmark_env(value: Any) -> Any:
     return value
 
 
+def dump_secret(value: str, context: Any) -> str:
+    """JSON form of a value that is secret whatever its name (a key): marked, redacted or revealed per ``context``."""
+    mode = context.get("secrets") if isinstance(context, Mapping) else None
+    if not value or mode == "reveal":
+        return value
+    return REDACTED if mode == "redact" else SECRET_MARK + value
+
+
 def dump_env(env: Mapping[str, Optional[str]], listed: Iterable[str], context: Any) -> dict[str, Optional[str]]:
     """JSON form of an env mapping: secret values marked (default), redacted or revealed per ``context``."""
     mode = context.get("secrets") if isinstance(context, Mapping) else None

@@ -129,6 +129,26 @@ def test_marking_a_value_secret_restarts_nothing():
     assert spec_hash(changed, "web") != spec_hash(listed, "web")  # a new secret value still rolls
 
 
+@aio
+async def test_spec_hashes_are_keyed_and_their_key_is_encrypted():
+    """A replica's spec hash sits in history in clear and hashes its secret values: keyed with the service's
+    `hash_key`, which is itself encrypted, nobody who reads history can test guesses of a secret against it."""
+    config = resolved("svc", {"HF_TOKEN": HF})
+    key = "k" * 64
+    assert spec_hash(config, "web", key) != spec_hash(config, "web")  # the unkeyed one could be recomputed
+    assert spec_hash(config, "web", key) != spec_hash(config, "web", "o" * 64)
+    assert spec_hash(config, "web", key) == spec_hash(resolved("svc", {"HF_TOKEN": HF}), "web", key)
+    changed = config.model_copy(update={"env": {**config.env, "HF_TOKEN": HF + "x"}})
+    assert spec_hash(changed, "web", key) != spec_hash(config, "web", key)  # a new secret value still rolls
+    codec = SecretCodec(parse_keys(new_key(), "test"))
+    state = ServiceState(name="svc", config=config, hash_key=key)
+    sealed = await codec.encode([Payload(metadata={"encoding": b"json/plain"}, data=state.model_dump_json().encode())])
+    assert key.encode() not in sealed[0].data
+    back = ServiceState.model_validate_json((await codec.decode(sealed))[0].data)
+    assert back.hash_key == key and back == state
+    assert key not in state.model_dump_json(context=REDACT)
+
+
 def test_missing_environment_value_is_a_user_error():
     config = load_config_text(CONFIG.format(name="svc")).config
     with pytest.raises(typer.Exit):

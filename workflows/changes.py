@@ -7,6 +7,7 @@ change it cannot apply, and the planner (through ``spec_hash``) to tell which re
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,19 +86,23 @@ JOB_FIELDS = ("commands", "env", "port", "python", "image")
 INPUT_FIELDS = ("resources", "probes", "backends", "regions", "spot_policy", "max_price")
 
 
-def spec_hash(config: ServiceConfiguration, group: str) -> str:
-    """Identity of what a replica of ``group`` runs; equal hashes mean no restart is needed."""
-    return input_hash(replica_input(config, "x", "x", group, 0, 0, 0))
+def spec_hash(config: ServiceConfiguration, group: str, key: str = "") -> str:
+    """Identity of what a replica of ``group`` runs; equal hashes mean no restart is needed. Keyed with ``key``
+    (the service's ``hash_key``): the hash goes into history in clear, and secret values go into it."""
+    return input_hash(replica_input(config, "x", "x", group, 0, 0, 0), key)
 
 
-def input_hash(inp: ReplicaInput) -> str:
+def input_hash(inp: ReplicaInput, key: str = "") -> str:
     # Real values, without which of them are secret: marking a value secret restarts nothing.
     fields = {f"job.{name}": getattr(inp.job, name) for name in JOB_FIELDS}
     # The replica's coordinates are not what it runs: a replica that predates them restarts for nothing.
     fields["job.env"] = {k: v for k, v in inp.job.env.items() if k not in COORDINATES}
     fields.update({name: getattr(inp, name) for name in INPUT_FIELDS})
     payload = {"version": SPEC_VERSION, **{name: _plain(value) for name, value in fields.items()}}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    data = json.dumps(payload, sort_keys=True).encode()
+    if key:
+        return hmac.new(key.encode(), data, hashlib.sha256).hexdigest()[:16]
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _plain(value: Any) -> Any:
