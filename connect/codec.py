@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +35,16 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from temporalio.api.common.v1 import Payload
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import DataConverter, PayloadCodec
+from pydantic import ValidationError
+from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, pydantic_data_converter
+from temporalio.converter import (CompositePayloadConverter, DataConverter, DefaultPayloadConverter,
+                                  JSONPlainPayloadConverter, PayloadCodec)
 
 from connect.files import write_once
+from models.history import lenient
 from models.secrets import ENCRYPTED_MARK, SECRET_MARK
 
+log = logging.getLogger("durastack.codec")
 KEY_ENV = "DURASTACK_CODEC_KEY"
 KEY_FILE = "codec.key"
 KEY_FORMAT = "base64 of 32 random bytes, e.g. from `head -c32 /dev/urandom | base64`"
@@ -192,9 +197,36 @@ def _walk(value: Any, change: Callable[[str], str]) -> Any:
     return value
 
 
+class HistoryJSONConverter(PydanticJSONPlainPayloadConverter):
+    """The pydantic JSON converter, except that a payload today's model rules refuse is read leniently
+    (``models.history``): what history holds was admitted under the rules of its day."""
+
+    def from_payload(self, payload: Payload, type_hint: Optional[type] = None) -> Any:
+        try:
+            return super().from_payload(payload, type_hint)
+        except ValidationError as e:
+            if type_hint is None:
+                raise
+            # Where and which rule, never the value (it may be a secret).
+            log.warning("%s read back without today's rules, which it does not meet: %s", getattr(
+                type_hint, "__name__", type_hint), "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                                             for err in e.errors(include_input=False)))
+            return lenient(type_hint, json.loads(payload.data))
+
+
+class PayloadConverter(CompositePayloadConverter):
+    """Temporal's default converters, with ``HistoryJSONConverter`` for JSON."""
+
+    def __init__(self) -> None:
+        history = HistoryJSONConverter()
+        super().__init__(*(history if isinstance(c, JSONPlainPayloadConverter) else c
+                           for c in DefaultPayloadConverter.default_encoding_payload_converters))
+
+
 def data_converter(codec: PayloadCodec) -> DataConverter:
     """The pydantic data converter with ``codec``: what every durastack client and worker uses."""
-    return dataclasses.replace(pydantic_data_converter, payload_codec=codec)
+    return dataclasses.replace(pydantic_data_converter, payload_converter_class=PayloadConverter,
+                               payload_codec=codec)
 
 
 def home_data_converter(home: Path, environ: Optional[Mapping[str, str]] = None) -> DataConverter:

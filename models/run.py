@@ -10,12 +10,12 @@ from datetime import datetime
 from enum import IntEnum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field, FieldSerializationInfo, field_serializer, field_validator
+from pydantic import BaseModel, Field
 
 from models.gateway import RouteRateLimit
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.secrets import dump_secret, unmark
+from models.secrets import SecretText
 from models.service import SCALING_WINDOWS, ProbeSpec, ServiceConfiguration
 
 ReplicaStatus = Literal["submitted", "provisioning", "running", "terminating", "terminated", "failed"]
@@ -133,19 +133,10 @@ class ServiceState(BaseModel):
     unrecorded: list[Event] = Field(
         default_factory=list, description="Events not yet written to the store's decision log (kept on failure).")
     submitted_at: Optional[datetime] = None
-    hash_key: str = Field("", description=(
+    hash_key: SecretText = Field("", description=(
         "The key of the replica spec hashes (workflows.changes.spec_hash), which go into history in clear and hash "
         "secret values: without it nobody can test guesses of a secret against them. Random per service, given by "
         "`apply`; secret itself (encrypted in history). Empty: unkeyed hashes, as in runs that predate it."))
-
-    @field_validator("hash_key", mode="before")
-    @classmethod
-    def _hash_key_in(cls, value: Any) -> Any:
-        return unmark(value)
-
-    @field_serializer("hash_key", when_used="json")
-    def _hash_key_json(self, value: str, info: FieldSerializationInfo) -> str:
-        return dump_secret(value, info.context)
 
     stopping: bool = False
     failure: str = Field("", description=(

@@ -23,7 +23,9 @@ hashing what a replica runs).
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Annotated, Any, Iterable, Mapping, Optional
+
+from pydantic import BeforeValidator, FieldSerializationInfo, PlainSerializer
 
 SECRET_MARK = "\x00durastack-secret:"
 ENCRYPTED_MARK = "\x00durastack-encrypted:"
@@ -84,3 +86,11 @@ def dump_env(env: Mapping[str, Optional[str]], listed: Iterable[str], context: A
         else:
             out[name] = REDACTED if mode == "redact" else SECRET_MARK + value
     return out
+
+
+def _dump_secret_json(value: str, info: FieldSerializationInfo) -> str:
+    return dump_secret(value, info.context)
+
+
+# A string that is secret whatever its field's name (a key): marked in JSON, so the codec encrypts it.
+SecretText = Annotated[str, BeforeValidator(unmark), PlainSerializer(_dump_secret_json, when_used="json")]

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from models.gateway import (MAX_RATE_LIMIT_BURST, MAX_RATE_LIMIT_RPS, RATE_LIMIT_HEADER_PATTERN,
                             RATE_LIMIT_PREFIX_PATTERN)
@@ -47,7 +47,7 @@ def _set(value: object) -> bool:
 
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
-    rules = [_service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds, _not_supported,
+    rules = [_model_rules, _service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds, _not_supported,
              _references]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
@@ -65,6 +65,17 @@ def warnings_for(cfg: ServiceConfiguration) -> list[Issue]:
             path = ("groups", i, "count") if cfg.groups else ("replicas",)
             out.append(Issue(path, "a fixed count of 0: this group never starts a replica"))
     return out
+
+
+def _model_rules(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    """The models' own rules (bounds, patterns, field checks). A file met them when it was loaded, but a
+    configuration read back from history was not held to them (models.history): an update or a start that
+    arrives that way is judged here, as a file is."""
+    try:
+        type(cfg).model_validate(cfg.model_dump(mode="json"))
+    except ValidationError as e:
+        for err in e.errors(include_input=False):
+            yield Issue(tuple(err["loc"]), err["msg"])
 
 
 def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:

@@ -285,6 +285,30 @@ async def test_continue_as_new_hops_keep_replicas_alive(dev_env, cloud_dev, name
     assert mine[-1].message == "service stopped" and cloud.rows[name].status == "terminated"
 
 
+async def test_a_continued_run_is_not_judged_again(dev_env, cloud_dev, monkeypatch):
+    """A service's configuration is judged when it begins and at each apply, not at each continue-as-new: a
+    release whose rules refuse what a running service was admitted with must not fail it at its next hop."""
+    import activities.signals
+    from models.validation import Issue
+    env, cloud = dev_env, cloud_dev
+    handle = await start(env, cloud, "svc-judged-once", history_limit=60)
+    await wait_ready(handle, {"0": [0], "1": []})
+    first = (await handle.describe()).run_id
+    monkeypatch.setattr(activities.signals, "validate_service", lambda config: [Issue(("port",), "a new rule")])
+    for count in (1, 2, 3, 2, 1, 2, 3):
+        await deliver(lambda: handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=count)))
+        await eventually(lambda: _group_ready(handle, "1", count))
+        if (await handle.describe()).run_id != first:
+            break
+    assert (await handle.describe()).run_id != first, "expected a continue-as-new hop"
+    status = await status_of(handle)
+    assert status.status == "running" and ready_replicas(status)["0"] == [0]
+    events = await handle.query(ServiceRunWorkflow.events)
+    assert not [e for e in events if e.kind == "rejected"], [e.message for e in events]
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await last_run_result(env.client, handle.id) == "stopped"
+
+
 async def test_seed_autoscaling_with_real_default_delays(ts_env_alone, cloud_alone):
     """Spec seed 004: 8 rps, target 2, delays 5 min / 10 min, groups 0..2 and 0..3."""
     ts_env, cloud = ts_env_alone, cloud_alone

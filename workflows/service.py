@@ -46,6 +46,7 @@ ONE_PLACE = "one-place"  # the replicas of a service that reach each other all g
 IDLE_TIMER_KEPT = "idle-timer-kept"
 HISTORY_BYTES = "history-bytes"  # a run continues as new past history_bytes_limit too, not only past an event count
 VALIDATE_START = "validate-start"  # each run judges its own configuration first: a start that skipped apply too
+JUDGED_ONCE = "judged-once"  # asked only by continued runs: they are not judged again
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 
 
@@ -225,7 +226,7 @@ class ServiceRunWorkflow:
         if addresses.one_place(state.config):  # the same: only services whose replicas reach each other
             state.one_place = workflow.patched(ONE_PLACE)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once
-        if workflow.patched(VALIDATE_START):
+        if workflow.patched(VALIDATE_START) and not self._judged_before():
             await self._judge_start()
         if state.submitted_at is None:
             state.submitted_at = workflow.now()
@@ -315,6 +316,12 @@ class ServiceRunWorkflow:
             return False
         return not self.settle_first or lifecycle.settled(self.state) or length > 2 * self.inp.history_limit or \
             (self.bytes_bound and size > 2 * self.inp.history_bytes_limit)
+
+    @staticmethod
+    def _judged_before() -> bool:
+        """A continued run's configuration was judged when the service began, or by the `apply` that brought it:
+        judged again at every hop, a rule tightened by a release would fail a running service."""
+        return workflow.info().continued_run_id is not None and workflow.patched(JUDGED_ONCE)
 
     async def _judge_start(self) -> None:
         """The run's configuration passes the rules `apply` runs, or the service stops, failed, with why."""
