@@ -152,6 +152,21 @@ async def test_a_run_started_without_apply_is_judged_by_the_same_rules(ts_env, c
     assert not [rid for rid in cloud.provisions if rid.startswith(name)]
 
 
+async def test_a_run_started_past_a_models_bound_is_judged_too(ts_env, cloud):
+    """A bound the models themselves hold (a port): the worker reads such an input (history is read without
+    today's rules, models/history.py), and the run's own judge refuses it, naming the field."""
+    name = "svc-direct-port"
+    raw = ServiceRunInput(state=ServiceState(name=name, config=load_config_text(CONFIG.format(name=name)).config)
+                          ).model_dump(mode="json")
+    raw["state"]["config"]["port"]["container_port"] = 70000
+    handle = await ts_env.client.start_workflow("ServiceRunWorkflow", raw, id=service_workflow_id(name),
+                                                task_queue=cloud.queue)
+    assert await handle.result() == "failed"
+    rejected = [e.message for e in await handle.query(ServiceRunWorkflow.events) if e.kind == "rejected"]
+    assert rejected == ["invalid configuration: port.container_port: Input should be less than or equal to 65535"]
+    assert not [rid for rid in cloud.provisions if rid.startswith(name)]
+
+
 async def test_scale_and_apply_by_signal_log_what_they_refuse(ts_env, cloud):
     """For tools that can only signal (the Web UI): the same scale and apply; a refused one is an event."""
     name = "svc-signal"
