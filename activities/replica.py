@@ -46,6 +46,7 @@ from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERM
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
+from models.common import format_duration
 from models.failures import LAST_LINES, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
@@ -249,7 +250,7 @@ class ReplicaActivities:
         sent = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONED, "running",
                                                                placement=placement, instance=instance))
         try:
-            await self._wait_ready(backend, job, instance, r.probes)
+            await self._wait_ready(backend, job, instance, r.probes, r.startup_timeout)
             if r.route:  # a worker behind the service's router group is reached by the router alone
                 await self.gateway.register(job.service, job.replica_id, job.group, placement.address)
                 if hasattr(backend, "routed"):
@@ -263,10 +264,14 @@ class ReplicaActivities:
         return Launched(placement=placement, instance=instance, refs=refs)
 
     @staticmethod
-    async def _wait_ready(backend: Backend, job: JobSpec, instance, probes: list[ProbeSpec]) -> None:
-        """The backend's readiness wait; a replica that exits first fails with its last lines of output."""
+    async def _wait_ready(backend: Backend, job: JobSpec, instance, probes: list[ProbeSpec], timeout: int) -> None:
+        """The backend's readiness wait, at most ``timeout`` seconds (the group's `startup_timeout`, not retried:
+        a retry would only wait again); a replica that exits first fails with its last lines of output."""
         try:
-            await backend.wait_ready(instance, probes)
+            await asyncio.wait_for(backend.wait_ready(instance, probes), timeout)
+        except TimeoutError:
+            raise ApplicationError(f"not ready within {format_duration(timeout)} (startup_timeout): its probes "
+                                   "never passed", type="NotReady", non_retryable=True) from None
         except ApplicationError as e:
             if e.type != "ReplicaExited":
                 raise

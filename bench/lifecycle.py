@@ -1,7 +1,8 @@
 """The lean replica lifecycle's figures, on a real `durastack server` with local replicas.
 
     .venv/bin/python -m bench.lifecycle [--history-replicas 4] [--apply-n 16] [--apply-repeat 2] [--own-repeat 3]
-                                        [--kills 3] [--moves 1] [--skip history,apply,kill,move] [--keep]
+                                        [--kills 3] [--moves 1] [--orphan-replicas 2] [--orphan-wait 60]
+                                        [--skip history,apply,kill,move,orphans] [--keep]
 
 1. **history**: one service of N replicas (``--history-replicas``); from each ReplicaWorkflow's history, the
    events up to the completion of its ``launch_replica`` activity (the replica is ready and routed then) and the
@@ -15,6 +16,9 @@
 4. **move**: a second worker joins the server's Temporal; SIGKILL to the worker whose ``monitor_replicas`` watches
    the service, then at once SIGKILL to a replica's app; the time until that replica is unrouted, which waits
    for the monitor to move to the other worker at its heartbeat timeout (``ServiceRunInput.heartbeat_seconds``).
+5. **orphans**: a service terminated as the Web UI's button does, and another reset to its first workflow task;
+   what still runs (app processes) and is routed ``--orphan-wait`` s later, and when it was last more than one
+   replica per slot (the reaper's quick pass and the reset run's takeover, not a test hook, clean up).
 
 Progress goes to stderr, the figures to stdout.
 """
@@ -29,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -269,6 +274,82 @@ def run_moves(stack: BenchStack, moves: int) -> list[str]:
     return ["kill -9 of the worker running the service's monitor (two workers), then of a replica's app:", *lines]
 
 
+# ---- 5. terminate and reset ---------------------------------------------------------------------------
+
+
+def live_apps(stack: BenchStack, name: str) -> set[str]:
+    """The work dirs (``group/rN-sM``) of ``name``'s replicas whose app runs."""
+    prefix = f"{MARKER}={stack.home / 'replicas' / name}/".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"http.server" not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found |= {e[len(prefix):].decode() for e in env if e.startswith(prefix)}
+    return found
+
+
+async def _terminate(stack: BenchStack, name: str) -> None:
+    client = await stack.temporal()
+    await client.get_workflow_handle(service_workflow_id(name)).terminate(reason="the Web UI's button")
+
+
+async def _reset_to_first_task(stack: BenchStack, name: str) -> None:
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    client = await stack.temporal()
+    handle = client.get_workflow_handle(service_workflow_id(name))
+    first = next(e.event_id for e in (await handle.fetch_history()).events
+                 if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+    await client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+        namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+        reason="the Web UI's reset", workflow_task_finish_event_id=first, request_id=str(uuid.uuid4())))
+
+
+def _left_after(stack: BenchStack, name: str, wait: float, settled) -> tuple[Optional[float], set[str], set[str]]:
+    """Seconds until ``settled(apps, routed)`` (None: not within ``wait``), and what runs and is routed at
+    ``wait`` seconds."""
+    t0, took = time.monotonic(), None
+    while time.monotonic() - t0 < wait:
+        if took is None and settled(live_apps(stack, name), routes(stack, name) or set()):
+            took = time.monotonic() - t0
+        time.sleep(0.5)
+    return took, live_apps(stack, name), routes(stack, name) or set()
+
+
+def run_orphans(stack: BenchStack, n: int, wait: float) -> list[str]:
+    """Terminate a service of ``n`` replicas as the Web UI's button does, and reset another to its first workflow
+    task; what still runs or is routed ``wait`` s later."""
+    lines = [f"terminate and reset of a service of {n} local replicas, what is left {wait:.0f} s later "
+             "(goal: 0 within 60 s):"]
+    for name, act in (("lc-terminated", _terminate), ("lc-reset", _reset_to_first_task)):
+        stack.check("apply", "-f", str(stack.write(f"{name}.yml", SERVICE.format(name=name, n=n))), "-y", timeout=600)
+        until(lambda: len(routes(stack, name) or ()) == n, 60, 0.1, f"{name}: {n} routed")
+        asyncio.run(act(stack, name))
+        if name == "lc-terminated":
+            took, apps, routed = _left_after(stack, name, wait, lambda a, r: not a and not r)
+            lines.append(f"  terminate: {len(apps)} replica(s) running and {len(routed)} routed after {wait:.0f} s; "
+                         f"none after {took:.1f} s" if took is not None else "  terminate: not cleaned up")
+        else:  # the reset's run serves again: one replica per slot, the old run's gone
+            one_per_slot = lambda a, r: len(a) == n and len(r) == n and all(x.endswith("-s1") for x in a)  # noqa
+            took, apps, routed = _left_after(stack, name, wait, one_per_slot)
+            extra = len(apps) - n
+            lines.append(f"  reset to the first task: {max(extra, 0)} replica(s) beyond one per slot running and "
+                         f"{max(len(routed) - n, 0)} routed after {wait:.0f} s ({len(apps)} running, {len(routed)} "
+                         f"routed); one per slot after {took:.1f} s" if took is not None else
+                         f"  reset: not settled ({sorted(apps)} running, {sorted(routed)} routed)")
+            stack.stop_service(name)
+        log(lines[-1].strip())
+    return lines
+
+
 # ---- main --------------------------------------------------------------------------------------------
 
 
@@ -280,7 +361,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--own-repeat", type=int, default=3)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--moves", type=int, default=1)
-    p.add_argument("--skip", default="", help="Comma list of parts to skip: history, apply, kill, move.")
+    p.add_argument("--orphan-replicas", type=int, default=2)
+    p.add_argument("--orphan-wait", type=float, default=60.0)
+    p.add_argument("--skip", default="", help="Comma list of parts to skip: history, apply, kill, move, orphans.")
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -295,6 +378,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             figures += run_kills(stack, args.kills)
         if "move" not in skip:
             figures += run_moves(stack, args.moves)
+        if "orphans" not in skip:
+            figures += run_orphans(stack, args.orphan_replicas, args.orphan_wait)
     print(f"\n{started}, {code_note()}; {load_start} at the start, {load_avg()} at the end")
     print("\n".join(figures))
     return 0

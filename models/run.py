@@ -235,6 +235,7 @@ class ReplicaInput(BaseModel):
     spot_policy: str = "on-demand"
     max_price: Optional[float] = None
     stop_duration: int = 300
+    startup_timeout: int = Field(3600, description="Seconds it may take to become ready once its commands run.")
     route: bool = Field(True, description="Register it with the gateway once ready; False for a worker behind the "
                                           "service's router group.")
     heartbeat_seconds: int = Field(20, description="Heartbeat timeout of its launch and teardown (the service's).")

@@ -352,6 +352,10 @@ def _gateway(value: Any) -> Any:
     raise ValueError(f"expected true, false or a gateway name, got {value!r}")
 
 
+# A 70B model's weights take 20-40 minutes to download and load on a fresh instance: an hour by default, a day at most.
+DEFAULT_STARTUP_TIMEOUT = 3600
+StartupTimeout = Annotated[Duration, Field(ge=1, le=86400)]
+
 # Fields a group shares with the service level and may override.
 IMAGE_FIELDS = ("image", "python", "nvcc", "docker", "privileged")
 
@@ -374,6 +378,8 @@ class ReplicaGroup(Model):
     spot_policy: Optional[SpotPolicy] = Field(None, description="spot, on-demand or auto for this group.")
     reservation: Optional[Line] = Field(None, description="Capacity reservation for this group.")
     router: Optional[RouterSpec] = Field(None, description="This group runs the in-service router.")
+    startup_timeout: Optional[StartupTimeout] = Field(None, description=(
+        "How long a replica of this group may take to become ready once its commands run; default the service's."))
 
     @model_validator(mode="before")
     @classmethod
@@ -441,6 +447,10 @@ class ServiceConfiguration(Model):
         "Stop the service this long after it was submitted (e.g. 8h; an apply that changes it counts from the "
         "same submission); the run ends as stopped. `off` (the default): runs until stopped."))
     stop_duration: Duration = Field(300, description="How long a stopping replica may drain in-flight requests.")
+    startup_timeout: StartupTimeout = Field(DEFAULT_STARTUP_TIMEOUT, description=(
+        "How long a replica may take to become ready once its commands run (loading a large model's weights "
+        "included), e.g. 90m; past it the replica fails, saying what its probes saw. Its instance's boot and "
+        "image pull have their own budget. A group may set its own."))
     cold_start_timeout: Duration = Field(
         300, description="How long the gateway holds a request while a scaled-to-zero service starts.")
 

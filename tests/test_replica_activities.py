@@ -136,6 +136,19 @@ async def test_an_app_that_exits_before_it_is_ready_fails_the_launch_for_good(lo
     assert failed.value.message == "exited (3); last output: loading | bad token ***"
 
 
+async def test_an_app_never_ready_within_its_startup_timeout_fails_the_launch_for_good(local):
+    """A hung load (the app runs, never answers) fails the replica, with why, once its `startup_timeout` is up,
+    instead of the launch being retried on and on."""
+    config = CONFIG.replace("commands: [python3 -m http.server $PORT --bind 127.0.0.1]",
+                            "startup_timeout: 1s\ncommands: [sleep 60]")
+    inp = _input(config=config)
+    assert inp.startup_timeout == 1
+    with pytest.raises(ApplicationError) as failed:
+        await asyncio.wait_for(_launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp), 30)
+    assert failed.value.type == "NotReady" and failed.value.non_retryable
+    assert failed.value.message == "not ready within 1s (startup_timeout): its probes never passed"
+
+
 async def test_teardown_without_an_instance_stops_what_a_dead_launch_started(local):
     gateway, client = FakeGateway(), FakeClient()
     inp = _input()

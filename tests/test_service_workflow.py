@@ -619,6 +619,26 @@ async def test_a_backend_with_no_worker_at_all_is_said_in_events_and_ps(dev_env,
     await handle.result()
 
 
+async def test_a_launch_has_its_groups_startup_timeout_beyond_the_boot(ts_env, cloud):
+    """A 70B model's weights take most of an hour: its readiness has the group's `startup_timeout` (an hour by
+    default) on top of the launch's 30 minutes for the instance, boot and pull. Before, the whole launch had 30
+    minutes, and its retry started over on a new instance (a new pull, new weights), for ever."""
+    name = "svc-big-model"
+    text = CONFIG.format(name=name).replace("  - count: 1\n", "  - count: 1\n    startup_timeout: 2h\n")
+    config = load_config_text(text).config
+    assert config.groups[0].startup_timeout == 7200, text
+    handle = await ts_env.client.start_workflow(
+        ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config)),
+        id=service_workflow_id(name), task_queue=cloud.queue)
+    await wait_ready(handle, {"0": [0], "1": []})
+    events = (await ts_env.client.get_workflow_handle(f"service/{name}/0/r0-s0").fetch_history()).events
+    launch = next(e.activity_task_scheduled_event_attributes for e in events
+                  if e.activity_task_scheduled_event_attributes.activity_type.name == "launch_replica")
+    assert launch.start_to_close_timeout.ToTimedelta() == timedelta(minutes=30) + timedelta(hours=2)
+    await handle.signal(ServiceRunWorkflow.stop)
+    await handle.result()
+
+
 async def test_a_lost_serving_report_is_made_good_by_the_replica_workflow(ts_env, cloud):
     """The launch's reports are fire-and-forget; once it returned, its workflow tells `serving` again, durably: the
     service never keeps a routed replica it thinks is still starting (unwatched, never replaced)."""

@@ -71,6 +71,7 @@ def replica_input(config: ServiceConfiguration, service: str, service_workflow_i
         spot_policy=group.spot_policy or config.spot_policy or "on-demand",
         max_price=config.max_price,
         stop_duration=config.stop_duration,
+        startup_timeout=group.startup_timeout or config.startup_timeout,
         route=config.routed(group_name),
         late_refs=late(config, group_name),
         late_env=_late_env(config, group_name),

@@ -40,6 +40,9 @@ UNTAKEN_MADE_NOTHING = "untaken-made-nothing"
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
+# A launch's instance, boot and image pull, before its commands run; its readiness then has the group's
+# `startup_timeout` (the launch activity checks it and fails, not retried, past it).
+BOOT_BUDGET = timedelta(minutes=30)
 # Teardown never gives up: back off to one attempt a minute, forever.
 FOREVER = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1))
 SHORT = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
@@ -128,7 +131,7 @@ class ReplicaWorkflow:
                 self.launched = await workflow.execute_activity(
                     interface.launch_replica, LaunchInput(replica=self.inp, backend=backend), task_queue=queue,
                     schedule_to_start_timeout=timedelta(seconds=self.inp.unserved_seconds),
-                    start_to_close_timeout=timedelta(minutes=30),
+                    start_to_close_timeout=BOOT_BUDGET + timedelta(seconds=self.inp.startup_timeout),
                     heartbeat_timeout=self._heartbeat(), retry_policy=SHORT,
                     cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED, summary=f"launch on {backend}")
                 if workflow.patched(DURABLE_SERVING):
