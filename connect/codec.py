@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from temporalio.api.common.v1 import Payload
 from pydantic import ValidationError
+from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, pydantic_data_converter
 from temporalio.converter import (CompositePayloadConverter, DataConverter, DefaultPayloadConverter,
                                   JSONPlainPayloadConverter, PayloadCodec)

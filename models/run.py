@@ -16,7 +16,7 @@ from models.gateway import RouteRateLimit
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
 from models.secrets import SecretText
-from models.service import SCALING_WINDOWS, ProbeSpec, ServiceConfiguration
+from models.service import DEFAULT_STARTUP_TIMEOUT, SCALING_WINDOWS, ProbeSpec, ServiceConfiguration
 
 ReplicaStatus = Literal["submitted", "provisioning", "running", "terminating", "terminated", "failed"]
 ACTIVE = ("submitted", "provisioning", "running")
@@ -137,7 +137,6 @@ class ServiceState(BaseModel):
         "The key of the replica spec hashes (workflows.changes.spec_hash), which go into history in clear and hash "
         "secret values: without it nobody can test guesses of a secret against them. Random per service, given by "
         "`apply`; secret itself (encrypted in history). Empty: unkeyed hashes, as in runs that predate it."))
-
     stopping: bool = False
     failure: str = Field("", description=(
         "Why the service gave up (a replica failure its `retry` does not cover); set with `stopping`, the run "
@@ -235,7 +234,8 @@ class ReplicaInput(BaseModel):
     spot_policy: str = "on-demand"
     max_price: Optional[float] = None
     stop_duration: int = 300
-    startup_timeout: int = Field(3600, description="Seconds it may take to become ready once its commands run.")
+    startup_timeout: int = Field(DEFAULT_STARTUP_TIMEOUT, description="Seconds it may take to become ready once its "
+                                                                     "commands run.")
     route: bool = Field(True, description="Register it with the gateway once ready; False for a worker behind the "
                                           "service's router group.")
     heartbeat_seconds: int = Field(20, description="Heartbeat timeout of its launch and teardown (the service's).")

@@ -47,8 +47,8 @@ def _set(value: object) -> bool:
 
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
-    rules = [_model_rules, _service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds, _not_supported,
-             _references]
+    rules = [_model_rules, _service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds,
+             _not_supported, _references]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 

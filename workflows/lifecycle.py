@@ -43,8 +43,7 @@ def deploy(state: ServiceState, new: ServiceConfiguration) -> tuple[ApplyResult,
     if not changes.any:
         return ApplyResult(deployment=state.deployment_num, changed=False), []
     changed = {g.name for g in new.replica_groups
-               if state.config.group(g.name) != g
-               or spec_hash(state.config, g.name, state.hash_key) != spec_hash(new, g.name, state.hash_key)}
+               if state.config.group(g.name) != g or _spec(state, g.name) != _spec(state, g.name, new)}
     state.previous_config, state.config = state.config, new
     state.deployment_num += 1
     state.groups = sync_groups(new, state.groups)
@@ -63,9 +62,14 @@ def deploy(state: ServiceState, new: ServiceConfiguration) -> tuple[ApplyResult,
                        kept=kept, replacing=replacing, following=following), [note]
 
 
+def _spec(state: ServiceState, group: str, config: Optional[ServiceConfiguration] = None) -> str:
+    """What a replica of ``group`` runs under ``config`` (the service's by default), hashed with its key."""
+    return spec_hash(config or state.config, group, state.hash_key)
+
+
 def _keep_unchanged(state: ServiceState) -> int:
     """Replicas whose job does not change join the new deployment without a restart."""
-    hashes = {g.name: spec_hash(state.config, g.name, state.hash_key) for g in state.config.replica_groups}
+    hashes = {g.name: _spec(state, g.name) for g in state.config.replica_groups}
     kept = 0
     for r in state.replicas:
         if not r.finished and r.deployment_num < state.deployment_num and hashes.get(r.group) == r.spec_hash:
@@ -273,7 +277,7 @@ def add_replicas(state: ServiceState, plan: Plan, now: datetime) -> tuple[list[R
         refs = dict(plan.refs.get(s.group, {}))  # the planner starts a group only once all of them resolve
         replica = Replica(replica_num=s.replica_num, submission_num=s.submission_num, group=s.group,
                           deployment_num=state.deployment_num, submitted_at=now,
-                          spec_hash=spec_hash(state.config, s.group, state.hash_key), routed=state.config.routed(s.group), refs=refs)
+                          spec_hash=_spec(state, s.group), routed=state.config.routed(s.group), refs=refs)
         state.replicas.append(replica)
         state.next_replica_num = max(state.next_replica_num, s.replica_num + 1)
         added.append(replica)
