@@ -14,7 +14,9 @@ Each scenario runs a representative service life and saves ``(await handle.fetch
 * ``service_autoscale_hop.run1`` / ``.last`` — autoscaling on a traffic curve with a manual override, the
   first run (it ends in continue-as-new) and the last one (it ends with the stop);
 * ``service_signalled_apply`` — an `apply` and a `scale` sent as signals and judged by the local activity,
-  one refused signal, stop.
+  one refused signal, stop;
+* ``service_taken_id`` — a replica whose workflow id is held by a workflow no run owns starts as its next
+  submission; ``replica_untaken`` — a replica whose only backend no worker serves fails, nothing torn down.
 
 When to re-capture: while the workflow code is still young, after any change (this session); once services
 run for real, only after an intentional change behind ``workflow.patched`` — and then with ``--tag``, keeping
@@ -36,6 +38,8 @@ from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from tests.conftest import _time_skipping_env, eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
+from workflows.jobs import replica_input
+from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 HERE = Path(__file__).resolve().parent
@@ -205,7 +209,33 @@ async def signalled_apply(capture: Capture) -> None:
         await capture.save("service_signalled_apply", await handle.fetch_history())
 
 
-SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply]
+async def taken_and_untaken(capture: Capture) -> None:
+    """A replica whose workflow id a workflow no run owns holds (the next submission starts, `next-submission`),
+    and one whose only backend no worker serves (its launch is given up, nothing torn down there,
+    `untaken-made-nothing`)."""
+    async with fake_cloud() as (env, cloud):
+        name = "hist-taken"
+        config = load_config_text(GROUPS.format(name=name)).config
+        holder = await env.client.start_workflow(  # on a queue nobody serves: it stays open
+            ReplicaWorkflow.run, replica_input(config, name, service_workflow_id(name), "router", 0, 0, 0),
+            id=f"service/{name}/router/r0-s0", task_queue=f"{cloud.queue}-unserved")
+        handle = await start(env, cloud, name, GROUPS)
+        await settled(handle, {"router": 1, "decode": 0})
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await holder.terminate()
+        await capture.save("service_taken_id", await handle.fetch_history())
+        name = "hist-untaken"
+        cloud.served = ["aws"]
+        handle = await start(env, cloud, name, GROUPS, unserved_seconds=2)
+        replica = env.client.get_workflow_handle(f"service/{name}/router/r0-s0")
+        await replica.result()
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await capture.save("replica_untaken", await replica.fetch_history())
+
+
+SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply, taken_and_untaken]
 
 
 async def main(argv: Optional[list[str]] = None) -> None:
