@@ -161,7 +161,9 @@ class CloudReplicas:
             while not started.done():
                 activity.heartbeat(f"{instance.instance_id}: starting the container (image pull)")
                 await asyncio.wait({started}, timeout=5.0)
-            started.result()
+            if not started.result():
+                log.info("%s: %s: kept the container an earlier attempt started", inp.job.replica_id,
+                         instance.instance_id)
         except RuntimeError as e:  # docker run failed: the message is docker's, never the env
             raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="StartFailed") from e
         finally:

@@ -24,6 +24,7 @@ DEFAULT_IMAGE = "nvidia/cuda:12.4.1-runtime-ubuntu22.04"
 DEFAULT_DEVEL_IMAGE = "nvidia/cuda:12.4.1-devel-ubuntu22.04"  # nvcc: true
 DIND_IMAGE = "docker:27-dind"  # docker: true; its dockerd is started by the job wrapper
 CONTAINER_NAME = "durastack-job"
+REPLICA_LABEL = "durastack.replica"  # the submission a container runs (its replica id)
 CONTAINER_DIR = "/durastack"  # where the job's files are mounted in the container (read-only)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -111,7 +112,7 @@ def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = 
     gateway reaches the app through the SSH tunnel, at 127.0.0.1:<port> on the instance."""
     rt = runtime_of(job)
     argv = ["docker", "run", "-d", "--name", CONTAINER_NAME, "--restart", "no", "--ipc=host", "--network=host",
-            "--label", f"durastack.replica={job.replica_id}"]
+            "--label", f"{REPLICA_LABEL}={job.replica_id}"]
     if gpu:
         argv += ["--gpus", "all"]
     if rt.privileged:

@@ -26,7 +26,7 @@ from typing import Awaitable, Callable, Optional
 
 import asyncssh
 
-from activities.runtime import CONTAINER_NAME
+from activities.runtime import CONTAINER_NAME, REPLICA_LABEL
 from activities.userdata import job_upload, start_command
 from models.replica import JobSpec
 
@@ -142,9 +142,12 @@ async def wait_booted(conn: asyncssh.SSHClientConnection) -> bool:
     return status == 0
 
 
-async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool, replica_ip: str = "") -> None:
-    """Write the job's files (root's, mode 600: the env holds secrets) and (re)start its container, which gets
-    ``replica_ip`` (the instance's private address) as ``DURASTACK_REPLICA_IP``."""
+async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool, replica_ip: str = "") -> bool:
+    """Write the job's files (root's, mode 600: the env holds secrets) and start its container, which gets
+    ``replica_ip`` (the instance's private address) as ``DURASTACK_REPLICA_IP``. False, and nothing done, when this
+    submission's container already ran here (``ran_before``)."""
+    if await ran_before(conn, job):
+        return False
     files = job_upload(job)
     prepare = f"umask 077; J={REMOTE_DIR}/job; rm -rf \"$J\"; mkdir -p \"$J/env.d\""
     status, _, err = await run(conn, prepare)
@@ -158,6 +161,20 @@ async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bo
     status, _, err = await run(conn, start_command(job, gpu=gpu, replica_ip=replica_ip), timeout=1800.0)  # may pull a large image
     if status != 0:
         raise RuntimeError(f"docker run failed ({status}): {err.strip()[-500:]}")
+    return True
+
+
+async def ran_before(conn: asyncssh.SSHClientConnection, job: JobSpec) -> bool:
+    """Whether an earlier attempt of this submission's launch started its container here (its label names the
+    submission). Kept as it is: started again, a model that was loading would load from the start (a worker
+    restart cost a large model its whole load), and one that exited would run twice; the readiness wait then
+    sees it serve or reports its exit. A container only created (its start failed) or another submission's is
+    started anew."""
+    template = f'{{{{.State.Status}}}} {{{{index .Config.Labels "{REPLICA_LABEL}"}}}}'
+    status, out, _ = await run(conn, f"docker inspect -f '{template}' {CONTAINER_NAME}",
+                               timeout=CONTAINER_CHECK_SECONDS)
+    state, _, replica = out.strip().partition(" ")
+    return status == 0 and replica == job.replica_id and state in ("running", "restarting", "exited")
 
 
 # A container check over a connection that stopped answering (the network cut, the instance hung) gives up after

@@ -148,6 +148,24 @@ async def test_only_the_installation_key_and_only_the_pinned_host_key(vpc, keys,
     conn.close()
 
 
+async def test_a_retried_start_keeps_the_container_an_earlier_attempt_started(vpc, keys):
+    """A worker that died while a model loaded: the launch's retry keeps that container (its load goes on, its
+    exit is reported, it never runs twice), where it used to remove and start it again. Another submission on the
+    instance, or a container that never started, is started anew."""
+    _, target = boot(vpc, keys, "ds-svc-llm-r3s0-ddd", "172.31.9.4")
+    client = SSHClient.from_keys(keys, socket_factory=vpc.socket_factory)
+    conn = await client.connect(target)
+    assert await wait_booted(conn)
+    pid = 'cat "$FAKE_DOCKER_DIR/durastack-job/pid"'
+    assert await start_job(conn, job(), gpu=False) is True
+    first = (await run(conn, pid))[1]
+    assert await start_job(conn, job(), gpu=False) is False
+    assert (await run(conn, pid))[1] == first and await container_state(conn) is None
+    assert await start_job(conn, job(submission_num=1), gpu=False) is True  # the next submission's own
+    assert (await run(conn, pid))[1] != first
+    conn.close()
+
+
 async def test_exec_and_logs_reach_the_container_over_ssh(vpc, keys):
     import io
 

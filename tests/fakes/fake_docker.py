@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,24 @@ def _state(name: str) -> tuple[str, int]:
     return "exited", 137
 
 
+def _render(fmt: str, name: str, state: str, code: int) -> str:
+    """A ``docker inspect -f`` template, for the fields durastack reads; any other is refused as docker refuses
+    a field a container does not have."""
+    labels = dict(kv.partition("=")[::2] for kv in
+                  json.loads((_dir(name) / "spec.json").read_text())["opts"].get("--label", []))
+    fields = {".State.Status": state, ".State.ExitCode": str(code)}
+
+    def field(m: re.Match) -> str:
+        expr = m.group(1).strip()
+        label = re.fullmatch(r'index \.Config\.Labels "([^"]+)"', expr)
+        if label:
+            return labels.get(label.group(1), "<no value>")
+        if expr not in fields:
+            raise SystemExit(f"template: :1: executing \"\" at <{expr}>: can't evaluate field")
+        return fields[expr]
+    return re.sub(r"\{\{(.*?)\}\}", field, fmt)
+
+
 def _kill(name: str, sig: int = signal.SIGKILL) -> None:
     d = _dir(name)
     if (d / "pid").exists():
@@ -141,7 +160,8 @@ def main(argv: list[str]) -> int:
         if state == "missing":
             print(f"Error: No such object: {name}", file=sys.stderr)
             return 1
-        print(f"{state} {code}")
+        fmt = args[args.index("-f") + 1] if "-f" in args else None
+        print(_render(fmt, name, state, code) if fmt else json.dumps([{"Name": f"/{name}"}]))
         return 0
     if cmd == "logs":
         name, follow = args[-1], "-f" in args
