@@ -67,7 +67,7 @@ def _openssh_public(key: Ed25519PrivateKey, comment: str = "") -> str:
 
 @dataclass(frozen=True)
 class HostKey:
-    private_openssh: str  # for the instance's /etc/ssh/ssh_host_ed25519_key: only ever in its user data
+    private_openssh: str  # for the instance's /etc/ssh/durastack_host_ed25519_key: only ever in its user data
     public_openssh: str   # ``ssh-ed25519 AAAA…``: what the connection pins
 
 

@@ -135,6 +135,8 @@ async def _true(value):
 
 
 async def test_only_the_installation_key_and_only_the_pinned_host_key(vpc, keys, tmp_path):
+    # A GCP host: its guest agent wrote new default host keys after the startup script (tests/fakes/vpc.py); the
+    # pinned key is served all the same, from durastack's own file.
     _, target = boot(vpc, keys, "ds-svc-llm-r1s0-bbb", "10.128.7.9", user_data_of=startup_script)
     # Another host key (e.g. the image's own, before the boot script ran; or another machine): refused.
     other = SSHTarget(target.host, keys.host_key("some-other-instance").public_openssh)

@@ -191,12 +191,12 @@ def test_boot_script_installs_the_host_key_and_the_installation_key(tmp_path):
            "DURASTACK_ROOT_HOME": str(root / "home"), "DURASTACK_SIMULATED": "1"}
     for _ in range(2):  # GCP runs it at every boot
         subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
-    assert (root / "etc/ssh/ssh_host_ed25519_key").read_text() == host.private_openssh
-    assert (root / "etc/ssh/ssh_host_ed25519_key").stat().st_mode & 0o777 == 0o600
+    assert (root / "etc/ssh/durastack_host_ed25519_key").read_text() == host.private_openssh
+    assert (root / "etc/ssh/durastack_host_ed25519_key").stat().st_mode & 0o777 == 0o600
     assert (root / "home/.ssh/authorized_keys").read_text() == ssh.client_public() + "\n"
     assert (root / "opt/ready").exists()
     if shutil.which("ssh-keygen"):  # OpenSSH reads the host key durastack wrote
-        out = subprocess.run(["ssh-keygen", "-y", "-f", str(root / "etc/ssh/ssh_host_ed25519_key")],
+        out = subprocess.run(["ssh-keygen", "-y", "-f", str(root / "etc/ssh/durastack_host_ed25519_key")],
                              capture_output=True, text=True, check=True).stdout
         assert out.split()[:2] == host.public_openssh.split()[:2]
 

@@ -1,6 +1,7 @@
 """The SSH server of a simulated cloud host (asyncssh's), run inside the host's own network namespace.
 
-It presents the host key the instance's boot script installed (from its user data) and accepts only the
+It presents the host keys its sshd configuration names (``HostKey``, as the instance's boot script set it) and
+accepts only the
 keys in the authorized_keys that script wrote — the installation's. Commands run as they would as root on
 the instance: by bash, with ``docker`` the stand-in of tests/fakes/fake_docker.py and ``DURASTACK_DIR`` the
 host's state dir. Only direct TCP forwarding to the host's loopback is allowed (sshd's
@@ -32,6 +33,13 @@ class _Server(asyncssh.SSHServer):
         return False
 
 
+def host_keys(root: Path) -> list[str]:
+    """The host keys sshd serves: the ``HostKey`` lines of its configuration, else its default key."""
+    named = [line.split(None, 1)[1].strip() for conf in sorted((root / "etc/ssh/sshd_config.d").glob("*.conf"))
+             for line in conf.read_text().splitlines() if line.split(None, 1)[:1] == ["HostKey"]]
+    return [str(root / p.lstrip("/")) for p in named] or [str(root / "etc/ssh/ssh_host_ed25519_key")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True, help="the host's files: etc/, home/, opt/, bin/docker")
@@ -60,7 +68,7 @@ def main() -> None:
     async def serve() -> None:
         server = await asyncssh.create_server(
             _Server, args.listen, args.port,
-            server_host_keys=[str(root / "etc/ssh/ssh_host_ed25519_key")],
+            server_host_keys=host_keys(root),
             authorized_client_keys=str(root / "home/.ssh/authorized_keys"),
             process_factory=handle, encoding=None, password_auth=False, kbdint_auth=False,
             allow_scp=False, sftp_factory=None, agent_forwarding=False, x11_forwarding=False)

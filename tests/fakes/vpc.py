@@ -5,7 +5,8 @@
   nothing, and no packet leaves them).
 * A host boots from the instance's user data / startup-script, as a real instance would (its boot script runs
   with its paths moved under the host's dir), then runs asyncssh's server (tests/fakes/sim_host.py) with the host
-  key the script installed, accepting only the installation's key; ``docker`` is tests/fakes/fake_docker.py.
+  key the script installed, accepting only the installation's key; ``docker`` is tests/fakes/fake_docker.py. A GCP
+  host's guest agent then writes new default host keys, as on a real instance's first boot.
 * The gateway (this process) reaches a host only by a TCP connection made inside the VPC namespace
   (``socket_factory``, what ``activities.ssh.SSHClient`` is given), and the host serves only SSH there: the app is
   on the host's loopback, reachable through the SSH tunnel alone — as with a real cloud's firewall. The gateway's
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+import asyncssh
 from ruamel.yaml import YAML
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +77,14 @@ def available() -> Optional[str]:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _guest_agent_host_keys(ssh_dir: Path) -> None:
+    """What GCP's guest agent does on an instance's first boot, racing its startup script: new host keys in sshd's
+    default places (``set_host_keys``), whatever the script wrote there."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    (ssh_dir / "ssh_host_ed25519_key").write_bytes(key.export_private_key("openssh"))
+    (ssh_dir / "ssh_host_ed25519_key.pub").write_bytes(key.export_public_key("openssh"))
 
 
 def boot_script_of(user_data: str) -> str:
@@ -167,6 +177,8 @@ class SimulatedVPC:
         env = {"PATH": "/usr/bin:/bin", "DURASTACK_SIMULATED": "1", "DURASTACK_DIR": str(root / "opt"),
                "DURASTACK_ETC": str(root / "etc"), "DURASTACK_ROOT_HOME": str(root / "home")}
         subprocess.run(["ip", "netns", "exec", netns, "bash", str(script)], env=env, check=True, timeout=60)
+        if not user_data.startswith("#cloud-config"):
+            _guest_agent_host_keys(root / "etc" / "ssh")
         server = subprocess.Popen(
             ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.fakes.sim_host", "--root", str(root),
              "--listen", address], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
