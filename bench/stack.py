@@ -16,7 +16,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Callable, Optional, TypeVar
 import httpx
 
 from activities.local_host import BASE_PATH, MARKER
+from gateway.app import free_port, free_ports
 from models.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,10 +50,10 @@ def replica_python() -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def port_env() -> dict[str, str]:
+    """The ports of a stack of its own (`durastack server`'s variables), free and distinct."""
+    names = ("TEMPORAL", "UI", "GATEWAY", "GATEWAY_CONTROL", "WORKER_METRICS", "CODEC")
+    return {f"DURASTACK_{name}_PORT": str(port) for name, port in zip(names, free_ports(len(names)))}
 
 
 def step(title: str) -> None:
@@ -110,11 +110,7 @@ class BenchStack:
     # ---- life ------------------------------------------------------------------------------------
 
     def _pick_ports(self) -> None:
-        self.env.update({"DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
-                         "DURASTACK_GATEWAY_PORT": str(free_port()),
-                         "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port()),
-                         "DURASTACK_WORKER_METRICS_PORT": str(free_port()),
-                         "DURASTACK_CODEC_PORT": str(free_port())})
+        self.env.update(port_env())
         self.settings = Settings.from_env(environ=self.env)
         self.gateway = self.settings.gateway_url
         self.control = self.settings.gateway_control_url

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.app import free_port
+from bench.stack import port_env
 
 BIN = Path(sys.executable).parent
 
@@ -44,10 +44,7 @@ class Stack:
     def __init__(self, home: Path, env: dict[str, str] | None = None):
         """``env``: more environment for the server and the CLI (e.g. DURASTACK_LOCAL_ISOLATION=off)."""
         self.home = home
-        self.env = {**os.environ, **(env or {}), "DURASTACK_HOME": str(home),
-                    "DURASTACK_TEMPORAL_PORT": str(free_port()), "DURASTACK_UI_PORT": str(free_port()),
-                    "DURASTACK_GATEWAY_PORT": str(free_port()), "DURASTACK_GATEWAY_CONTROL_PORT": str(free_port()),
-                    "DURASTACK_WORKER_METRICS_PORT": str(free_port()), "DURASTACK_CODEC_PORT": str(free_port())}
+        self.env = {**os.environ, **(env or {}), "DURASTACK_HOME": str(home), **port_env()}
         self.env.pop("DURASTACK_TEMPORAL_ADDRESS", None)
         self.log = open(home / "server.out", "wb")
         self.proc = subprocess.Popen([str(BIN / "durastack"), "server"], env=self.env, stdout=self.log,
