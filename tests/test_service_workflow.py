@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.service import RPCError
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
@@ -617,6 +619,29 @@ async def test_a_backend_with_no_worker_at_all_is_said_in_events_and_ps(dev_env,
     assert any(missing in e.message for e in events), [e.message for e in events]
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
+
+
+async def test_a_service_stopped_while_its_launch_waits_for_a_missing_worker_stops(dev_env, cloud_dev):
+    """Stopped while its replica's launch waits for a backend no worker serves: the launch is cancelled and the
+    teardown on that backend waits for a worker too, but the service hears of the replica's end within
+    `unserved_seconds` and stops, instead of waiting for that worker for good."""
+    env, cloud = dev_env, cloud_dev
+    cloud.served = ["aws"]
+    handle = await start(env, cloud, "svc-stop-unserved", unserved_seconds=3)
+    replica = env.client.get_workflow_handle("service/svc-stop-unserved/0/r0-s0")
+
+    async def launching() -> bool:
+        with contextlib.suppress(RPCError):
+            return any(a.activity_type.name == "launch_replica"
+                       for a in (await replica.describe()).raw_description.pending_activities)
+        return False
+    await eventually(launching)
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await asyncio.wait_for(last_run_result(env.client, handle.id), 30) == "stopped"
+    # The teardown still waits for an aws worker, which would find nothing there to stop.
+    pending = (await replica.describe()).raw_description.pending_activities
+    assert [a.activity_type.name for a in pending] == ["teardown_replica"]
+    await replica.terminate()
 
 
 async def test_a_launch_has_its_groups_startup_timeout_beyond_the_boot(ts_env, cloud):

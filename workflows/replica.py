@@ -67,19 +67,22 @@ def no_capacity_reason(refusals: list[NoCapacity]) -> str:
 def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Optional[NoCapacity]:
     """A launch no worker took in time (its schedule-to-start timeout: a cloud worker that is not running, a queue
     name that differs): that backend is given up, with why, and the next one tried, not waited on for ever."""
-    cause = error.cause
-    if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START:
+    if no_worker_took(error):
         return NoCapacity(backend=backend, tried=True, reasons=[
             f"{backend}: no worker took the launch within {seconds} s (is a worker serving {queue} running?)"])
     return None
 
 
-def never_taken(error: ActivityError) -> bool:
-    """Whether no attempt of the activity ever ran: it timed out waiting for a worker, and no earlier attempt
-    failed (Temporal keeps an earlier attempt's failure as the timeout's cause)."""
+def no_worker_took(error: ActivityError) -> bool:
+    """Whether the activity timed out waiting for a worker (its schedule-to-start timeout)."""
     cause = error.cause
-    return (isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START
-            and cause.cause is None)
+    return isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START
+
+
+def never_taken(error: ActivityError) -> bool:
+    """Whether no attempt of the activity ever ran: no worker took it, and no earlier attempt failed (Temporal
+    keeps an earlier attempt's failure as the timeout's cause)."""
+    return no_worker_took(error) and error.cause.cause is None
 
 
 def no_capacity(error: ActivityError) -> Optional[NoCapacity]:
@@ -176,21 +179,34 @@ class ReplicaWorkflow:
     async def _teardown(self, request: StopRequest) -> None:
         instance: Optional[Instance] = self.launched.instance if self.launched else None
         where = [self.launched.placement.backend] if self.launched else self.tried
+        final: ReplicaStatus = "failed" if request.failed else "terminated"
+        told = False
         for backend in where:
-            await workflow.execute_activity(
-                interface.teardown_replica,
-                TeardownInput(service_workflow_id=self.inp.service_workflow_id, job=self.inp.job, backend=backend,
-                              instance=instance, drain_seconds=0 if request.failed else self.inp.stop_duration,
-                              reason=request.reason, final="failed" if request.failed else "terminated",
-                              router=request.router),
-                task_queue=backend_queue(workflow.info().task_queue, backend),
-                start_to_close_timeout=timedelta(seconds=self.inp.stop_duration + 600),
-                heartbeat_timeout=self._heartbeat(), retry_policy=FOREVER, summary="leave the gateway, terminate")
+            inp = TeardownInput(service_workflow_id=self.inp.service_workflow_id, job=self.inp.job, backend=backend,
+                                instance=instance, drain_seconds=0 if request.failed else self.inp.stop_duration,
+                                reason=request.reason, final=final, router=request.router)
+            try:
+                await self._teardown_on(backend, inp, timedelta(seconds=self.inp.unserved_seconds))
+            except ActivityError as e:
+                if not no_worker_took(e):
+                    raise
+                # No worker of that backend takes it (its launch may have been waiting for one too): the service
+                # hears of the end now, not when that worker comes back, and the teardown waits for it.
+                await self._report_end(final, request.reason)
+                told = True
+                await self._teardown_on(backend, inp, None)
         # Indexed once, at the end, so that the Web UI's list filters replicas by outcome and backend.
-        final = "failed" if request.failed else "terminated"
         workflow.upsert_search_attributes([SA_STATUS.value_set(final)] + (
             [SA_BACKEND.value_set(self.launched.placement.backend)] if self.launched else []))
-        await self._report_end(final, request.reason)
+        if not told:
+            await self._report_end(final, request.reason)
+
+    async def _teardown_on(self, backend: str, inp: TeardownInput, unserved_after: Optional[timedelta]) -> None:
+        await workflow.execute_activity(
+            interface.teardown_replica, inp, task_queue=backend_queue(workflow.info().task_queue, backend),
+            schedule_to_start_timeout=unserved_after,
+            start_to_close_timeout=timedelta(seconds=self.inp.stop_duration + 600),
+            heartbeat_timeout=self._heartbeat(), retry_policy=FOREVER, summary="leave the gateway, terminate")
 
     async def _report_serving(self, launched: Launched) -> None:
         """The launch's own `serving` report, again, durably (the same step number: the second one is dropped)."""
