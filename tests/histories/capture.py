@@ -32,10 +32,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import SearchAttributeKey
+from temporalio.service import RPCError
+from temporalio.testing import WorkflowEnvironment
 
 from models.loader import load_config_text
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
-from tests.conftest import _time_skipping_env, eventually, last_run_result, run_histories
+from models.settings import SEARCH_ATTRIBUTES
+from tests.conftest import DATA_CONVERTER, _time_skipping_env, eventually, last_run_result, run_histories, tool
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
 from workflows.jobs import replica_input
@@ -93,6 +98,20 @@ async def fake_cloud() -> AsyncIterator[tuple[object, FakeCloud]]:
                                                 if st == "terminated"}) as locks:
                 yield env, cloud
             assert locks.error is None, locks.error
+    finally:
+        await env.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def dev_cloud() -> AsyncIterator[tuple[object, FakeCloud]]:
+    """The dev server of its own (a launch waiting for a worker times out in real time there; the test server
+    never skips that wait), and a FakeCloud."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=tool("temporal"), ip="127.0.0.1", data_converter=DATA_CONVERTER,
+        search_attributes=[SearchAttributeKey.for_keyword(n) for n in SEARCH_ATTRIBUTES])
+    try:
+        async for cloud in fake_cloud_worker(env):
+            yield env, cloud
     finally:
         await env.shutdown()
 
@@ -213,7 +232,7 @@ async def taken_and_untaken(capture: Capture) -> None:
     """A replica whose workflow id a workflow no run owns holds (the next submission starts, `next-submission`),
     and one whose only backend no worker serves (its launch is given up, nothing torn down there,
     `untaken-made-nothing`)."""
-    async with fake_cloud() as (env, cloud):
+    async with dev_cloud() as (env, cloud):
         name = "hist-taken"
         config = load_config_text(GROUPS.format(name=name)).config
         holder = await env.client.start_workflow(  # on a queue nobody serves: it stays open
@@ -229,7 +248,12 @@ async def taken_and_untaken(capture: Capture) -> None:
         cloud.served = ["aws"]
         handle = await start(env, cloud, name, GROUPS, unserved_seconds=2)
         replica = env.client.get_workflow_handle(f"service/{name}/router/r0-s0")
-        await replica.result()
+
+        async def ended() -> bool:
+            with contextlib.suppress(RPCError):  # not started yet
+                return (await replica.describe()).status != WorkflowExecutionStatus.RUNNING
+            return False
+        await eventually(ended)
         await handle.signal(ServiceRunWorkflow.stop)
         await handle.result()
         await capture.save("replica_untaken", await replica.fetch_history())
