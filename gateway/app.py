@@ -17,6 +17,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -48,13 +49,35 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports of 127.0.0.1: each socket is held until all are chosen (chosen one at a time, the
-    kernel may give the same port twice, and a stack's two servers then met on it)."""
+    """``n`` distinct free ports of 127.0.0.1, below the kernel's ephemeral range, for servers started a little
+    later. In that range a port let go is anyone's next random one: a stack's Temporal dev server, which picks
+    random ports for its HTTP API, metrics and internal services, took the gateway's before it started. Each
+    socket is held until all are chosen, so no port is given twice."""
+    low = _ephemeral_low()
+    tries = [random.randrange(PORTS_FROM, low) for _ in range(64 * n)] if low > PORTS_FROM else []
     with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
+        socks: list[socket.socket] = []
+        for port in tries + [0] * n:  # 0: any free port, if none was found below the range
+            if len(socks) == n:
+                break
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            socks.append(s)
         return [s.getsockname()[1] for s in socks]
+
+
+PORTS_FROM = 10000  # clear of the ports services are given by default (7233, 8000, 8233, …)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range, where bind(0) and outgoing connections draw from."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class GatewayServer:
