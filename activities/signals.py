@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from activities.interface import implements, judge_signal as judge_stub
 from models.loader import load_config_data, render_path
-from models.validation import validate_service
+from models.validation import broken_rules, validate_service
 from models.run import ApplyRequest, ScaleRequest, SignalInput, Verdict
 from workflows.admission import Refused, check_apply, check_scale
 from workflows.changes import classify
@@ -31,8 +31,7 @@ def judge(inp: SignalInput) -> Verdict:
             return Verdict(scale=request)
         return _judge_apply(inp)
     except ValidationError as e:
-        return Verdict(reason="; ".join(f"{'.'.join(map(str, err['loc'])) or 'payload'}: {err['msg']}"
-                                        for err in e.errors()))
+        return Verdict(reason=broken_rules(e))
     except Refused as e:
         return Verdict(reason=str(e))
 

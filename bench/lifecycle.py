@@ -156,20 +156,30 @@ def routes(stack: BenchStack, name: str) -> Optional[set[str]]:
     return {u["replica_id"] for u in services.get(name, {}).get("upstreams", [])}
 
 
-def app_pid(home: Path, work_dir: str) -> int:
-    """The replica's app: the `http.server` python carrying the backend's marker of that work dir."""
-    wanted = f"{MARKER}={work_dir}".encode()
+def apps() -> dict[str, int]:
+    """The replicas' apps that run: the work dir of each (the backend's marker in its environment) → the pid of
+    its `http.server` python."""
+    prefix = f"{MARKER}=".encode()
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"http.server" not in args or wanted not in (entry / "environ").read_bytes().split(b"\0"):
+            if b"http.server" not in (entry / "cmdline").read_bytes().split(b"\0"):
                 continue
+            env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        return int(entry.name)
-    raise RuntimeError(f"no app process of {work_dir}")
+        found.update({e[len(prefix):].decode(): int(entry.name) for e in env if e.startswith(prefix)})
+    return found
+
+
+def app_pid(work_dir: str) -> int:
+    """The replica's app: the `http.server` python carrying the backend's marker of that work dir."""
+    pid = apps().get(work_dir)
+    if pid is None:
+        raise RuntimeError(f"no app process of {work_dir}")
+    return pid
 
 
 def status(url: str, token: str) -> Optional[int]:
@@ -184,7 +194,7 @@ def kill_and_follow(stack: BenchStack, name: str, replica: int, serve: bool = Tr
     """SIGKILL replica ``replica``'s app; seconds until it is unrouted, a replacement is routed and (``serve``)
     a request through the gateway answers 200."""
     rid = f"{name}/{GROUP}/r{replica}-s0"
-    pid = app_pid(stack.home, stack.instance(name, GROUP, replica)["work_dir"])
+    pid = app_pid(stack.instance(name, GROUP, replica)["work_dir"])
     before = until(lambda: (lambda now: now if now and rid in now else None)(routes(stack, name)), 30, POLL,
                    f"{rid} routed")
     token, url = stack.token(), f"{stack.gateway}/services/{name}/"  # made before the clock starts
@@ -279,19 +289,8 @@ def run_moves(stack: BenchStack, moves: int) -> list[str]:
 
 def live_apps(stack: BenchStack, name: str) -> set[str]:
     """The work dirs (``group/rN-sM``) of ``name``'s replicas whose app runs."""
-    prefix = f"{MARKER}={stack.home / 'replicas' / name}/".encode()
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if b"http.server" not in (entry / "cmdline").read_bytes():
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        found |= {e[len(prefix):].decode() for e in env if e.startswith(prefix)}
-    return found
+    prefix = f"{stack.home / 'replicas' / name}/"
+    return {wd[len(prefix):] for wd in apps() if wd.startswith(prefix)}
 
 
 async def _terminate(stack: BenchStack, name: str) -> None:

@@ -43,6 +43,7 @@ from temporalio.converter import (CompositePayloadConverter, DataConverter, Defa
 from connect.files import write_once
 from models.history import lenient
 from models.secrets import ENCRYPTED_MARK, SECRET_MARK
+from models.validation import broken_rules
 
 log = logging.getLogger("durastack.codec")
 KEY_ENV = "DURASTACK_CODEC_KEY"
@@ -207,10 +208,8 @@ class HistoryJSONConverter(PydanticJSONPlainPayloadConverter):
         except ValidationError as e:
             if type_hint is None:
                 raise
-            # Where and which rule, never the value (it may be a secret).
-            log.warning("%s read back without today's rules, which it does not meet: %s", getattr(
-                type_hint, "__name__", type_hint), "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                                                             for err in e.errors(include_input=False)))
+            log.warning("%s read back without today's rules, which it does not meet: %s",
+                        getattr(type_hint, "__name__", type_hint), broken_rules(e))
             return lenient(type_hint, json.loads(payload.data))
 
 

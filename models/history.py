@@ -53,7 +53,7 @@ def _parts(annotation: Any, raw: Any) -> Any:
             return _adapter(Annotated[(base, *parsers)]).validate_python(raw)
         except ValidationError:
             pass
-    if isinstance(base, type) and issubclass(base, BaseModel):
+    if _is_model(base):
         raw = _before(parsers, raw)  # a short form (a port number for a mapping) made a mapping
         if isinstance(raw, dict):
             return _model(base, raw)
@@ -103,8 +103,12 @@ def _holds(annotation: Any, raw: Any) -> bool:
     """Whether ``annotation`` is a model, list or mapping, as ``raw`` is."""
     base = _split(annotation)[0]
     if isinstance(raw, dict):
-        return get_origin(base) is dict or isinstance(base, type) and issubclass(base, BaseModel)
+        return get_origin(base) is dict or _is_model(base)
     return isinstance(raw, list) and get_origin(base) in (list, tuple, set, frozenset)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _model(cls: type[BaseModel], raw: dict) -> BaseModel:

@@ -67,25 +67,22 @@ def unmark_env(value: Any) -> Any:
     return value
 
 
-def dump_secret(value: str, context: Any) -> str:
-    """JSON form of a value that is secret whatever its name (a key): marked, redacted or revealed per ``context``."""
+def _secret_form(value: str, context: Any) -> str:
+    """A secret value as JSON: marked (default), redacted or revealed per ``context``."""
     mode = context.get("secrets") if isinstance(context, Mapping) else None
-    if not value or mode == "reveal":
-        return value
-    return REDACTED if mode == "redact" else SECRET_MARK + value
+    return value if mode == "reveal" else REDACTED if mode == "redact" else SECRET_MARK + value
+
+
+def dump_secret(value: str, context: Any) -> str:
+    """JSON form of a value that is secret whatever its name (a key); an empty one stays empty."""
+    return _secret_form(value, context) if value else value
 
 
 def dump_env(env: Mapping[str, Optional[str]], listed: Iterable[str], context: Any) -> dict[str, Optional[str]]:
-    """JSON form of an env mapping: secret values marked (default), redacted or revealed per ``context``."""
-    mode = context.get("secrets") if isinstance(context, Mapping) else None
+    """JSON form of an env mapping: its secret values in their secret form (``_secret_form``)."""
     listed = set(listed)
-    out: dict[str, Optional[str]] = {}
-    for name, value in env.items():
-        if value is None or mode == "reveal" or not is_secret(name, listed):
-            out[name] = value
-        else:
-            out[name] = REDACTED if mode == "redact" else SECRET_MARK + value
-    return out
+    return {name: value if value is None or not is_secret(name, listed) else _secret_form(value, context)
+            for name, value in env.items()}
 
 
 def _dump_secret_json(value: str, info: FieldSerializationInfo) -> str:

@@ -67,6 +67,12 @@ def warnings_for(cfg: ServiceConfiguration) -> list[Issue]:
     return out
 
 
+def broken_rules(error: ValidationError) -> str:
+    """Where and which rule each failure of ``error`` breaks, never the value (it may be a secret)."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'payload'}: {err['msg']}"
+                     for err in error.errors(include_input=False))
+
+
 def _model_rules(cfg: ServiceConfiguration) -> Iterator[Issue]:
     """The models' own rules (bounds, patterns, field checks). A file met them when it was loaded, but a
     configuration read back from history was not held to them (models.history): an update or a start that

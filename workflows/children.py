@@ -27,7 +27,7 @@ TAKEN_IDS = 5  # submissions tried in a row before the replica fails (each taken
 
 
 class Children:
-    def __init__(self, state: ServiceState, heartbeat_seconds: int, unserved_seconds: int = 60) -> None:
+    def __init__(self, state: ServiceState, heartbeat_seconds: int, unserved_seconds: int) -> None:
         self.state, self.heartbeat_seconds, self.unserved_seconds = state, heartbeat_seconds, unserved_seconds
         self.handles: dict[tuple[int, int], ChildWorkflowHandle] = {}  # this run's children, until they close
         # Whether closed children are noticed and torn down even before they were placed (patch watch-children,
