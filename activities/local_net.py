@@ -124,16 +124,39 @@ def gateway_nsname(home: Path) -> str:
     return f"ds-{_tag(str(Path(home)), 6)}-gw"  # never a service's: theirs end in 10 hex digits
 
 
-def gateway_namespace(home: Path) -> Path:
-    """The home's gateway namespace, made if missing: loopback up, forwarding off. Its path under /run/netns."""
-    ip, name = _ip_binary() or "ip", gateway_nsname(home)
+def temporal_nsname(home: Path) -> str:
+    return f"ds-{_tag(str(Path(home)), 6)}-tp"
+
+
+def _loopback_namespace(name: str) -> Path:
+    """The named namespace, made if missing, with its loopback up and forwarding off: nothing in it reaches
+    anything outside, nor routes for anyone. Its path under /run/netns. Call with the home's lock held."""
+    ip = _ip_binary() or "ip"
+    if not (NETNS_DIR / name).exists():
+        _run([ip, "netns", "add", name])
+    _run([ip, "-n", name, "link", "set", "lo", "up"])
+    # A new namespace starts with forwarding off; said explicitly, since isolation rests on it.
+    _sysctls(NETNS_DIR / name, {"net/ipv4/ip_forward": "0", "net/ipv4/conf/all/forwarding": "0"})
+    return NETNS_DIR / name
+
+
+def temporal_namespace(home: Path) -> Path:
+    """The home's Temporal namespace (see cli/door.py): only loopback, which no process of the host shares."""
     with _home_locked(home):
-        if not (NETNS_DIR / name).exists():
-            _run([ip, "netns", "add", name])
-        _run([ip, "-n", name, "link", "set", "lo", "up"])
-        # A replica must not reach another service by routing through here (a new namespace starts with
-        # forwarding off; said explicitly, since everything rests on it).
-        _sysctls(NETNS_DIR / name, {"net/ipv4/ip_forward": "0", "net/ipv4/conf/all/forwarding": "0"})
+        return _loopback_namespace(temporal_nsname(home))
+
+
+def release_temporal_namespace(home: Path) -> None:
+    with _home_locked(home):
+        if (NETNS_DIR / temporal_nsname(home)).exists():
+            _run([_ip_binary() or "ip", "netns", "delete", temporal_nsname(home)], check=False)
+
+
+def gateway_namespace(home: Path) -> Path:
+    """The home's gateway namespace, made if missing: loopback up, forwarding off (a replica must not reach
+    another service by routing through here). Its path under /run/netns."""
+    with _home_locked(home):
+        _loopback_namespace(gateway_nsname(home))
     # Replicas started before it (a gateway started after its services, or made anew) get their link now.
     base = Path(home) / "net"
     for d in sorted(base.iterdir()) if base.is_dir() else []:
@@ -144,7 +167,7 @@ def gateway_namespace(home: Path) -> Path:
                     with contextlib.suppress(OSError, ValueError, KeyError, NetworkError):
                         pid = json.loads((Path(lease["work_dir"]) / ".durastack" / "instance.json").read_text())["pid"]
                         net.link_gateway(rid, pid, lease["ip"])
-    return NETNS_DIR / name
+    return NETNS_DIR / gateway_nsname(home)
 
 
 def release_gateway_namespace(home: Path) -> bool:
@@ -711,7 +734,7 @@ def reap_all(home: Path) -> list[str]:
     # A namespace whose state dir is gone (the home was wiped by hand): only ours, by the home's tag.
     prefix = f"ds-{_tag(str(Path(home)), 6)}-"
     known = {_nsname(Path(home), d.name) for d in base.iterdir()} if base.is_dir() else set()
-    known.add(gateway_nsname(home))  # the gateway's, which outlives the services
+    known |= {gateway_nsname(home), temporal_nsname(home)}  # the stack's own, which outlive the services
     for ns in sorted(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else []:
         if ns.startswith(prefix) and ns not in known:
             _run([_ip_binary() or "ip", "netns", "delete", ns], check=False)

@@ -13,7 +13,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from connect.codec import CodecKeyError
-from connect.connection import TemporalConfigError, client_options, connect_failure
+from connect.connection import TemporalConfigError, client_options, connect_failure, uses_tls
 from models.settings import Settings
 
 CONNECT_TIMEOUT = 5.0
@@ -38,6 +38,13 @@ def down_message(address: str) -> str:
     return f"control plane not running at {address}; start it with `durastack server`"
 
 
+def refused_message(settings: Settings) -> str:
+    if settings.temporal_address is None:
+        return (f"the Temporal at {settings.address} refused this client: it takes the key of the durastack home that "
+                f"runs it, and {settings.home} is not that home (or this user cannot read its codec.key)")
+    return f"the Temporal at {settings.address} refused this client: check DURASTACK_TEMPORAL_API_KEY"
+
+
 async def connect(settings: Settings, timeout: float = CONNECT_TIMEOUT) -> Client:
     """A connected client (connect.connection: codec, TLS), or ControlPlaneDown within ``timeout``."""
     options = client_options(settings)  # TemporalConfigError: a user error, see run()
@@ -45,7 +52,9 @@ async def connect(settings: Settings, timeout: float = CONNECT_TIMEOUT) -> Clien
         return await asyncio.wait_for(Client.connect(**options), timeout)
     # The SDK reports a refused/failed connection as a plain RuntimeError("Failed client connect: ...").
     except (asyncio.TimeoutError, RuntimeError, OSError) as e:
-        if "tls" in options:  # a handshake or certificate problem is likelier than "down"
+        if "Unauthenticated" in str(e):
+            raise ControlPlaneDown(refused_message(settings), settings.address) from e
+        if uses_tls(settings):  # a handshake or certificate problem is likelier than "down"
             raise ControlPlaneDown(connect_failure(settings, e), settings.address) from e
         raise ControlPlaneDown(down_message(settings.address), settings.address) from e
 

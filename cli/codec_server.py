@@ -21,6 +21,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import socket
 from typing import Iterable, Optional
 
 import typer
@@ -101,12 +102,14 @@ def codec_app(codec: SecretCodec, origins: Iterable[str]) -> web.Application:
     return app
 
 
-async def start_codec_server(codec: SecretCodec, port: int, origins: Iterable[str]) -> web.AppRunner:
-    """Serve ``codec_app`` on 127.0.0.1:<port> until ``runner.cleanup()``."""
+async def start_codec_server(codec: SecretCodec, port: int, origins: Iterable[str],
+                             sock: Optional[socket.socket] = None) -> web.AppRunner:
+    """Serve ``codec_app`` on 127.0.0.1:<port> (or on ``sock``, bound there in another namespace) until
+    ``runner.cleanup()``."""
     runner = web.AppRunner(codec_app(codec, origins), access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await (web.TCPSite(runner, "127.0.0.1", port) if sock is None else web.SockSite(runner, sock)).start()
     except OSError:
         await runner.cleanup()
         raise

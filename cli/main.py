@@ -25,7 +25,7 @@ GROUPS = {
     "cli.service": ("apply", "rollback", "stop", "scale", "config"),
     "cli.inspect": ("ps", "events", "exec", "logs"),
     "cli.offers": ("offers",),
-    "cli.server": ("server",),
+    "cli.server": ("server", "ui", "temporal-env"),
     "cli.codec_server": ("codec-server",),
     "cli.tokens": ("token",),
     "cli.db": ("db",),

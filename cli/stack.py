@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
+from cli import door
+from cli.door import possible as door_possible
 from models.settings import SEARCH_ATTRIBUTES, Settings
 
 ENV_WORKER_CMD = "DURASTACK_WORKER_CMD"
@@ -40,9 +42,9 @@ POLL = 0.1
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 30.0
 STABLE_AFTER = 60.0  # a child that ran this long gets its restart backoff reset
 READY_TIMEOUT = 60.0
-GRACE = {"temporal": 15.0, "gateway": 20.0, "worker": 15.0}  # gateway: nginx drains for up to 12 s
+GRACE = {"door": 5.0, "temporal": 15.0, "gateway": 20.0, "worker": 15.0}  # gateway: nginx drains for up to 12 s
 # A restarted worker waits for these to be up: without Temporal it would only crash again.
-DEPENDS = {"worker": ("temporal", "gateway")}
+DEPENDS = {"worker": ("temporal", "gateway"), "temporal": ("door",)}
 PORT_KNOBS = {  # Settings field -> (what, flag, environment variable)
     "temporal_port": ("Temporal gRPC", "--temporal-port", "DURASTACK_TEMPORAL_PORT"),
     "ui_port": ("Temporal Web UI", "--ui-port", "DURASTACK_UI_PORT"),
@@ -263,6 +265,17 @@ async def _temporal_answers(settings: Settings) -> bool:
     return True
 
 
+async def _door_answers(ui_port: int) -> bool:
+    """The door's nginx answers on the UI port: with 401, to a request without a login."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", ui_port), 1.0)
+    try:
+        writer.write(f"GET / HTTP/1.0\r\nHost: 127.0.0.1:{ui_port}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readline(), 2.0)
+        return head.split()[1:2] == [b"401"]
+    finally:
+        writer.close()
+
+
 async def _gateway_answers(port: int) -> bool:
     """GET /healthz through nginx (so both nginx and the control app are up); no proxy env involved."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
@@ -283,6 +296,7 @@ class Child:
                  ready: Optional[Callable[[], Awaitable[bool]]] = None, verbose: bool = False,
                  echo: Callable[[str], None] = print):
         self.name, self.argv, self.env, self.log_path, self.grace = name, argv, env, log_path, grace
+        self.pass_fds: tuple[int, ...] = ()  # sockets the child inherits (the door's listeners)
         self.ready, self.verbose, self.echo = ready, verbose, echo
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.started_at = 0.0
@@ -307,7 +321,7 @@ class Child:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} durastack: {shlex.join(self.argv)}\n".encode())
             log.flush()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.DEVNULL, env=self.env, start_new_session=True,
+                *self.argv, stdin=asyncio.subprocess.DEVNULL, env=self.env, start_new_session=True, pass_fds=self.pass_fds,
                 stdout=asyncio.subprocess.PIPE if self.verbose else log, stderr=asyncio.subprocess.STDOUT)
         self.started_at, self.start_ticks = time.monotonic(), _start_ticks(self.proc.pid)
         self.up = False
@@ -383,8 +397,16 @@ class Stack:
 
         self.children: list[Child] = []  # in start order
         self._temporal_cmd_given = temporal_cmd is not None
+        # The embedded Temporal behind its door (cli/door.py), where network namespaces can be made.
+        self.door: Optional[Path] = None
+        if self.embedded and temporal_cmd is None and door_possible()[0]:
+            from activities import local_net
+
+            self.door = local_net.NETNS_DIR / local_net.temporal_nsname(home)
+            self.children.append(child("door", door.argv(self.door, home / door.RUN_DIR),
+                                       lambda: _door_answers(settings.ui_port)))
         if self.embedded:
-            self.children.append(child("temporal", temporal_cmd or temporal_argv(settings),
+            self.children.append(child("temporal", temporal_cmd or self._in_door(temporal_argv(settings)),
                                        lambda: _temporal_answers(settings)))
         self.children.append(child("gateway", gateway_cmd or gateway_argv(settings),
                                    lambda: _gateway_answers(settings.gateway_port)))
@@ -392,6 +414,10 @@ class Stack:
         self._stopping = asyncio.Event()
         self._hurry = False
         self._worker_started = False
+        self._door_sockets: list[socket.socket] = []
+
+    def _in_door(self, argv: list[str]) -> list[str]:
+        return argv if self.door is None else ["nsenter", f"--net={self.door}", "--", *argv]
 
     def request_stop(self) -> None:
         if self._stopping.is_set():
@@ -412,11 +438,14 @@ class Stack:
             adopting = await self._end_leftovers()
             # An nginx kept serving through the restart holds the gateway port: the new gateway adopts it there.
             ports = ["gateway_control_port"] if adopting else ["gateway_port", "gateway_control_port"]
-            embedded = ["temporal_port", "ui_port"] + (["codec_port"] if self.settings.codec_port else [])
+            embedded = ["temporal_port", "ui_port"]
+            if self.settings.codec_port and self.door is None:  # behind the door, it listens in its namespace
+                embedded.append("codec_port")
             check_ports(self.settings, (embedded if self.embedded else []) + ports)
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.add_signal_handler(sig, self.request_stop)
             try:
+                self._open_door()
                 codec = await self._start_codec_server()
                 if not self.embedded:
                     await self._check_external()
@@ -456,25 +485,62 @@ class Stack:
         except (CodecKeyError, TemporalConfigError) as e:
             raise StackError(str(e)) from None
         if self.embedded and self.settings.codec_port and not self._temporal_cmd_given:
-            # The key exists only now: the embedded UI's codec endpoint carries the credential derived from it.
+            # The key exists only now. Behind the door, the UI's codec endpoint is the door's, which adds the
+            # credential; without a door, the endpoint itself carries it.
             from cli.codec_server import codec_endpoint
 
-            self.children[0].argv = temporal_argv(self.settings, codec_endpoint=codec_endpoint(self.settings.codec_url,
-                                                                                               keys))
+            endpoint = door.ui_endpoint(self.settings) if self.door else codec_endpoint(self.settings.codec_url, keys)
+            self._child("temporal").argv = self._in_door(temporal_argv(self.settings, codec_endpoint=endpoint))
         if tls and self.embedded:
             raise StackError("DURASTACK_TEMPORAL_TLS* and DURASTACK_TEMPORAL_API_KEY are for an external Temporal "
                              "server (DURASTACK_TEMPORAL_ADDRESS); the embedded dev server speaks plain gRPC")
 
+    def _child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def _open_door(self) -> None:
+        """The door's namespace, listeners and configuration, before any child starts (cli/door.py)."""
+        if self.door is None:
+            return
+        from activities import local_net
+        from cli.codec_server import codec_credential
+        from connect.codec import load_keys
+
+        s, keys = self.settings, load_keys(self.home)
+        try:
+            local_net.temporal_namespace(self.home)
+            self._door_sockets = door.listeners(s)
+        except (OSError, local_net.NetworkError) as e:
+            raise StackError(f"cannot set up the door of the embedded Temporal: {e}") from None
+        run_dir = self.home / door.RUN_DIR
+        door.write_config(run_dir, door.render(s, keys, run_dir, codec_credential(keys.keys[0]) if s.codec_port
+                                               else None))
+        child = self._child("door")
+        child.pass_fds = tuple(sock.fileno() for sock in self._door_sockets)
+        child.env = child.env | door.inherited(self._door_sockets)
+
+    def _close_door(self) -> None:
+        for sock in self._door_sockets:
+            sock.close()
+        self._door_sockets = []
+        if self.door is not None:
+            from activities import local_net
+
+            local_net.release_temporal_namespace(self.home)
+
     async def _start_codec_server(self):
-        """The embedded Web UI's codec endpoint (cli/codec_server.py), in this process; None when off."""
+        """The embedded Web UI's codec endpoint (cli/codec_server.py), in this process; None when off. Behind the
+        door it listens in the Temporal namespace, where only the door reaches it."""
         if not (self.embedded and self.settings.codec_port):
             return None
+        from activities import local_net
         from cli.codec_server import start_codec_server, ui_origins
         from connect.codec import SecretCodec, load_keys
 
         s = self.settings
+        sock = local_net.listener_in(self.door, "127.0.0.1", s.codec_port) if self.door else None
         return await start_codec_server(SecretCodec(load_keys(s.home), strict=False), s.codec_port,
-                                        ui_origins(s.ui_port))
+                                        ui_origins(s.ui_port), sock=sock)
 
     async def _first_token(self) -> Optional[str]:
         """A gateway without any token gets one named ``default``; its plaintext is returned to be shown once."""
@@ -497,14 +563,16 @@ class Stack:
 
     def banner(self, token: Optional[str] = None) -> str:
         s = self.settings
-        temporal = f"{s.address} (embedded, state {s.home / 'temporal.db'})" if self.embedded else \
-            f"{s.address} (external, DURASTACK_TEMPORAL_ADDRESS)"
+        temporal = f"{s.address} (embedded, state {s.home / 'temporal.db'}; {door_possible()[1]})" \
+            if self.embedded else f"{s.address} (external, DURASTACK_TEMPORAL_ADDRESS)"
         lines = [f"durastack server is up (pid {os.getpid()})",
                  f"  Temporal  {temporal}"]
         if self.embedded:
-            lines.append(f"  Web UI    {s.ui_url}")
+            lines.append(f"  Web UI    {s.ui_url}" + (f"  (user {door.UI_USER}; `durastack ui` prints the password)"
+                                                      if self.door else ""))
             if s.codec_port:
-                lines.append(f"  Codec     {s.codec_url}  (the Web UI shows secret env values decrypted through it)")
+                codec = f"{door.ui_endpoint(s)}, behind the Web UI's login" if self.door else s.codec_url
+                lines.append(f"  Codec     {codec}  (the Web UI shows secret env values decrypted through it)")
         lines += [f"  Gateway   {s.gateway_url}  (control {s.gateway_control_url})",
                   f"  Metrics   gateway {s.gateway_metrics_url} · worker "
                   + (s.worker_metrics_url if s.worker_metrics_port else "off (DURASTACK_WORKER_METRICS_PORT=0)"),
@@ -570,6 +638,9 @@ class Stack:
                     exited.cancel()
                 if self._stopping.is_set():
                     return
+                # What the leader leaves in its group goes with it: an orphaned nginx worker of the door would go
+                # on accepting on the door's sockets with the old configuration.
+                await _end_group(child.proc.pid)
                 if time.monotonic() - child.started_at >= STABLE_AFTER:
                     delay = BACKOFF_MIN
                 self.echo(f"durastack: {child.name} (pid {child.pid}) exited with code {child.proc.returncode}; "
@@ -598,6 +669,7 @@ class Stack:
             await child.stop(lambda: self._hurry)
             if child.name == "gateway":
                 await self._end_left_nginx()
+        self._close_door()
         if self._worker_started and self.on_shutdown is not None:
             try:
                 result = await asyncio.to_thread(self.on_shutdown, self.home)

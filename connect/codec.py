@@ -78,6 +78,13 @@ class CodecKeys:
         return hmac.new(self.keys[0], purpose.encode() + b"\0" + data, hashlib.sha256).hexdigest()[:16]
 
 
+def derived_secret(key: bytes, purpose: str) -> str:
+    """A secret for ``purpose`` derived from a codec key, 43 url-safe characters: every holder of the key computes
+    the same one, and it reveals nothing of the key."""
+    digest = hmac.new(key, b"durastack secret for: " + purpose.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
 def key_id(key: bytes) -> str:
     return hashlib.sha256(key).hexdigest()[:8]
 

@@ -12,8 +12,11 @@ from typing import Any, Mapping, Optional
 
 from temporalio.service import TLSConfig
 
-from connect.codec import home_data_converter
+from connect.codec import CodecKeyError, derived_secret, home_data_converter, load_keys
 from models.settings import TEMPORAL_TLS_ENV, Settings
+
+
+API_KEY_PURPOSE = "temporal api key"  # the embedded Temporal's key, derived from the codec key
 
 
 class TemporalConfigError(ValueError):
@@ -29,7 +32,20 @@ def client_options(settings: Settings, environ: Optional[Mapping[str, str]] = No
         options["tls"] = tls
     if settings.temporal_api_key is not None:
         options["api_key"] = settings.temporal_api_key.get_secret_value()
+    elif settings.temporal_address is None:
+        key = embedded_api_key(settings, environ)
+        if key is not None:  # plain gRPC all the same: the door is on this machine's loopback
+            options.update(api_key=key, tls=False)
     return options
+
+
+def embedded_api_key(settings: Settings, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The key the embedded Temporal's door takes (cli/door.py), derived from the home's codec key; None when this
+    process cannot read that key (it is then refused, and told why)."""
+    try:
+        return derived_secret(load_keys(settings.home, environ).keys[0], API_KEY_PURPOSE)
+    except CodecKeyError:
+        return None
 
 
 def tls_config(settings: Settings) -> Optional[TLSConfig]:

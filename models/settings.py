@@ -145,7 +145,8 @@ class Settings(BaseModel):
             env["DURASTACK_GATEWAY_CONTROL_URL"] = self.gateway_control
         if self.gateway_control_token:  # only a given one: the home's file stays out of every child's environment
             env["DURASTACK_GATEWAY_CONTROL_TOKEN"] = self.gateway_control_token.get_secret_value()
-        env["DURASTACK_TEMPORAL_ADDRESS"] = self.address
+        if self.temporal_address:  # else the embedded one, whose door the children open with the home's key
+            env["DURASTACK_TEMPORAL_ADDRESS"] = self.temporal_address
         for field, var in TEMPORAL_TLS_ENV.items():
             value = getattr(self, field)
             if value is not None:

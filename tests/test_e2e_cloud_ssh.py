@@ -101,7 +101,12 @@ def _history_has(stack: Stack, text: str) -> bool:
     from temporalio.client import Client
 
     async def scan() -> bool:
-        client = await Client.connect(f"127.0.0.1:{stack.env['DURASTACK_TEMPORAL_PORT']}")
+        from connect.connection import client_options
+        from models.settings import Settings
+
+        options = client_options(Settings.from_env(stack.env), stack.env)
+        del options["data_converter"]  # the default one: payloads as stored
+        client = await Client.connect(**options)
         async for wf in client.list_workflows():
             history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
             if text in history.to_json():

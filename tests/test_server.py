@@ -76,9 +76,14 @@ def http_status(port: int, path: str = "/healthz") -> int | None:
         return None
 
 
-def temporal_cli(port: int, *args: str) -> subprocess.CompletedProcess:
+def temporal_cli(home: Path, port: int, *args: str) -> subprocess.CompletedProcess:
+    """The `temporal` CLI with the home's key, as `durastack temporal-env` sets it (the embedded Temporal's door)."""
+    from connect.connection import embedded_api_key
+
+    key = embedded_api_key(Settings(home=home), {})  # the server has no DURASTACK_CODEC_KEY (clean_env)
+    env = clean_env(**({"TEMPORAL_API_KEY": key, "TEMPORAL_TLS": "false"} if key else {}))
     return subprocess.run([TEMPORAL, *args, "--address", f"127.0.0.1:{port}"], capture_output=True, text=True,
-                          timeout=30)
+                          timeout=30, env=env)
 
 
 class Server:
@@ -114,7 +119,7 @@ class Server:
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.output}"
             worker = self.child("worker")
             return (worker and alive(worker["pid"]) and http_status(self.ports["gateway_port"]) == 200
-                    and temporal_cli(self.ports["temporal_port"], "operator", "namespace", "list").returncode == 0)
+                    and temporal_cli(self.home, self.ports["temporal_port"], "operator", "namespace", "list").returncode == 0)
         wait_for(up, UP_TIMEOUT, "the stack to come up")
         assert "durastack server is up" in self.output
 
@@ -170,9 +175,9 @@ def running(home, ports, servers) -> Server:
 @pytest.mark.e2e
 def test_stack_up_with_search_attributes(running: Server):
     state = running.state()
-    assert set(state["children"]) == {"temporal", "gateway", "worker"}
+    assert set(state["children"]) - {"door"} == {"temporal", "gateway", "worker"}
     assert state["pid"] == running.proc.pid
-    res = temporal_cli(running.ports["temporal_port"], "operator", "search-attribute", "list", "-o", "json")
+    res = temporal_cli(running.home, running.ports["temporal_port"], "operator", "search-attribute", "list", "-o", "json")
     assert res.returncode == 0, res.stderr
     for name in SEARCH_ATTRIBUTES:
         assert name in res.stdout
@@ -213,6 +218,14 @@ def test_second_server_same_home_says_already_running(running: Server):
         " ".join((res.stdout + res.stderr).split())
 
 
+def _door(running: Server) -> bool:
+    """Whether the embedded Temporal is behind its door (cli/door.py): wherever the machine allows one."""
+    from cli.door import possible
+
+    assert ("door" in running.state()["children"]) == possible()[0]
+    return possible()[0]
+
+
 @pytest.mark.e2e
 def test_web_ui_decodes_secrets_through_the_stack_codec_server(running: Server):
     import base64
@@ -220,26 +233,124 @@ def test_web_ui_decodes_secrets_through_the_stack_codec_server(running: Server):
     import httpx
     from temporalio.api.common.v1 import Payload
 
+    from cli import door
+    from cli.codec_server import codec_endpoint
     from connect.codec import SecretCodec, load_keys
     from models.secrets import SECRET_MARK
 
     assert oct((running.home / "codec.key").stat().st_mode & 0o777) == "0o600"  # created by the server
+    keys = load_keys(running.home, {})
     ui, codec_url = f"http://127.0.0.1:{running.ports['ui_port']}", f"http://127.0.0.1:{running.ports['codec_port']}"
-    from cli.codec_server import codec_endpoint
-
-    endpoint = codec_endpoint(codec_url, load_keys(running.home, {}))  # the credential rides in the UI's URL
-    assert httpx.get(f"{ui}/api/v1/settings", timeout=5).json()["Codec"]["Endpoint"] == endpoint
-    assert httpx.post(f"{codec_url}/decode", json={"payloads": []}, headers={"Origin": ui}).status_code == 404
+    if _door(running):  # served by the door, behind the UI's login: no credential in the endpoint
+        login = httpx.BasicAuth(door.UI_USER, door.ui_password(keys))
+        endpoint = f"{ui}{door.CODEC_PATH}"
+        assert f"Codec     {endpoint}, behind the Web UI's login" in running.output
+        assert httpx.post(f"{endpoint}/decode", json={"payloads": []}, headers={"Origin": ui}).status_code == 401
+        with pytest.raises(httpx.ConnectError):  # the codec server listens only in the door's namespace
+            httpx.post(f"{codec_url}/decode", json={"payloads": []}, headers={"Origin": ui})
+    else:  # the credential rides in the UI's URL
+        login, endpoint = None, codec_endpoint(codec_url, keys)
+        assert f"Codec     {codec_url}" in running.output
+        assert httpx.post(f"{codec_url}/decode", json={"payloads": []}, headers={"Origin": ui}).status_code == 404
+    assert httpx.get(f"{ui}/api/v1/settings", auth=login, timeout=5).json()["Codec"]["Endpoint"] == endpoint
     plain = Payload(metadata={"encoding": b"json/plain"},
                     data=json.dumps({"HF_TOKEN": SECRET_MARK + "hf_abc"}).encode())
-    sealed = asyncio.run(SecretCodec(load_keys(running.home, {})).encode([plain]))[0]
+    sealed = asyncio.run(SecretCodec(keys).encode([plain]))[0]
     assert b"hf_abc" not in sealed.data
     body = {"payloads": [{"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
                           "data": base64.b64encode(sealed.data).decode()}]}
-    res = httpx.post(f"{endpoint}/decode", json=body, headers={"Origin": ui, "X-Namespace": "default"}, timeout=5)
+    res = httpx.post(f"{endpoint}/decode", json=body, headers={"Origin": ui, "X-Namespace": "default"}, auth=login,
+                     timeout=5)
     assert res.status_code == 200 and res.headers["Access-Control-Allow-Origin"] == ui
     assert json.loads(base64.b64decode(res.json()["payloads"][0]["data"])) == {"HF_TOKEN": SECRET_MARK + "hf_abc"}
-    assert f"Codec     {codec_url}" in running.output
+
+
+def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
+    """``argv`` run as another local user of the machine: nobody, with no group of ours."""
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "env", "HOME=/tmp",
+                           *argv], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.e2e
+def test_another_local_user_cannot_use_the_embedded_temporal(running: Server):
+    if not _door(running):
+        pytest.skip("no door here (not root): the banner says Temporal is open to every local user")
+    port = running.ports["temporal_port"]
+    # The `temporal` CLI as nobody, and as anyone without the home's key: refused, UNAUTHENTICATED.
+    for res in (_as_nobody(TEMPORAL, "workflow", "list", "--address", f"127.0.0.1:{port}"),
+                subprocess.run([TEMPORAL, "workflow", "list", "--address", f"127.0.0.1:{port}"], capture_output=True,
+                               text=True, timeout=30, env=clean_env())):
+        assert res.returncode != 0 and "unauthenticated" in (res.stdout + res.stderr).lower(), res
+    # With what `durastack temporal-env` prints, the owner's CLI gets in.
+    printed = subprocess.run([DURASTACK, "temporal-env"], capture_output=True, text=True, timeout=30,
+                             env=clean_env(DURASTACK_HOME=str(running.home), DURASTACK_TEMPORAL_PORT=str(port)))
+    env = dict(re.findall(r"^export (\w+)=(\S+)$", printed.stdout, re.M))
+    assert set(env) == {"TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TEMPORAL_API_KEY", "TEMPORAL_TLS"}, printed
+    res = subprocess.run([TEMPORAL, "workflow", "list"], capture_output=True, text=True, timeout=30, env=clean_env(**env))
+    assert res.returncode == 0, res.stderr
+    # The dev server itself is in a network namespace of its own: none of its ports is on this machine's loopback.
+    temporal = running.child("temporal")["pid"]
+    assert os.readlink(f"/proc/{temporal}/ns/net") != os.readlink("/proc/self/ns/net")
+    # No process holds a key of the door in its arguments.
+    from cli import door
+    from cli.codec_server import codec_credential
+    from connect.codec import load_keys
+
+    keys = load_keys(running.home, {})
+    secrets = [door.api_key(keys).encode(), door.ui_password(keys).encode(), codec_credential(keys.keys[0]).encode()]
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        assert not any(secret in cmdline for secret in secrets), f"pid {entry}: {cmdline[:200]!r}"
+
+
+@pytest.mark.e2e
+def test_a_client_of_another_home_is_refused_and_told_why(running: Server, tmp_path: Path):
+    if not _door(running):
+        pytest.skip("no door here (not root)")
+    other = tmp_path / "other-home"
+    res = subprocess.run([DURASTACK, "ps"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(DURASTACK_HOME=str(other), DURASTACK_TEMPORAL_PORT=str(running.ports["temporal_port"])))
+    assert res.returncode == 2
+    assert f"refused this client: it takes the key of the durastack home that runs it, and {other} is not that home" \
+        in " ".join(res.stderr.split())
+    res = subprocess.run([DURASTACK, "ui"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(DURASTACK_HOME=str(running.home), DURASTACK_UI_PORT=str(running.ports["ui_port"])))
+    from cli import door
+    from connect.codec import load_keys
+
+    password = door.ui_password(load_keys(running.home, {}))
+    assert f"password  {password}" in res.stdout and f"http://durastack:{password}@127.0.0.1:" in res.stdout
+
+
+@pytest.mark.e2e
+def test_the_web_ui_opens_to_its_login_its_host_and_its_origin(running: Server):
+    if not _door(running):
+        pytest.skip("no door here (not root)")
+    from cli import door
+    from connect.codec import load_keys
+
+    ui = f"127.0.0.1:{running.ports['ui_port']}"
+    password = door.ui_password(load_keys(running.home, {}))
+
+    def status(*args: str, user: str | None = f"{door.UI_USER}:{password}") -> str:
+        argv = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", *(["-u", user] if user else []), *args]
+        res = _as_nobody(*argv)  # from another local user: only what is sent matters
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    page = f"http://{ui}/api/v1/namespaces/default/workflows"
+    assert status(page, user=None) == "401"
+    assert status(page, user=f"{door.UI_USER}:wrong") == "401"
+    assert status(page) == "200"
+    assert status("-H", f"Host: localhost:{running.ports['ui_port']}", page) == "200"
+    assert status("-H", f"Host: rebound.example:{running.ports['ui_port']}", page) == "403"  # DNS rebinding
+    signal_url = f"http://{ui}/api/v1/namespaces/default/workflows/x/signal/y"
+    assert status("-X", "POST", "-H", "Origin: http://evil.example", signal_url) == "403"  # another site's page
+    assert status("-X", "POST", signal_url) == "403"  # a change must come from the UI's own pages
+    assert status("-X", "POST", "-H", f"Origin: http://{ui}", signal_url) not in ("401", "403")
 
 
 @pytest.mark.e2e
@@ -254,21 +365,22 @@ def test_killed_worker_is_restarted(running: Server):
 
 @pytest.mark.e2e
 def test_killed_temporal_and_gateway_are_restarted(running: Server):
-    old = {name: running.child(name) for name in ("temporal", "gateway", "worker")}
-    os.kill(old["temporal"]["pid"], signal.SIGKILL)
-    os.kill(old["gateway"]["pid"], signal.SIGKILL)
+    killed = ("door", "temporal", "gateway") if _door(running) else ("temporal", "gateway")
+    old = {name: running.child(name) for name in killed}
+    for name in killed:
+        os.kill(old[name]["pid"], signal.SIGKILL)
 
     def restarted(name):
         rec = running.child(name)
         return rec and rec["pid"] != old[name]["pid"] and alive(rec["pid"])
-    wait_for(lambda: restarted("temporal") and restarted("gateway"), 60, "temporal and gateway to restart")
+    wait_for(lambda: all(map(restarted, killed)), 60, f"{', '.join(killed)} to restart")
     running.wait_up()  # Temporal answers, /healthz through nginx, a live worker (which may have restarted)
 
 
 @pytest.mark.e2e
 def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, ports, servers):
     # A workflow on a task queue no one polls: it stays Running, so it must survive the restart.
-    res = temporal_cli(ports["temporal_port"], "workflow", "start", "--type", "PersistCheck",
+    res = temporal_cli(home, ports["temporal_port"], "workflow", "start", "--type", "PersistCheck",
                        "--task-queue", "durastack-test-nobody", "--workflow-id", PERSIST_WF)
     assert res.returncode == 0, res.stderr
     children = {rec["pid"]: rec["start"] for rec in running.state()["children"].values()}
@@ -281,6 +393,8 @@ def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, 
         wait_for(lambda: not alive(nginx), 10, "nginx to exit")
     assert not stack._group_members(gateway_pid)
     assert not (home / "server.json").exists()
+    from activities import local_net
+    assert not (local_net.NETNS_DIR / local_net.temporal_nsname(home)).exists()  # the door's namespace is gone
     with open(home / "server.lock", "a") as f:  # the lock is free again
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(f, fcntl.LOCK_UN)
@@ -290,12 +404,12 @@ def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, 
     servers.append(again)
     again.wait_up()
     assert "Token " not in again.output  # the gateway kept its tokens: no new default
-    res = temporal_cli(ports["temporal_port"], "workflow", "describe", "--workflow-id", PERSIST_WF, "-o", "json")
+    res = temporal_cli(home, ports["temporal_port"], "workflow", "describe", "--workflow-id", PERSIST_WF, "-o", "json")
     assert res.returncode == 0, res.stderr
     assert "WORKFLOW_EXECUTION_STATUS_RUNNING" in res.stdout
-    res = temporal_cli(ports["temporal_port"], "operator", "search-attribute", "list")
+    res = temporal_cli(home, ports["temporal_port"], "operator", "search-attribute", "list")
     assert all(name in res.stdout for name in SEARCH_ATTRIBUTES)
-    temporal_cli(ports["temporal_port"], "workflow", "terminate", "--workflow-id", PERSIST_WF, "--reason", "test")
+    temporal_cli(home, ports["temporal_port"], "workflow", "terminate", "--workflow-id", PERSIST_WF, "--reason", "test")
     assert again.stop() == 0
 
 
