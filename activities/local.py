@@ -48,11 +48,11 @@ from typing import Iterator, Optional, Union
 
 import httpx
 
-from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, LOCAL_USERS_ENV, MARKER, Account,
-                                   NoOffersError, account_for, allowed_users, check_resources, children,
+from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, MARKER, Account,
+                                   NoOffersError, account_for, check_resources, children,
                                    default_python, drop_argv, find_python, find_tree, free_port, is_alive,
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
-                                   send_signal, unshare_argv)
+                                   send_signal, unshare_argv, user_refusal)
 from activities import local_net
 from activities.local_cgroup import Cgroups, Limits, join_argv
 from activities.local_init import COMMANDS_FILE, env_script, with_env
@@ -353,29 +353,13 @@ class LocalBackend:
 
     def run_as(self, job: JobSpec) -> Optional[Account]:
         """The host user the job's commands run as (None: this process's own), or UnsupportedJobError."""
+        refusal = user_refusal(job.user, self.account if self.confined else None)
+        if refusal is not None:
+            why = f" ({self.confinement_reason})" if not self.confined else ""
+            raise UnsupportedJobError(f"{job.replica_id}: {refusal}{why}")
         if not self.confined:
-            if job.user is None:
-                return None
-            acct = account_for(job.user)
-            if acct is not None and acct.uid == os.geteuid():
-                return None
-            raise UnsupportedJobError(f"{job.replica_id}: cannot run the commands as user {job.user!r}: replicas "
-                                      f"run as this backend's own user here ({self.confinement_reason})")
-        assert self.account is not None
-        if job.user is None:
-            return self.account
-        acct = account_for(job.user)
-        if acct is None:
-            raise UnsupportedJobError(f"{job.replica_id}: user {job.user!r}: no such user on this machine")
-        if acct.uid == 0:
-            raise UnsupportedJobError(f"{job.replica_id}: user {job.user!r}: the local backend never runs "
-                                      "replicas as root")
-        if acct.uid != self.account.uid and not {acct.name, str(acct.uid)} & allowed_users():
-            # Running as any host user would hand a service file that user's files.
-            raise UnsupportedJobError(
-                f"{job.replica_id}: user {job.user!r}: replicas run as {self.account.name}; to allow "
-                f"{acct.name}, list it in {LOCAL_USERS_ENV} (comma-separated) where the worker runs")
-        return acct
+            return None
+        return self.account if job.user is None else account_for(job.user)
 
     def commands_dir(self, job: JobSpec) -> str:
         """Where the commands run: ``working_dir`` inside the work dir, or the work dir itself."""

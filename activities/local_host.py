@@ -201,6 +201,27 @@ def allowed_users() -> set[str]:
     return {u.strip() for u in os.environ.get(LOCAL_USERS_ENV, "").split(",") if u.strip()}
 
 
+def user_refusal(user: Optional[str], replicas: Optional[Account]) -> Optional[str]:
+    """Why the local backend would not run a service's commands as ``user`` (None: it would, or none is named).
+    ``replicas``: the account confined replicas run as, or None when they run as this process's user."""
+    if user is None:
+        return None
+    acct = account_for(user)
+    if replicas is None:
+        if acct is not None and acct.uid == os.geteuid():
+            return None
+        return f"cannot run the commands as user {user!r}: replicas run as this backend's own user here"
+    if acct is None:
+        return f"user {user!r}: no such user on this machine"
+    if acct.uid == 0:
+        return f"user {user!r}: the local backend never runs replicas as root"
+    if acct.uid != replicas.uid and not {acct.name, str(acct.uid)} & allowed_users():
+        # Running as any host user would hand a service file that user's files.
+        return (f"user {user!r}: replicas run as {replicas.name}; to allow {acct.name}, list it in "
+                f"{LOCAL_USERS_ENV} (comma-separated) where the worker runs")
+    return None
+
+
 def drop_argv(account: Account) -> list[str]:
     """argv prefix that runs what follows as ``account`` with no capability left, nor a way to gain one."""
     return [shutil.which("setpriv") or "setpriv", f"--reuid={account.uid}", f"--regid={account.gid}",

@@ -17,7 +17,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from activities.local_host import account_for
+from activities.local_host import (DEFAULT_REPLICA_USER, REPLICA_USER_ENV, Account, probe_confinement, replica_account,
+                                   user_refusal)
 from models.replica import JobSpec
 
 DEFAULT_IMAGE = "nvidia/cuda:12.4.1-runtime-ubuntu22.04"
@@ -170,14 +171,19 @@ def local_limits(fields: dict[str, tuple[object, str]]) -> tuple[list[str], list
             warnings.append(f"{path('image')}: ignored by the local backend, which runs the commands on this machine")
         else:
             errors.append(f"{path('image')}: the local backend cannot run images; give the group commands")
-    user = value("user")
-    if user:  # refused by the local backend at start too; said here, at plan time, with the field
-        account = account_for(str(user))
-        if account is None:
-            errors.append(f"{path('user')}: {user!r}: no such user on this machine (local replicas run as host users)")
-        elif account.uid == 0:
-            errors.append(f"{path('user')}: {user!r}: the local backend never runs replicas as root")
+    # The local backend's own rule (it refuses at start too), said here, at plan time, with the field.
+    refusal = user_refusal(value("user"), _replica_account())
+    if refusal:
+        errors.append(f"{path('user')}: {refusal}")
     return errors, warnings
+
+
+def _replica_account() -> Optional[Account]:
+    """Who confined replicas run as here (None: they are not confined); one not yet made has no uid yet."""
+    if not probe_confinement()[0]:
+        return None
+    name = os.environ.get(REPLICA_USER_ENV, "").strip() or DEFAULT_REPLICA_USER
+    return replica_account(create=False) or Account(name, -1, -1)
 
 
 def group_runtime_fields(config, index: int) -> dict[str, tuple[object, str]]:

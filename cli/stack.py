@@ -1,12 +1,13 @@
 """``durastack server``: start and supervise the embedded stack (Temporal dev server, gateway, worker).
 
-Children start in this order and stop in the reverse one: Temporal (readiness: a client connects and
-the search attributes are there), the gateway (readiness: ``/healthz`` through nginx), the worker.
+Children start in this order and stop in the reverse one: the door of the embedded Temporal where it can have
+one (cli/door.py; readiness: it answers the UI port), Temporal (readiness: a client connects and the search
+attributes are there), the gateway (readiness: ``/healthz`` through nginx), the worker.
 Each child runs in its own session/process group, so a Ctrl-C in the terminal reaches only us; we
 stop it by the PID we started (SIGTERM to the leader, then SIGKILL to the whole group).
 
 Files in the home: ``server.lock`` (flock + our PID: one server per home), ``server.json`` (the live
-children, for tests and tools; removed on a clean stop), ``logs/<child>.log``, ``temporal.db``,
+children, for tests and tools; removed on a clean stop), ``logs/<child>.log``, ``temporal.db``, ``door/``,
 ``gateway/`` (the gateway's runtime dir, with its hashed tokens in ``state.json``). Once all are up, a
 gateway that holds no token gets one named ``default``, printed in the banner that once.
 

@@ -131,6 +131,21 @@ def test_the_local_backend_says_at_plan_time_what_it_cannot_honour(home, tmp_pat
     assert result.exit_code == 2 and "→ aws " in result.output, result.output
 
 
+def test_a_user_the_local_backend_refuses_is_said_at_plan_time(home, tmp_path, monkeypatch):
+    from activities.local_host import probe_confinement
+
+    if not probe_confinement()[0]:
+        pytest.skip("replicas are not confined here: any other user is refused, as the unit tests show")
+    path = tmp_path / "as-nobody.yml"
+    path.write_text("type: service\nname: as-nobody\nport: 8000\nuser: nobody\ncommands: [\"sleep 1\"]\n")
+    monkeypatch.delenv("DURASTACK_LOCAL_USERS", raising=False)
+    result = _run("apply", "-f", str(path), "-y")
+    assert result.exit_code == 1, result.output
+    assert "user: user 'nobody': replicas run as" in result.output and "DURASTACK_LOCAL_USERS" in result.output
+    monkeypatch.setenv("DURASTACK_LOCAL_USERS", "nobody")  # allowed: planned, then the control plane is asked
+    assert _run("apply", "-f", str(path), "-y").exit_code == 2
+
+
 PD = """\
 type: service
 name: pd-plan
