@@ -52,7 +52,7 @@ from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, MARKER
                                    NoOffersError, account_for, check_resources, children,
                                    default_python, drop_argv, find_python, find_tree, free_port, is_alive,
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
-                                   send_signal, unshare_argv, user_refusal)
+                                   send_signal, service_account, unshare_argv, user_refusal)
 from activities import local_net
 from activities.local_cgroup import Cgroups, Limits, join_argv
 from activities.local_init import COMMANDS_FILE, env_script, with_env
@@ -359,7 +359,7 @@ class LocalBackend:
             raise UnsupportedJobError(f"{job.replica_id}: {refusal}{why}")
         if not self.confined:
             return None
-        return self.account if job.user is None else account_for(job.user)
+        return service_account(self.home, job.service) if job.user is None else account_for(job.user)
 
     def commands_dir(self, job: JobSpec) -> str:
         """Where the commands run: ``working_dir`` inside the work dir, or the work dir itself."""
@@ -481,6 +481,8 @@ class LocalBackend:
         # A confined replica cannot see this user's home (nor has one of its own): its work dir is its HOME.
         home = str(wd) if self.confined else os.environ.get("HOME") or str(Path.home())
         env = {"PATH": BASE_PATH, "HOME": home, "LANG": "C.UTF-8"}
+        if self.confined:  # its uid has no passwd entry: what getpass.getuser() and shells read instead
+            env["USER"] = env["LOGNAME"] = self.run_as(job).name
         if not self.isolated:
             env["TMPDIR"] = str(wd / "tmp")  # /tmp is shared with the host; well-behaved tools use TMPDIR
         env.update(job.env)

@@ -5,8 +5,12 @@ Kept apart from ``local.py`` so that the backend reads as orchestration only.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import glob
+import grp
+import hashlib
+import json
 import os
 import platform
 import pwd
@@ -186,6 +190,48 @@ def replica_account(create: bool = True) -> Optional[Account]:
                         "--shell", "/usr/sbin/nologin", "--comment", "durastack local replicas", name],
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
     return None
+
+
+# Each service's replicas get a uid (and gid) of their own, above the ranges that users and the /etc/subuid ranges of
+# rootless containers take; no passwd entry: nothing on the host names them, so nothing of the host is theirs.
+SERVICE_UID_BASE = 0x70000000
+SERVICE_UID_SLOTS = 1 << 20
+SERVICE_UIDS_FILE = "uids.json"
+
+
+def service_account(home: Path, service: str) -> Account:
+    """The account the replicas of ``service`` run as (unless its ``user:`` names another): a uid no host user nor
+    other service of the home has, kept in ``<home>/uids.json`` so that it stays the same for the service's life.
+    Replicas of one service share files (a volume, their work dirs' group); those of two services share nothing,
+    not even a uid's process count."""
+    path = Path(home) / SERVICE_UIDS_FILE
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            uids = json.loads(path.read_text())
+        except (OSError, ValueError):
+            uids = {}
+        if service not in uids:
+            taken = set(uids.values())
+            slot = int(hashlib.sha256(f"{home}\0{service}".encode()).hexdigest(), 16) % SERVICE_UID_SLOTS
+            while SERVICE_UID_BASE + slot in taken or _uid_exists(SERVICE_UID_BASE + slot):
+                slot = (slot + 1) % SERVICE_UID_SLOTS
+            uids[service] = SERVICE_UID_BASE + slot
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(uids, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    uid = uids[service]
+    return Account(f"durastack-{service}", uid, uid)
+
+
+def _uid_exists(uid: int) -> bool:
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(uid)
+            return True
+        except KeyError:
+            pass
+    return False
 
 
 def account_for(user: str) -> Optional[Account]:

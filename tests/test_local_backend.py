@@ -665,6 +665,29 @@ def test_user_is_honoured_or_refused_when_confined(replicas, monkeypatch):
     assert backend.exec(inst, ["id", "-u"]) == (0, f"{backend.account.uid}\n")
 
 
+@needs_confinement
+def test_each_service_runs_as_a_uid_of_its_own(replicas):
+    import pwd
+
+    backend = replicas.backend(None)
+    ids = {}
+    for service, group, replica in (("svc-a", 1, 0), ("svc-a", 2, 0), ("svc-b", 1, 0)):
+        job = seed_job(group, replica, service=service, commands=["sleep 300"])
+        inst = replicas.start(backend, job)
+        status, out = backend.exec(inst, ["sh", "-c", "id -u; id -g; echo $USER"])
+        assert status == 0, out
+        ids[(service, group)] = out.split()
+    a, b = ids[("svc-a", 1)], ids[("svc-b", 1)]
+    assert ids[("svc-a", 2)] == a and a[0] != b[0] and a[1] != b[1]  # one uid and gid per service
+    assert backend.account.uid not in {int(a[0]), int(b[0])}
+    for uid in (int(a[0]), int(b[0])):
+        with pytest.raises(KeyError):  # no user of the host
+            pwd.getpwuid(uid)
+    assert a[2] == "durastack-svc-a"
+    # Kept for the service's life: a new backend of the home (a worker restart) gives the same.
+    assert replicas.backend(None).run_as(seed_job(1, 1, service="svc-a")).uid == int(a[0])
+
+
 def test_user_is_refused_when_the_backend_cannot_switch_users(replicas):
     import pwd
     backend = replicas.backend(False)
