@@ -103,6 +103,10 @@ def env_files(job: JobSpec) -> tuple[str, dict[str, str]]:
     return text, multi
 
 
+# The cgroup every container runs in: the boot script closes the metadata service to it (activities/userdata.py).
+REPLICA_SLICE = "durastack.slice"
+
+
 def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = "") -> list[str]:
     """``docker run`` for the job on a cloud instance whose job files are in ``job_dir``; ``replica_ip`` is the
     instance's private address (``DURASTACK_REPLICA_IP``).
@@ -113,7 +117,7 @@ def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = 
     gateway reaches the app through the SSH tunnel, at 127.0.0.1:<port> on the instance."""
     rt = runtime_of(job)
     argv = ["docker", "run", "-d", "--name", CONTAINER_NAME, "--restart", "no", "--ipc=host", "--network=host",
-            "--label", f"{REPLICA_LABEL}={job.replica_id}"]
+            f"--cgroup-parent={REPLICA_SLICE}", "--label", f"{REPLICA_LABEL}={job.replica_id}"]
     if gpu:
         argv += ["--gpus", "all"]
     if rt.privileged:

@@ -18,7 +18,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from activities.runtime import CONTAINER_NAME, DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, docker_run_argv, env_files, job_script
+from activities.runtime import (CONTAINER_NAME, DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, REPLICA_SLICE, docker_run_argv,
+                               env_files, job_script)
 from models.replica import JobSpec
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -55,28 +56,48 @@ def default_image(nvcc: bool = False) -> str:
 _KEY_LINE = re.compile(r"^[A-Za-z0-9+/=@. -]+$")
 
 
-# AWS: the container runs on the instance's network (--network=host), so IMDSv2's one-hop limit no longer keeps
-# it from the metadata service, whose user data holds the instance's host key. Cloud-init has read it by now.
-METADATA_RULE = ("iptables -C OUTPUT -d 169.254.169.254/32 -j REJECT 2>/dev/null || "
-                 "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT")
+# The container runs on the instance's network (--network=host), so nothing of the network keeps it from the
+# metadata service, whose user data (AWS) or startup script (GCP) holds the instance's host key, and IMDSv2's one
+# hop limit no longer does on AWS. Every container runs in durastack's own cgroup (runtime.REPLICA_SLICE), and the
+# metadata addresses (IPv4, and GCP's and AWS's IPv6 ones) are closed to it. GCP's guest agent, outside it, keeps
+# its metadata; AWS also closes them to the whole instance, as nothing there needs them once cloud-init has run.
+_METADATA = (("iptables", "169.254.169.254/32"), ("ip6tables", "fd20:ce::254/128"), ("ip6tables", "fd00:ec2::254/128"))
+
+
+def _reject(tool: str, dest: str, match: str = "") -> str:
+    rule = f"OUTPUT -d {dest}{match} -j REJECT"
+    return f"{{ {tool} -C {rule} 2>/dev/null || {tool} -I {rule}; }}"
+
+
+_SLICE = f"-m cgroup --path {REPLICA_SLICE}"
+METADATA_RULE = _reject("iptables", "169.254.169.254/32")  # the whole instance (AWS)
+CLOSE_TO_CONTAINERS = "\n".join([
+    "  # The containers' cgroup (the rule needs it to exist) and the metadata service closed to it, at every boot.",
+    f"  printf '[Unit]\\nDescription=durastack replicas\\n' >/etc/systemd/system/{REPLICA_SLICE}",
+    f"  systemctl daemon-reload && systemctl start {REPLICA_SLICE}",
+    f"  {_reject('iptables', '169.254.169.254/32', ' ' + _SLICE)}",
+    *(f"  {_reject(tool, dest, ' ' + _SLICE)} 2>/dev/null || true" for tool, dest in _METADATA[1:])])
 CLOSE_METADATA = f"""\
-  # The container shares this instance's network: close the metadata service (its user data holds the host key).
+{CLOSE_TO_CONTAINERS}
+  # On AWS, the whole instance too.
   {METADATA_RULE}"""
 # iptables rules do not outlive a reboot, and the boot script runs once on AWS: cloud-init's bootcmd, which runs at
-# every boot, closes it again once the instance has booted for durastack before (its ready file).
-REBOOT_CLOSE = json.dumps(["sh", "-c", f"if [ -e /opt/durastack/ready ]; then {METADATA_RULE}; fi"])
+# every boot, closes it again once the instance has booted for durastack before (its ready file). (GCP's agent runs
+# the whole boot script at every boot.)
+REBOOT_CLOSE = json.dumps(["sh", "-c", f"if [ -e /opt/durastack/ready ]; then systemctl start {REPLICA_SLICE}; "
+                                       f"{_reject('iptables', '169.254.169.254/32', ' ' + _SLICE)}; {METADATA_RULE}; fi"])
 
 
 def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys, close_metadata: bool = False) -> str:
-    """The boot script: host key, authorized key, sshd settings, Docker (and the GPU runtime); with
-    ``close_metadata``, the metadata service closed to the instance once booted (AWS)."""
+    """The boot script: host key, authorized key, sshd settings, Docker (and the GPU runtime), the metadata service
+    closed to the containers; with ``close_metadata``, to the whole instance too, once booted (AWS)."""
     for line in (keys.host_key_public, keys.authorized_key):
         if not _KEY_LINE.match(line):
             raise ValueError(f"not a public key line: {line[:40]!r}")
     gpu_setup = (TEMPLATES / "gpu_setup.sh.tmpl").read_text(encoding="utf-8").rstrip("\n") if gpu else ""
     return _render("boot.sh.tmpl", replica_id=job.replica_id, host_key=keys.host_key.strip("\n"),
                    host_key_public=keys.host_key_public, authorized_key=keys.authorized_key, gpu_setup=gpu_setup,
-                   close_metadata=CLOSE_METADATA if close_metadata else "")
+                   close_metadata=CLOSE_METADATA if close_metadata else CLOSE_TO_CONTAINERS)
 
 
 def _yaml_block_safe(text: str) -> bool:

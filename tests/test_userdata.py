@@ -96,19 +96,28 @@ def test_cloud_init_is_yaml_whose_file_is_the_boot_script():
     assert f["content"] == boot_script(job(), gpu=True, keys=keys(), close_metadata=True)
 
 
-def test_aws_instances_close_the_metadata_service_to_the_host_networked_container():
-    # IMDSv2's one hop no longer separates a --network=host container from the metadata service (user data
-    # holds the host key): the AWS boot closes it once cloud-init has read it. GCP's agent needs it.
-    aws = boot_script(job(), gpu=True, keys=keys(), close_metadata=True)
-    assert "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT" in aws
-    assert aws.index("169.254.169.254") < aws.index('touch "$DIR/ready"')  # before any container can start
-    assert "169.254.169.254" not in startup_script(job(), gpu=True, keys=keys())
-    subprocess.run(["bash", "-n"], input=aws, text=True, check=True)
-    # iptables rules do not outlive a reboot, and the boot script runs once: bootcmd (every boot) closes it again
-    # on an instance that booted for durastack before.
+def test_the_metadata_service_is_closed_to_the_containers_on_every_boot():
+    # IMDSv2's one hop no longer separates a --network=host container from the metadata service (user data, or
+    # GCP's startup script, holds the host key). Every container runs in durastack's cgroup, closed to it.
+    cgroup_rule = "iptables -I OUTPUT -d 169.254.169.254/32 -m cgroup --path durastack.slice -j REJECT"
+    argv = docker_run_argv(job(), gpu=False, job_dir="/j")
+    assert "--cgroup-parent=durastack.slice" in argv and argv.index("--cgroup-parent=durastack.slice") < argv.index(
+        DEFAULT_IMAGE)
+    aws, gcp = boot_script(job(), gpu=True, keys=keys(), close_metadata=True), startup_script(job(), gpu=True, keys=keys())
+    for script in (aws, gcp):
+        assert cgroup_rule in script and "ip6tables -I OUTPUT -d fd20:ce::254/128 -m cgroup" in script
+        # The slice exists before the rule names it, and both before any container can start.
+        assert script.index("systemctl start durastack.slice") < script.index(cgroup_rule) < script.index(
+            'touch "$DIR/ready"')
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    # AWS also closes it to the whole instance; GCP's guest agent, outside the containers' cgroup, needs it.
+    whole = "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT"
+    assert whole in aws and whole not in gcp
+    # GCP's agent runs the boot script at every boot; on AWS it runs once, and iptables rules do not outlive a
+    # reboot: bootcmd (every boot) closes it again on an instance that booted for durastack before.
     bootcmd = _load(cloud_init(job(), gpu=True, keys=keys()))["bootcmd"]
     assert bootcmd[0][:2] == ["sh", "-c"] and bootcmd[0][2].startswith("if [ -e /opt/durastack/ready ]; then ")
-    assert "iptables -I OUTPUT -d 169.254.169.254/32 -j REJECT" in bootcmd[0][2]
+    assert cgroup_rule in bootcmd[0][2] and whole in bootcmd[0][2]
     subprocess.run(["sh", "-n", "-c", bootcmd[0][2]], check=True)
 
 

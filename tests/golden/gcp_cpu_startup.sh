@@ -35,6 +35,12 @@ if [ -z "${DURASTACK_SIMULATED:-}" ]; then
   if ! command -v docker >/dev/null 2>&1; then
     curl -fsSL https://get.docker.com | sh
   fi
+  # The containers' cgroup (the rule needs it to exist) and the metadata service closed to it, at every boot.
+  printf '[Unit]\nDescription=durastack replicas\n' >/etc/systemd/system/durastack.slice
+  systemctl daemon-reload && systemctl start durastack.slice
+  { iptables -C OUTPUT -d 169.254.169.254/32 -m cgroup --path durastack.slice -j REJECT 2>/dev/null || iptables -I OUTPUT -d 169.254.169.254/32 -m cgroup --path durastack.slice -j REJECT; }
+  { ip6tables -C OUTPUT -d fd20:ce::254/128 -m cgroup --path durastack.slice -j REJECT 2>/dev/null || ip6tables -I OUTPUT -d fd20:ce::254/128 -m cgroup --path durastack.slice -j REJECT; } 2>/dev/null || true
+  { ip6tables -C OUTPUT -d fd00:ec2::254/128 -m cgroup --path durastack.slice -j REJECT 2>/dev/null || ip6tables -I OUTPUT -d fd00:ec2::254/128 -m cgroup --path durastack.slice -j REJECT; } 2>/dev/null || true
 fi
 touch "$DIR/ready"
 echo "durastack: ready at $(date -u +%FT%TZ)"
