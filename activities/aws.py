@@ -24,7 +24,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
 from activities.cloud_errors import AWS_HINTS, CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
 from activities.userdata import BootKeys, cloud_init
 from connect.ssh_keys import SSHKeys
-from models.backends import TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
+from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
@@ -422,7 +422,8 @@ class AWSBackend:
         return {"Name": f"durastack-{job.service}-{job.group}-r{job.replica_num}-s{job.submission_num}",
                 TAGS["service"]: job.service, TAGS["group"]: job.group,
                 TAGS["replica"]: replica_label(job.replica_num, job.submission_num), TAGS["key"]: key,
-                TAGS["port"]: str(job.port)} | ({TAGS["installation"]: self.installation} if self.installation else {})
+                TAGS["port"]: str(job.port), TAGS["host_key"]: HOST_KEY_AFTER_BOOT} | \
+            ({TAGS["installation"]: self.installation} if self.installation else {})
 
     def _describe(self, region: str, filters: list[dict]) -> list[CloudInstance]:
         filters = filters + [{"Name": "instance-state-name", "Values": LIVE_STATES}]

@@ -29,7 +29,7 @@ from google.cloud import compute_v1
 from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, classify_gcp
 from activities.userdata import BootKeys, startup_script
 from connect.ssh_keys import SSHKeys
-from models.backends import TAG_NAMES, CloudInstance, GCPConfig, belongs, replica_label, slug
+from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPConfig, belongs, replica_label, slug
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
@@ -399,7 +399,7 @@ class GCPBackend:
             nic.access_configs = [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
         labels = {"managed-by": "durastack", LABELS["service"]: slug(job.service), LABELS["group"]: slug(job.group),
                   LABELS["replica"]: replica_label(job.replica_num, job.submission_num), LABELS["key"]: key,
-                  LABELS["port"]: str(job.port)}
+                  LABELS["port"]: str(job.port), LABELS["host_key"]: HOST_KEY_AFTER_BOOT}
         if self.installation:
             labels[LABELS["installation"]] = self.installation
         boot = compute_v1.AttachedDiskInitializeParams(

@@ -40,7 +40,7 @@ from activities.interface import no_capacity
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, SSHClient, SSHTarget, Tunnel, container_state, \
-    logs_command, run, start_job, tunnel_socket, wait_booted
+    logs_command, replace_host_key, run, ssh_target, start_job, tunnel_socket, wait_booted
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
@@ -110,13 +110,15 @@ class CloudReplicas:
         """How the probes connect to a private address: as SSH does (``DURASTACK_SSH_NETNS``), else directly."""
         return self.ssh.socket_factory if self.ssh is not None and self.private_path(instance) else None
 
-    def _target(self, instance: CloudInstance) -> SSHTarget:
+    def _target(self, instance: CloudInstance, booting: bool = False) -> SSHTarget:
+        """How to reach the instance's sshd, and which host key to trust: the one made after boot; while
+        ``booting`` (the launch, until it has replaced it), also the one its boot data carries."""
         if self.private_path(instance):  # from inside the VPC: its private address, whatever public_ip says
             host = instance.private_ip
         else:
             host = instance.address.rpartition(":")[0] or (instance.public_ip if self.config_public(instance)
                                                             else instance.private_ip)
-        return SSHTarget(host, self.ssh_keys.host_key(instance.key).public_openssh)
+        return ssh_target(self.ssh_keys, host, instance.key, instance.host_key_after_boot, booting)
 
     def config_public(self, instance: CloudInstance) -> bool:
         cfg = getattr(self.config, instance.backend, None)
@@ -130,7 +132,7 @@ class CloudReplicas:
 
     async def _ssh_start(self, inp: ReplicaInput, instance: CloudInstance, gpu: bool) -> None:
         """Wait (bounded) for the instance's SSH and its boot, send the job, start it, open the tunnel."""
-        target = self._target(instance)
+        target = self._target(instance, booting=True)
         deadline = time.monotonic() + self.boot_timeout
         said = ""
         while True:
@@ -156,6 +158,9 @@ class CloudReplicas:
             activity.heartbeat(f"{instance.instance_id}: {why}")
             await asyncio.sleep(min(self.poll_seconds, 2.0))
         try:
+            if instance.host_key_after_boot:
+                after = self.ssh_keys.host_key(instance.key, after_boot=True)
+                await replace_host_key(conn, after.private_openssh, after.public_openssh)
             # Pulling a large image takes minutes: heartbeat meanwhile.
             started = asyncio.ensure_future(start_job(conn, inp.job, gpu=gpu, replica_ip=instance.private_ip))
             while not started.done():

@@ -94,6 +94,18 @@ class SSHTarget:
     host_key: str  # ``ssh-ed25519 AAAA…``, derived from the instance's provisioning key
     port: int = 22
     username: str = "root"
+    boot_key: Optional[str] = None  # also trusted: the key its boot data carries, until durastack replaces it
+
+
+def ssh_target(keys, host: str, provisioning_key: str, after_boot: bool, booting: bool = False) -> SSHTarget:
+    """An instance's sshd, pinned to the host key it serves (``connect.ssh_keys.SSHKeys``): the one made after boot
+    for an instance that gets one (``CloudInstance.host_key_after_boot``), with its boot key too while ``booting``;
+    else its boot key."""
+    boot = keys.host_key(provisioning_key).public_openssh
+    if not after_boot:
+        return SSHTarget(host, boot)
+    return SSHTarget(host, keys.host_key(provisioning_key, after_boot=True).public_openssh,
+                     boot_key=boot if booting else None)
 
 
 @dataclass
@@ -111,9 +123,10 @@ class SSHClient:
                    socket_factory or socket_factory_from_env())
 
     async def connect(self, target: SSHTarget) -> asyncssh.SSHClientConnection:
-        trusted = asyncssh.import_public_key(target.host_key)
-        options = dict(username=target.username, client_keys=[self.client_key], known_hosts=([trusted], [], []),
-                       server_host_key_algs=[trusted.algorithm.decode()], encryption_algs=ENCRYPTION_ALGS,
+        trusted = [asyncssh.import_public_key(k) for k in (target.host_key, target.boot_key) if k]
+        options = dict(username=target.username, client_keys=[self.client_key], known_hosts=(trusted, [], []),
+                       server_host_key_algs=sorted({k.algorithm.decode() for k in trusted}),
+                       encryption_algs=ENCRYPTION_ALGS,
                        agent_path=None, config=[],
                        keepalive_interval=KEEPALIVE_SECONDS, keepalive_count_max=KEEPALIVE_MAX,
                        connect_timeout=self.connect_timeout)
@@ -134,6 +147,23 @@ async def run(conn: asyncssh.SSHClientConnection, command: str, *, input: Option
     result = await asyncio.wait_for(conn.run(command, input=input, check=False), timeout)
     return int(result.exit_status if result.exit_status is not None else 255), str(result.stdout or ""), \
         str(result.stderr or "")
+
+
+# The instance's sshd serves the host key durastack made after boot in place of the one its boot data carries (user
+# data and metadata are kept by the cloud, readable by whoever may describe the instance): that one then opens
+# nothing. The marker keeps a boot script that runs again (GCP, at every boot) from putting the old key back.
+REPLACE_HOST_KEY = ('set -e; umask 077; K="${DURASTACK_ETC:-/etc}/ssh/durastack_host_ed25519_key"; '
+                    'cat >"$K.new"; mv "$K.new" "$K"; printf \'%s\\n\' "$PUBLIC" >"$K.pub"; '
+                    f'touch {REMOTE_DIR}/host_key_after_boot; '
+                    'systemctl reload ssh 2>/dev/null || systemctl reload sshd')
+
+
+async def replace_host_key(conn: asyncssh.SSHClientConnection, private_openssh: str, public_openssh: str) -> None:
+    """Have the instance's sshd serve ``private_openssh`` from its next connection on (this one goes on)."""
+    status, _, err = await run(conn, f"PUBLIC={shlex.quote(public_openssh)}; {REPLACE_HOST_KEY}",
+                               input=private_openssh)
+    if status != 0:
+        raise RuntimeError(f"replacing the host key failed ({status}): {err.strip()[:300]}")
 
 
 async def wait_booted(conn: asyncssh.SSHClientConnection) -> bool:

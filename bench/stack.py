@@ -273,8 +273,9 @@ def load_avg() -> str:
 
 
 # What each process of a stack is, by its command line (first match).
-PARTS = (("replica apps", "http.server"), ("temporal", "temporal"), ("worker", "-m worker"),
-         ("gateway", "-m gateway"), ("nginx", "nginx"), ("server", " server"), ("replica wrappers", ""))
+PARTS = (("replica apps", "http.server"), ("temporal", "temporal"), ("temporal door", "door/nginx.conf"),
+         ("worker", "-m worker"), ("gateway", "-m gateway"), ("nginx", "nginx"), ("server", " server"),
+         ("replica wrappers", ""))
 
 
 def stack_cpu(home: Path) -> dict[str, float]:

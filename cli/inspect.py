@@ -195,11 +195,11 @@ def _cloud_replica(settings: Settings, name: str, replica: Optional[int], runnin
         return None
     if not (view.ssh_host and view.instance_key):
         raise user_error(f"replica {view.replica} on {view.backend} has no instance address yet")
-    from activities.ssh import SSHClient, SSHTarget
+    from activities.ssh import SSHClient, ssh_target
     from connect.ssh_keys import SSHKeys
 
     keys = SSHKeys.of_home(settings.home)
-    return SSHClient.from_keys(keys), SSHTarget(view.ssh_host, keys.host_key(view.instance_key).public_openssh)
+    return SSHClient.from_keys(keys), ssh_target(keys, view.ssh_host, view.instance_key, view.host_key_after_boot)
 
 
 async def cloud_exec(client, target, argv: list[str], *, stdout=None) -> int:

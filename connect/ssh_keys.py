@@ -104,9 +104,12 @@ class SSHKeys:
         """``ssh-ed25519 AAAA… durastack``: the one key instances authorize."""
         return _openssh_public(self.client_key(), "durastack")
 
-    def host_key(self, provisioning_key: str) -> HostKey:
+    def host_key(self, provisioning_key: str, after_boot: bool = False) -> HostKey:
+        """The instance's host key: the one its boot data carries, or (``after_boot``) the one durastack puts in
+        its place over SSH once the instance has booted, which no user data or metadata ever held."""
         seed = bytes.fromhex((self.directory / "host_seed").read_text().strip())
-        private = hmac.new(seed, f"host-key/{provisioning_key}".encode(), hashlib.sha256).digest()
+        label = "host-key-after-boot" if after_boot else "host-key"
+        private = hmac.new(seed, f"{label}/{provisioning_key}".encode(), hashlib.sha256).digest()
         key = Ed25519PrivateKey.from_private_bytes(private)
         return HostKey(private_openssh=_deterministic_openssh_private(key), public_openssh=_openssh_public(key))
 

@@ -289,10 +289,17 @@ def replica_label(replica_num: int, submission_num: int) -> str:
 # Tag (AWS) and label (GCP) names; GCP label keys cannot hold ':'.
 TAG_NAMES: dict[str, dict[str, str]] = {
     "aws": {"service": "durastack:service", "group": "durastack:group", "replica": "durastack:replica",
-            "key": "durastack:key", "port": "durastack:port", "installation": "durastack:installation"},
+            "key": "durastack:key", "port": "durastack:port", "installation": "durastack:installation",
+            "host_key": "durastack:host-key"},
     "gcp": {"service": "durastack-service", "group": "durastack-group", "replica": "durastack-replica",
-            "key": "durastack-key", "port": "durastack-port", "installation": "durastack-installation"},
+            "key": "durastack-key", "port": "durastack-port", "installation": "durastack-installation",
+            "host_key": "durastack-host-key"},
 }
+
+
+# The tag value of an instance whose boot host key durastack replaces once it has booted (ssh.replace_host_key):
+# from then on, only the replacement is trusted. Instances made before it have no such tag and keep their boot key.
+HOST_KEY_AFTER_BOOT = "after-boot"
 
 
 def owner(backend: str, service: str, group: str, replica_num: int, submission_num: int) -> tuple[str, str, str]:
@@ -333,6 +340,11 @@ class CloudInstance(BaseModel):
     tags: dict[str, str] = Field(default_factory=dict, description="AWS tags / GCE labels.")
 
     @property
+    def host_key_after_boot(self) -> bool:
+        """Whether its boot host key is replaced once it has booted (``HOST_KEY_AFTER_BOOT``)."""
+        return self.tags.get(TAG_NAMES[self.backend]["host_key"]) == HOST_KEY_AFTER_BOOT
+
+    @property
     def owner(self) -> tuple[str, str, str]:
         """(service, group, ``r<N>-s<M>``) from the tags; compare with ``owner(...)``."""
         names = TAG_NAMES[self.backend]
@@ -340,5 +352,5 @@ class CloudInstance(BaseModel):
         return service, group, replica
 
 
-__all__ = ["AWSConfig", "BackendsConfig", "CLOUDS", "CloudInstance", "GCPConfig", "TAG_NAMES", "backends_config_from",
+__all__ = ["AWSConfig", "BackendsConfig", "CLOUDS", "CloudInstance", "GCPConfig", "HOST_KEY_AFTER_BOOT", "TAG_NAMES", "backends_config_from",
            "config_path", "load_backends_config", "owner", "provisioning_key", "replica_label", "slug"]

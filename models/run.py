@@ -304,6 +304,7 @@ class ReplicaView(BaseModel):
     reason: str = ""
     ssh_host: str = Field("", description="A cloud replica's instance address, where `exec` and `logs` reach it.")
     instance_key: str = Field("", description="Its provisioning key, from which its host key is derived.")
+    host_key_after_boot: bool = Field(False, description="Whether its sshd serves the host key made after boot.")
 
 
 class GroupView(BaseModel):

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ class Stack:
         self.gateway = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_PORT']}"
         self.control = f"http://127.0.0.1:{self.env['DURASTACK_GATEWAY_CONTROL_PORT']}"
         self._token: str | None = None
+        self._temporal_env: dict[str, str] | None = None
 
     def wait_up(self, what: str = "control plane up") -> None:
         """Until `ps` answers: slow beside a loaded suite; a server that exited, or never answered, says why."""
@@ -63,6 +65,15 @@ class Stack:
     def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "durastack"), *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def temporal(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Temporal's own CLI, pointed at this stack's Temporal as `eval "$(durastack temporal-env)"` does."""
+        if self._temporal_env is None:
+            printed = self.cli("temporal-env")
+            assert printed.returncode == 0, printed.stderr
+            self._temporal_env = dict(re.findall(r"^export (\w+)=(\S+)$", printed.stdout, re.M))
+        return subprocess.run([str(BIN / "temporal"), *args], env={**self.env, **self._temporal_env},
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     def token(self) -> str:
         """A gateway token of this stack's tests, added once with `durastack token add e2e`."""

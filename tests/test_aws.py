@@ -94,7 +94,8 @@ def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_e
     key = provisioning_key("svc", "llm", 0, 0, chosen)
     tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
     assert tags == {"Name": "durastack-svc-llm-r0-s0", "durastack:service": "svc", "durastack:group": "llm",
-                    "durastack:replica": "r0-s0", "durastack:key": key, "durastack:port": "8000"}
+                    "durastack:replica": "r0-s0", "durastack:key": key, "durastack:port": "8000",
+                    "durastack:host-key": "after-boot"}
     image = ec2().describe_images(ImageIds=[raw["ImageId"]])["Images"][0]
     assert image["Name"] == GPU_AMI
     user_data = ec2().describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")

@@ -4,14 +4,13 @@ group waits on a back-off."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import BIN, Stack, ready, replica_processes, running_stack, until
+from tests.e2e import Stack, ready, replica_processes, running_stack, until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,10 +49,8 @@ def test_a_replica_workflow_terminated_from_outside_is_replaced_and_leaves_nothi
     apply(stack, tmp_path, name, SERVE)
     assert ready(stack.ps(name)) == {"web": [0]}
     workdir = next(wd for wd in replica_processes(stack.home) if wd.endswith(f"/{name}/web/r0-s0"))
-    terminated = subprocess.run(
-        [str(BIN / "temporal"), "workflow", "terminate", "--address", f"127.0.0.1:{stack.env['DURASTACK_TEMPORAL_PORT']}",
-         "--workflow-id", f"service/{name}/web/r0-s0", "--reason", "from the Web UI"],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    terminated = stack.temporal("workflow", "terminate", "--workflow-id", f"service/{name}/web/r0-s0",
+                                "--reason", "from the Web UI")
     assert terminated.returncode == 0, terminated.stderr
     t0 = time.monotonic()
     until(lambda: (1, "running", True) in submissions(stack, name), 60, 0.3, "replaced by submission 1")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ from tests.test_secrets import encoded_forms
 
 pytestmark = pytest.mark.e2e
 
-TEMPORAL = str(Path(sys.executable).with_name("temporal"))
 SECRET = "hf_e2e_" + "Vb7Nq2Xr9Lm4Kt8Pw3Zs6Hd1Jc5Fg0Ya"
 SERVICE = """
 type: service
@@ -34,9 +31,7 @@ def stack(tmp_path_factory):
 
 
 def history(stack: Stack, workflow_id: str) -> str:
-    res = subprocess.run([TEMPORAL, "workflow", "show", "--workflow-id", workflow_id, "--output", "json",
-                          "--address", f"127.0.0.1:{stack.env['DURASTACK_TEMPORAL_PORT']}"],
-                         capture_output=True, text=True, timeout=30)
+    res = stack.temporal("workflow", "show", "--workflow-id", workflow_id, "--output", "json", timeout=30)
     assert res.returncode == 0, res.stderr
     return res.stdout
 

@@ -92,7 +92,8 @@ def test_gpu_group_comes_up_with_accelerators_spot_labels_and_startup_script(gcp
     assert body["scheduling"] == {"provisioningModel": "SPOT", "onHostMaintenance": "TERMINATE",
                                   "automaticRestart": False, "instanceTerminationAction": "DELETE"}
     assert body["labels"] == {"managed-by": "durastack", "durastack-service": "svc-one", "durastack-group": "llm",
-                              "durastack-replica": "r0-s0", "durastack-key": key, "durastack-port": "8000"}
+                              "durastack-replica": "r0-s0", "durastack-key": key, "durastack-port": "8000",
+                              "durastack-host-key": "after-boot"}
     (disk,) = body["disks"]
     assert disk["boot"] and disk["autoDelete"] and disk["initializeParams"]["diskSizeGb"] == "200"
     assert "deeplearning-platform-release" in disk["initializeParams"]["sourceImage"]

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from activities.ssh import NotReady, SSHClient, SSHTarget, Tunnel, container_state, run, start_job, wait_booted
+from activities.ssh import (NotReady, SSHClient, SSHTarget, Tunnel, container_state, replace_host_key, run, ssh_target,
+                            start_job, wait_booted)
 from activities.userdata import BootKeys, cloud_init, startup_script
 from connect.ssh_keys import SSHKeys
 from models.replica import JobSpec
@@ -132,6 +133,28 @@ async def _ok(sock):
 
 async def _true(value):
     return value
+
+
+async def test_the_boot_host_key_opens_nothing_once_the_instance_has_booted(vpc, keys):
+    # A GCP host: its startup script, with the boot key in it, stays in the instance's metadata and runs again at
+    # every boot. Whoever can read it must not be able to pose as the instance once it has booted.
+    key = "ds-svc-llm-r2s0-ccc"
+    host, boot_target = boot(vpc, keys, key, "10.128.7.10", user_data_of=startup_script)
+    client = SSHClient.from_keys(keys, socket_factory=vpc.socket_factory)
+    conn = await client.connect(ssh_target(keys, boot_target.host, key, after_boot=True, booting=True))
+    assert await wait_booted(conn)
+    after = keys.host_key(key, after_boot=True)
+    assert after.public_openssh != boot_target.host_key
+    await replace_host_key(conn, after.private_openssh, after.public_openssh)
+    assert (await run(conn, "echo still"))[1] == "still\n"  # the connection that replaced it goes on
+    conn.close()
+    later = ssh_target(keys, boot_target.host, key, after_boot=True)
+    assert later.boot_key is None
+    for _ in range(2):  # as booted, then after its boot script ran again (a reboot)
+        with pytest.raises(NotReady, match="host key"):
+            await client.connect(boot_target)  # the instance no longer serves the boot key
+        (await client.connect(later)).close()
+        host.boot_again()
 
 
 async def test_only_the_installation_key_and_only_the_pinned_host_key(vpc, keys, tmp_path):

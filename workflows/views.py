@@ -193,4 +193,4 @@ def _ssh_of(r: Replica) -> dict:
     i = r.instance
     if i is None or getattr(i, "kind", "") != "cloud":
         return {}
-    return {"ssh_host": i.address.rpartition(":")[0], "instance_key": i.key}
+    return {"ssh_host": i.address.rpartition(":")[0], "instance_key": i.key, "host_key_after_boot": i.host_key_after_boot}

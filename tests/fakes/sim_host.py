@@ -1,7 +1,7 @@
 """The SSH server of a simulated cloud host (asyncssh's), run inside the host's own network namespace.
 
-It presents the host keys its sshd configuration names (``HostKey``, as the instance's boot script set it) and
-accepts only the
+It presents the host keys its sshd configuration names (``HostKey``, as the instance's boot script set it; read again
+on SIGHUP, as sshd's reload does) and accepts only the
 keys in the authorized_keys that script wrote — the installation's. Commands run as they would as root on
 the instance: by bash, with ``docker`` the stand-in of tests/fakes/fake_docker.py and ``DURASTACK_DIR`` the
 host's state dir. Only direct TCP forwarding to the host's loopback is allowed (sshd's
@@ -48,7 +48,8 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.root)
     env = {"PATH": f"{root / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": str(root / "home"),
-           "DURASTACK_DIR": str(root / "opt"), "FAKE_DOCKER_DIR": str(root / "containers"), "LANG": "C.UTF-8"}
+           "DURASTACK_DIR": str(root / "opt"), "DURASTACK_ETC": str(root / "etc"),
+           "FAKE_DOCKER_DIR": str(root / "containers"), "LANG": "C.UTF-8"}
 
     async def handle(process: asyncssh.SSHServerProcess) -> None:
         proc = await asyncio.create_subprocess_exec(
@@ -72,11 +73,15 @@ def main() -> None:
             authorized_client_keys=str(root / "home/.ssh/authorized_keys"),
             process_factory=handle, encoding=None, password_auth=False, kbdint_auth=False,
             allow_scp=False, sftp_factory=None, agent_forwarding=False, x11_forwarding=False)
+        (root / "sshd.pid").write_text(f"{os.getpid()}\n")
         print("ready", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # sshd's reload (``systemctl reload ssh``, the stand-in in bin/): new connections get the keys its
+        # configuration names now; open ones go on.
+        loop.add_signal_handler(signal.SIGHUP, lambda: server.update(server_host_keys=host_keys(root)))
         await stop.wait()
         server.close()
 

@@ -87,6 +87,11 @@ def _guest_agent_host_keys(ssh_dir: Path) -> None:
     (ssh_dir / "ssh_host_ed25519_key.pub").write_bytes(key.export_public_key("openssh"))
 
 
+def _boot_env(root: Path) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "DURASTACK_SIMULATED": "1", "DURASTACK_DIR": str(root / "opt"),
+            "DURASTACK_ETC": str(root / "etc"), "DURASTACK_ROOT_HOME": str(root / "home")}
+
+
 def boot_script_of(user_data: str) -> str:
     """The boot script in an AWS cloud-config (write_files) or a GCP startup-script (the script itself)."""
     if not user_data.startswith("#cloud-config"):
@@ -104,6 +109,12 @@ class SimHost:
     address: str
     root: Path
     server: subprocess.Popen
+
+    def boot_again(self) -> None:
+        """The boot script once more, as GCP's agent runs it at every boot, then sshd restarted (read again)."""
+        subprocess.run(["ip", "netns", "exec", self.netns, "bash", str(self.root / "boot.sh")], env=_boot_env(self.root),
+                       check=True, timeout=60)
+        os.kill(self.server.pid, signal.SIGHUP)
 
     def container_pid(self, name: str = "durastack-job") -> Optional[int]:
         path = self.root / "containers" / name / "pid"
@@ -171,12 +182,16 @@ class SimulatedVPC:
         docker = root / "bin" / "docker"
         docker.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests/fakes/fake_docker.py'} \"$@\"\n")
         docker.chmod(0o755)
+        # systemd's part that durastack uses over SSH: sshd's reload (sim_host reads its host keys again).
+        systemctl = root / "bin" / "systemctl"
+        systemctl.write_text(f"#!/bin/sh\ncase \"$1 $2\" in\n  'reload ssh'|'reload sshd') "
+                             f"exec kill -HUP \"$(cat {root / 'sshd.pid'})\" ;;\n"
+                             "  *) echo \"systemctl $*: not simulated\" >&2; exit 1 ;;\nesac\n")
+        systemctl.chmod(0o755)
         # The instance's own boot, its paths moved under the host's dir.
         script = root / "boot.sh"
         script.write_text(boot_script_of(user_data))
-        env = {"PATH": "/usr/bin:/bin", "DURASTACK_SIMULATED": "1", "DURASTACK_DIR": str(root / "opt"),
-               "DURASTACK_ETC": str(root / "etc"), "DURASTACK_ROOT_HOME": str(root / "home")}
-        subprocess.run(["ip", "netns", "exec", netns, "bash", str(script)], env=env, check=True, timeout=60)
+        subprocess.run(["ip", "netns", "exec", netns, "bash", str(script)], env=_boot_env(root), check=True, timeout=60)
         if not user_data.startswith("#cloud-config"):
             _guest_agent_host_keys(root / "etc" / "ssh")
         server = subprocess.Popen(

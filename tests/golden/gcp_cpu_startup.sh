@@ -12,14 +12,17 @@ exec >>"$DIR/boot.log" 2>&1
 echo "durastack: booting for replica llm-svc/decode/r3-s1 at $(date -u +%FT%TZ)"
 # The host key durastack made for this instance: its first connection is verified against it. A file of its own,
 # not sshd's default key, which GCP's guest agent writes anew on an instance's first boot, racing this script.
+# That first connection puts another key in its place, which no boot data holds: kept when this script runs again.
 mkdir -p "$ETC/ssh/sshd_config.d"
-cat >"$ETC/ssh/durastack_host_ed25519_key" <<'DURASTACK_HOST_KEY'
+if [ ! -e "$DIR/host_key_after_boot" ]; then
+  cat >"$ETC/ssh/durastack_host_ed25519_key" <<'DURASTACK_HOST_KEY'
 -----BEGIN OPENSSH PRIVATE KEY-----
 AAAA
 -----END OPENSSH PRIVATE KEY-----
 DURASTACK_HOST_KEY
-echo 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyForTheGoldenFile' >"$ETC/ssh/durastack_host_ed25519_key.pub"
-chmod 600 "$ETC/ssh/durastack_host_ed25519_key"
+  echo 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyForTheGoldenFile' >"$ETC/ssh/durastack_host_ed25519_key.pub"
+  chmod 600 "$ETC/ssh/durastack_host_ed25519_key"
+fi
 # Only the installation's key logs in, and only with that key.
 mkdir -p "${DURASTACK_ROOT_HOME:-/root}/.ssh" && chmod 700 "${DURASTACK_ROOT_HOME:-/root}/.ssh"
 echo 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIClientKeyForTheGoldenFile durastack' >"${DURASTACK_ROOT_HOME:-/root}/.ssh/authorized_keys"
