@@ -145,6 +145,12 @@ def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str], network
         assert logs.returncode == 0 and "request /" in logs.stdout
         assert not _history_has(stack, SECRET)
         assert booter.user_data and not any(SECRET in text for text in booter.user_data.values())
+        # Each instance serves the host key durastack put in place after boot, which no boot data holds; `exec`
+        # and `logs` above trusted that one alone.
+        for host in vpc.hosts.values():
+            served = (host.root / "etc/ssh/durastack_host_ed25519_key.pub").read_text().split()[:2]
+            assert served and " ".join(served) not in booter.user_data[host.name]
+            assert (host.root / "opt/host_key_after_boot").exists()
 
         # A cut tunnel: unrouted while down, routed again once it reconnects.
         host = vpc.hosts[list(vpc.hosts)[0]]
