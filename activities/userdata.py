@@ -84,8 +84,9 @@ CLOSE_METADATA = f"""\
 # iptables rules do not outlive a reboot, and the boot script runs once on AWS: cloud-init's bootcmd, which runs at
 # every boot, closes it again once the instance has booted for durastack before (its ready file). (GCP's agent runs
 # the whole boot script at every boot.)
+_CLOSE_TO_SLICE = _reject("iptables", "169.254.169.254/32", " " + _SLICE)
 REBOOT_CLOSE = json.dumps(["sh", "-c", f"if [ -e /opt/durastack/ready ]; then systemctl start {REPLICA_SLICE}; "
-                                       f"{_reject('iptables', '169.254.169.254/32', ' ' + _SLICE)}; {METADATA_RULE}; fi"])
+                                       f"{_CLOSE_TO_SLICE}; {METADATA_RULE}; fi"])
 
 
 def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys, close_metadata: bool = False) -> str:

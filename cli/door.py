@@ -15,8 +15,8 @@ is the only way in:
 * The codec endpoint the UI decrypts secrets with is served at ``/_durastack/codec`` behind the same login, so
   neither a process's arguments nor the page's settings hold a credential.
 
-The keys are derived from the codec key (``connect.codec.derived_secret``): every holder computes them, none reveals it. The
-configuration that holds them is mode 600 under the home; nginx's workers, which parse every request, run as
+The keys are derived from the codec key (``connect.codec.derived_secret``): every holder computes them, none
+reveals it. The configuration that holds them is mode 600 under the home; nginx's workers, which parse every request, run as
 ``nobody`` when the stack runs as root (a process whose uid changed cannot be traced by that user).
 """
 
@@ -57,6 +57,11 @@ def _basic(password: str) -> str:
     return "Basic " + base64.b64encode(f"{UI_USER}:{password}".encode()).decode()
 
 
+REFUSED = ("this Temporal takes the API key of its durastack home: run durastack as the home's owner, or see "
+           "durastack temporal-env")
+REALM = 'Basic realm="durastack Web UI (user durastack; durastack ui prints the password)", charset="UTF-8"'
+
+
 def render(settings: Settings, keys: CodecKeys, run_dir: Path, codec_credential: str | None) -> str:
     """The door's nginx.conf. Every key of the rotation opens it: a client set up before the newest key was added
     keeps working. ``codec_credential``: the path segment the codec server wants (cli/codec_server.py); None
@@ -65,6 +70,7 @@ def render(settings: Settings, keys: CodecKeys, run_dir: Path, codec_credential:
     bearer = "".join(f'    "Bearer {derived_secret(k, API_KEY_PURPOSE)}" 1;\n' for k in keys.keys)
     basic = "".join(f'    "{_basic(derived_secret(k, UI_PURPOSE))}" 1;\n' for k in keys.keys)
     hosts = rf"(127\.0\.0\.1|localhost):{s.ui_port}"
+    foreign = f"the Web UI answers only at {s.ui_url} (or localhost), to its own pages\\n"
     codec = "" if codec_credential is None else f"""
     location {CODEC_PATH}/ {{
       proxy_pass http://127.0.0.1:{s.codec_port}/{codec_credential}/;
@@ -110,7 +116,7 @@ http {{
     location @refused {{
       default_type application/grpc;
       add_header grpc-status 16 always;
-      add_header grpc-message "this Temporal takes the API key of its durastack home: run durastack as the home's owner, or see durastack temporal-env" always;
+      add_header grpc-message "{REFUSED}" always;
       return 200 "";
     }}
   }}
@@ -123,11 +129,11 @@ http {{
     proxy_max_temp_file_size 0;
     proxy_read_timeout 5m;
     proxy_set_header Authorization "";
-    if ($ui_origin = 0) {{ return 403 "the Web UI answers only at {settings.ui_url} (or localhost), to its own pages\\n"; }}
+    if ($ui_origin = 0) {{ return 403 "{foreign}"; }}
     if ($ui_login = 0) {{ return 401; }}
     error_page 401 @login;
     location @login {{
-      add_header WWW-Authenticate 'Basic realm="durastack Web UI (user durastack; durastack ui prints the password)", charset="UTF-8"' always;
+      add_header WWW-Authenticate '{REALM}' always;
       default_type text/plain;
       return 401 "log in as durastack, with the password durastack ui prints\\n";
     }}

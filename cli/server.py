@@ -16,7 +16,8 @@ from models.settings import Settings
 
 # The `temporal` CLI's environment variable for each connection setting of an external server (models.settings).
 TEMPORAL_CLI_ENV = {"temporal_tls": "TEMPORAL_TLS", "temporal_tls_ca": "TEMPORAL_TLS_SERVER_CA_CERT_PATH",
-                    "temporal_tls_cert": "TEMPORAL_TLS_CLIENT_CERT_PATH", "temporal_tls_key": "TEMPORAL_TLS_CLIENT_KEY_PATH",
+                    "temporal_tls_cert": "TEMPORAL_TLS_CLIENT_CERT_PATH",
+                    "temporal_tls_key": "TEMPORAL_TLS_CLIENT_KEY_PATH",
                     "temporal_tls_server_name": "TEMPORAL_TLS_SERVER_NAME", "temporal_api_key": "TEMPORAL_API_KEY"}
 
 
@@ -78,7 +79,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command(name="temporal-env")
     def temporal_env() -> None:
-        """Shell lines that point the `temporal` CLI where durastack's processes connect: eval "$(durastack temporal-env)"."""
+        """Shell lines for the `temporal` CLI to connect as durastack does: eval "$(durastack temporal-env)"."""
         import shlex
 
         from connect.connection import embedded_api_key

@@ -322,8 +322,8 @@ class Child:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} durastack: {shlex.join(self.argv)}\n".encode())
             log.flush()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.DEVNULL, env=self.env, start_new_session=True, pass_fds=self.pass_fds,
-                stdout=asyncio.subprocess.PIPE if self.verbose else log, stderr=asyncio.subprocess.STDOUT)
+                *self.argv, stdin=asyncio.subprocess.DEVNULL, env=self.env, start_new_session=True,
+                pass_fds=self.pass_fds, stdout=asyncio.subprocess.PIPE if self.verbose else log, stderr=asyncio.subprocess.STDOUT)
         self.started_at, self.start_ticks = time.monotonic(), _start_ticks(self.proc.pid)
         self.up = False
         self.restarts += 1

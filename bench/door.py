@@ -1,0 +1,88 @@
+"""What the embedded Temporal's door (cli/door.py) costs a client: the same gRPC calls, through the door from the
+host, and straight to the dev server from inside its namespace, in turns, on one `durastack server`.
+
+    .venv/bin/python -m bench.door [--calls 2000] [--rounds 3]
+
+Each run is a fresh client process that connects, then makes ``--calls`` sequential ``DescribeNamespace`` calls
+(a cheap call: what is measured is the path, not the server's work). Prints per-call latency (p50, p99) and
+calls per second for each path, and the door's ratio. Needs root (the door needs network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+from bench.stack import ROOT, BenchStack, load_avg, percentile
+
+
+async def _measure(address: str, namespace: str, api_key: str | None, calls: int) -> dict:
+    from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+    from temporalio.client import Client
+
+    client = await Client.connect(address, namespace=namespace, api_key=api_key, tls=False)
+    request = DescribeNamespaceRequest(namespace=namespace)
+    await client.workflow_service.describe_namespace(request)  # warm the connection
+    latencies = []
+    start = time.perf_counter()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        await client.workflow_service.describe_namespace(request)
+        latencies.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {"p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
+            "per_s": calls / elapsed}
+
+
+def _run(prefix: list[str], address: str, namespace: str, api_key: str | None, calls: int) -> dict:
+    argv = [*prefix, sys.executable, "-m", "bench.door", "--measure", address, "--namespace", namespace,
+            "--calls", str(calls)] + (["--api-key", api_key] if api_key else [])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True, cwd=ROOT)
+    return json.loads(done.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--measure", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--namespace", default="default", help=argparse.SUPPRESS)
+    parser.add_argument("--api-key", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(asyncio.run(_measure(args.measure, args.namespace, args.api_key, args.calls))))
+        return
+
+    from activities import local_net
+    from cli.door import possible
+    from connect.connection import embedded_api_key
+
+    if not possible()[0]:
+        sys.exit(f"no door here: {possible()[1]}")
+    with BenchStack() as stack:
+        s = stack.settings
+        key = embedded_api_key(s, stack.env)
+        inside = ["nsenter", f"--net={local_net.NETNS_DIR / local_net.temporal_nsname(s.home)}", "--"]
+        print(f"door vs direct: {args.calls} sequential DescribeNamespace calls per run, {args.rounds} rounds "
+              f"(load {load_avg()})")
+        results: dict[str, list[dict]] = {"door": [], "direct": []}
+        for _ in range(args.rounds):  # in turns, so that the machine's drift hits both
+            results["door"].append(_run([], s.address, s.namespace, key, args.calls))
+            results["direct"].append(_run(inside, s.address, s.namespace, None, args.calls))
+        for path, runs in results.items():
+            print(f"  {path:6} p50 " + " / ".join(f"{r['p50_ms']:.3f}" for r in runs) + " ms   p99 "
+                  + " / ".join(f"{r['p99_ms']:.3f}" for r in runs) + " ms   "
+                  + " / ".join(f"{r['per_s']:.0f}" for r in runs) + " calls/s")
+        ratios = [d["per_s"] / r["per_s"] for d, r in zip(results["door"], results["direct"])]
+        extra = [d["p50_ms"] - r["p50_ms"] for d, r in zip(results["door"], results["direct"])]
+        print(f"  door/direct throughput: {' / '.join(f'{x:.2f}x' for x in ratios)}; p50 added: "
+              + " / ".join(f"{x:+.3f} ms" for x in extra) + f" (load {load_avg()})")
+
+
+if __name__ == "__main__":
+    main()
