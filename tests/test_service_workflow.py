@@ -726,7 +726,9 @@ async def test_a_taken_workflow_id_starts_the_next_submission(ts_env, cloud):
 
 async def test_a_reset_to_the_first_task_leaves_one_replica_per_slot(dev_env, cloud_dev):
     """Reset from the Web UI to the run's first workflow task: the new run starts its replicas again, finds their
-    ids held by the old run's (abandoned) children, stops those and serves with the next submission."""
+    ids held by the old run's (abandoned) children, stops those and serves with the next submission. (On a loaded
+    machine the reaper's quick pass may stop the orphan first: its id is then free, and the slot starts over as
+    submission 0. One replica per slot either way.)"""
     env, cloud, name = dev_env, cloud_dev, "svc-reset"
     handle = await start(env, cloud, name)
     await wait_ready(handle, {"0": [0], "1": []})
@@ -737,9 +739,11 @@ async def test_a_reset_to_the_first_task_leaves_one_replica_per_slot(dev_env, cl
         reason="from the Web UI", workflow_task_finish_event_id=first_task, request_id=str(uuid.uuid4())))
     handle = env.client.get_workflow_handle(handle.id)  # the reset's run
     status = await wait_ready(handle, {"0": [0], "1": []})
-    assert [(r.replica, r.submission) for g in status.groups for r in g.replicas] == [(0, 1)]
-    await eventually(lambda: _true(cloud.running() == {f"{name}/0/r0-s1"}))
-    assert cloud.instances[f"{name}/0/r0-s0"] == "terminated"
+    ((replica, submission),) = [(r.replica, r.submission) for g in status.groups for r in g.replicas]
+    assert (replica, submission) in ((0, 1), (0, 0))
+    await eventually(lambda: _true(cloud.running() == {f"{name}/0/r0-s{submission}"}))
+    if submission == 1:
+        assert cloud.instances[f"{name}/0/r0-s0"] == "terminated"
     await handle.signal(ServiceRunWorkflow.stop)
     assert await last_run_result(env.client, handle.id) == "stopped"
     assert cloud.running() == set()
