@@ -324,6 +324,29 @@ async def test_aws_gpu_service_comes_up_with_type_tags_userdata_and_stops_clean(
         assert phases == ["intent", "created", "terminated"]
 
 
+@aio
+@needs_vpc
+async def test_a_service_applied_again_after_its_stop_gets_its_offer_again(dev_env, home, fake_ec2, vpc):
+    # EC2 refuses, for hours, a client token whose instance it terminated (IdempotentInstanceTerminated): a service
+    # stopped and applied again must not present its first run's provisioning keys, or each replica skips its
+    # offer (the only one, for a service pinned to one instance type).
+    fake_ec2.seed_amis("us-east-1")
+    text = AWS_SERVICE.format(name="aws-again", backend="aws", extra="", gpu="A10G:1")
+    async with stack(dev_env, home, AWS, vpc, vpcs.moto_instances) as s:
+        keys = []
+        for _ in range(2):
+            handle = await s.start(text)
+            rep = await s.replica(handle)
+            assert (rep.status, rep.instance_type) == ("running", "g5.xlarge")
+            (raw,) = live_instances("aws-again")
+            keys.append({t["Key"]: t["Value"] for t in raw["Tags"]}["durastack:key"])
+            await s.stop(handle)
+            # Applied again once the replica's workflow has closed (its id is free again), as after any pause.
+            replica = s.client.get_workflow_handle(replica_workflow_id("aws-again", "llm", 0, 0))
+            await asyncio.wait_for(replica.result(), 60)
+        assert keys[0] != keys[1], keys
+
+
 def offer_zones(instance_type: str) -> list[str]:
     """The zones of the on-demand catalog offer in us-east-1, in the order the walk tries them."""
     from activities.catalog import load_catalog
