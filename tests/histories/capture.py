@@ -16,7 +16,8 @@ Each scenario runs a representative service life and saves ``(await handle.fetch
 * ``service_signalled_apply`` — an `apply` and a `scale` sent as signals and judged by the local activity,
   one refused signal, stop;
 * ``service_taken_id`` — a replica whose workflow id is held by a workflow no run owns starts as its next
-  submission; ``replica_untaken`` — a replica whose only backend no worker serves fails, nothing torn down.
+  submission; ``replica_untaken`` — a replica whose only backend no worker serves fails, nothing torn down;
+* ``reaper_passes`` — the ReaperWorkflow: full passes, quick passes and a reconfiguration.
 
 When to re-capture: while the workflow code is still young, after any change (this session); once services
 run for real, only after an intentional change behind ``workflow.patched`` — and then with ``--tag``, keeping
@@ -37,13 +38,20 @@ from temporalio.common import SearchAttributeKey
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
 from models.loader import load_config_text
+from models.reaper import ReapAction, ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
 from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
 from models.settings import SEARCH_ATTRIBUTES
 from tests.conftest import DATA_CONVERTER, _time_skipping_env, eventually, last_run_result, run_histories, tool
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
+from workflows import names
 from workflows.jobs import replica_input
+from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -259,7 +267,51 @@ async def taken_and_untaken(capture: Capture) -> None:
         await capture.save("replica_untaken", await replica.fetch_history())
 
 
-SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply, taken_and_untaken]
+async def reaper_passes(capture: Capture) -> None:
+    """The reaper: two full passes (an orphan instance terminated on one target, the other target's worker away)
+    with the replicas' pass (`reap-replicas`), quick passes between them (`reap-closed`), one of which stops a
+    closed service's replica, and a reconfiguration that cuts an interval short."""
+    env, queue = await _time_skipping_env(), "reaper-history"
+    try:
+        quick = iter([ReplicaReapResult(), ReplicaReapResult(stopped=["service/gone/web/r0-s0: closed"])])
+
+        @activity.defn(name=names.REAP_ORPHANS)
+        async def reap_orphans(req: ReapRequest) -> ReapResult:
+            if "gcp" in req.backends:
+                raise ApplicationError("no credentials for gcp here", non_retryable=True)
+            return ReapResult(task_queue=queue, checked=2, terminated=[ReapAction(
+                service="gone", backend="aws", instance_id="i-0abc", region="us-east-1", owner="r0-s0",
+                reason="no replica owns it")])
+
+        @activity.defn(name=names.REAP_REPLICAS)
+        async def reap_replicas(grace_seconds: int) -> ReplicaReapResult:
+            return ReplicaReapResult()
+
+        @activity.defn(name=names.REAP_CLOSED)
+        async def reap_closed() -> ReplicaReapResult:
+            return next(quick, ReplicaReapResult())
+
+        inp = ReaperInput(targets=[ReapTarget(task_queue=queue, backends=["aws"]),
+                                   ReapTarget(task_queue=queue, backends=["gcp"])],
+                          replicas_queue=queue, interval_seconds=120, grace_seconds=60, closed_seconds=30)
+        async with Worker(env.client, task_queue=queue, workflows=[ReaperWorkflow],
+                          activities=[reap_orphans, reap_replicas, reap_closed]):
+            handle = await env.client.start_workflow(ReaperWorkflow.run, inp, id=REAPER_ID, task_queue=queue)
+            await env.sleep(150)  # the first pass, its quick passes, the second pass
+            await handle.signal(ReaperWorkflow.configure, inp.model_copy(update={"interval_seconds": 90}))
+            await env.sleep(100)
+            await handle.terminate("history captured")
+            history = await handle.fetch_history()
+            kinds = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                     if e.HasField("activity_task_scheduled_event_attributes")]
+            assert {k: kinds.count(k) >= 2 for k in (names.REAP_ORPHANS, names.REAP_REPLICAS, names.REAP_CLOSED)} \
+                == dict.fromkeys((names.REAP_ORPHANS, names.REAP_REPLICAS, names.REAP_CLOSED), True), kinds
+            await capture.save("reaper_passes", history)
+    finally:
+        await env.shutdown()
+
+
+SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply, taken_and_untaken, reaper_passes]
 
 
 async def main(argv: Optional[list[str]] = None) -> None:
