@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shutil
 import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any, Iterator
+from unittest import mock
 from urllib.parse import urlsplit
 
 import pytest
@@ -283,15 +285,44 @@ def test_compose_gateway_listens_in_its_own_container_and_the_main_workers_reach
     assert variable.match(worker["environment"][CONTROL_TOKEN])[1] == \
         variable.match(gateway["environment"][CONTROL_TOKEN])[1], "both read the same token from .env"
     assert settings.control_token
-    # Scalable: replicas from .env, no host port and no volume that replicas would share.
+    # Scalable: replicas from .env, no host port, no volume but the SSH keys (made once, then only read).
     assert variable.match(str(worker["deploy"]["replicas"]))
-    assert "ports" not in worker and not worker.get("volumes")
+    assert "ports" not in worker and worker.get("volumes") == [f"ssh:{plain(worker['environment'])['DURASTACK_SSH_DIR']}"]
     assert f":{settings.worker_metrics_port}/metrics" in worker["healthcheck"]["test"][3]
     # The gateway's state volume is its own.
-    state = {m.split(":")[0] for m in gateway["volumes"]}
+    state = {m.split(":")[0] for m in gateway["volumes"] if m.split(":")[1] == "/data/durastack"}
     sharing = [n for n, s in SERVICES.items()
                if n != "gateway" and state & {m.split(":")[0] for m in s.get("volumes", [])}]
-    assert not sharing, sharing
+    assert state and not sharing, sharing
+
+
+def test_compose_cloud_workers_share_their_keys_and_their_tunnels_with_the_gateway():
+    """On the SSH data path the gateway's upstream for a cloud replica is the local end of the tunnel that the
+    replica's cloud worker holds: a Unix socket under the gateway's $DURASTACK_HOME/tunnels (gateway.upstreams),
+    so that directory is one volume, at the same path, in the gateway and in every cloud worker. Every worker
+    reaches the instances with the one key pair, on one volume that DURASTACK_SSH_DIR names."""
+    from activities.ssh import tunnel_socket
+    from connect.ssh_keys import ssh_dir
+
+    gateway_home = Path(flag(SERVICES["gateway"]["command"], "--runtime-dir")).parent
+    mounts = lambda name: dict(reversed(m.split(":")[:2]) for m in SERVICES[name].get("volumes", []))  # noqa: E731
+    tunnels = mounts("gateway").get(str(gateway_home / "tunnels"))
+    assert tunnels, "the gateway mounts a tunnels volume in its home"
+    workers = [n for n, svc in SERVICES.items() if ours(svc) and svc.get("command") == WORKER]
+    clouds = [n for n in workers if plain(SERVICES[n]["environment"]).get("DURASTACK_WORKER_BACKENDS") in ("aws", "gcp")]
+    assert sorted(clouds) == ["worker-aws", "worker-gcp"]
+    for name in workers:
+        env = plain(SERVICES[name]["environment"])
+        with mock.patch.dict(os.environ, {"DURASTACK_SSH_DIR": env.get("DURASTACK_SSH_DIR", "")}):
+            keys = ssh_dir(Path(env["DURASTACK_HOME"]))  # as the worker finds them
+        assert mounts(name).get(str(keys)) == "ssh", f"{name}: its SSH keys on the shared volume"
+        if name in clouds:
+            socket = tunnel_socket(Path(env["DURASTACK_HOME"]), "svc/group/r0-s0")
+            assert socket.parent == gateway_home / "tunnels", f"{name}: tunnels where the gateway looks"
+            assert mounts(name).get(str(socket.parent)) == tunnels, f"{name}: the gateway's tunnels volume"
+    # The image makes both mount points its user's, so that new named volumes start out writable by it.
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    assert "/data/durastack/tunnels /data/ssh" in dockerfile
 
 
 def test_compose_registers_the_search_attributes_and_uses_postgres_visibility():
