@@ -16,8 +16,8 @@ is the only way in:
   neither a process's arguments nor the page's settings hold a credential.
 
 The keys are derived from the codec key (``connect.codec.derived_secret``): every holder computes them, none
-reveals it. The configuration that holds them is mode 600 under the home; nginx's workers, which parse every request, run as
-``nobody`` when the stack runs as root (a process whose uid changed cannot be traced by that user).
+reveals it. The configuration that holds them is mode 600 under the home; nginx's workers, which parse every
+request, run as ``nobody`` when the stack runs as root (a process whose uid changed cannot be traced by that user).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ WORKERS = "user nobody nogroup;\n"
 # What a gRPC call may take: the worker's long polls last up to a minute, a query or an update up to the caller.
 CALL_TIMEOUT = "1h"
 UI_PURPOSE = "web ui password"
+REFUSED = ("this Temporal takes the API key of its durastack home: run durastack as the home's owner, or see "
+           "durastack temporal-env")
+REALM = 'Basic realm="durastack Web UI (user durastack; durastack ui prints the password)", charset="UTF-8"'
 
 
 def api_key(keys: CodecKeys) -> str:
@@ -55,11 +58,6 @@ def ui_endpoint(settings: Settings) -> str:
 
 def _basic(password: str) -> str:
     return "Basic " + base64.b64encode(f"{UI_USER}:{password}".encode()).decode()
-
-
-REFUSED = ("this Temporal takes the API key of its durastack home: run durastack as the home's owner, or see "
-           "durastack temporal-env")
-REALM = 'Basic realm="durastack Web UI (user durastack; durastack ui prints the password)", charset="UTF-8"'
 
 
 def render(settings: Settings, keys: CodecKeys, run_dir: Path, codec_credential: str | None) -> str:
