@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import shlex
 import ssl
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -296,3 +299,27 @@ async def test_worker_client_serves_sdk_metrics(tmp_path, dev_server):
             text = (await http.get(f"http://127.0.0.1:{port}/metrics", timeout=2)).text
         return text if "temporal_request" in text else ""
     assert "temporal_request" in await eventually(scraped)
+
+
+def test_temporal_env_speaks_the_temporal_clis_own_variables(tmp_path, pki, monkeypatch):
+    """`durastack temporal-env` for an external Temporal: the same address, TLS and key as the workers, under
+    variable names that Temporal's own CLI reads (checked against its `temporal options`)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from cli.server import TEMPORAL_CLI_ENV
+
+    env = {"DURASTACK_HOME": str(tmp_path), "DURASTACK_TEMPORAL_ADDRESS": "temporal.test:7233",
+           "DURASTACK_TEMPORAL_TLS_CA": str(pki.ca[0]), "DURASTACK_TEMPORAL_TLS_SERVER_NAME": "temporal.test",
+           "DURASTACK_TEMPORAL_API_KEY": "tmprl-api-key-42"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    printed = CliRunner().invoke(app, ["temporal-env"])
+    assert printed.exit_code == 0, printed.output
+    exported = dict(shlex.split(line)[1].split("=", 1) for line in printed.output.splitlines())
+    assert exported == {"TEMPORAL_ADDRESS": "temporal.test:7233", "TEMPORAL_NAMESPACE": "default",
+                        "TEMPORAL_TLS_SERVER_CA_CERT_PATH": str(pki.ca[0]), "TEMPORAL_TLS_SERVER_NAME": "temporal.test",
+                        "TEMPORAL_API_KEY": "tmprl-api-key-42"}
+    known = subprocess.run([str(Path(sys.executable).with_name("temporal")), "options"], capture_output=True,
+                           text=True, timeout=30).stdout
+    assert all(f" {name} " in known for name in [*exported, *TEMPORAL_CLI_ENV.values()]), known[:500]
