@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
 
 from bench.stack import ROOT, BenchStack, load_avg, percentile
+
+KEY_ENV = "BENCH_DOOR_API_KEY"
 
 
 async def _measure(address: str, namespace: str, api_key: str | None, calls: int) -> dict:
@@ -41,8 +44,9 @@ async def _measure(address: str, namespace: str, api_key: str | None, calls: int
 
 def _run(prefix: list[str], address: str, namespace: str, api_key: str | None, calls: int) -> dict:
     argv = [*prefix, sys.executable, "-m", "bench.door", "--measure", address, "--namespace", namespace,
-            "--calls", str(calls)] + (["--api-key", api_key] if api_key else [])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True, cwd=ROOT)
+            "--calls", str(calls)]
+    env = {**os.environ, KEY_ENV: api_key or ""}  # not in argv: every local user can read those
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True, cwd=ROOT, env=env)
     return json.loads(done.stdout)
 
 
@@ -52,11 +56,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--measure", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--namespace", default="default", help=argparse.SUPPRESS)
-    parser.add_argument("--api-key", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(asyncio.run(_measure(args.measure, args.namespace, args.api_key, args.calls))))
-        return
+        print(json.dumps(asyncio.run(_measure(args.measure, args.namespace, os.environ.get(KEY_ENV) or None,
+                                              args.calls))), flush=True)
+        os._exit(0)  # the SDK's threads can abort an interpreter that finalizes (as cli.main.entry does)
 
     from activities import local_net
     from cli.door import possible
