@@ -46,7 +46,9 @@ def _run(prefix: list[str], address: str, namespace: str, api_key: str | None, c
     argv = [*prefix, sys.executable, "-m", "bench.door", "--measure", address, "--namespace", namespace,
             "--calls", str(calls)]
     env = {**os.environ, KEY_ENV: api_key or ""}  # not in argv: every local user can read those
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True, cwd=ROOT, env=env)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:len(prefix) + 4])}: exit {done.returncode}: {done.stderr[-2000:]}")
     return json.loads(done.stdout)
 
 
