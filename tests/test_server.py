@@ -457,6 +457,32 @@ def test_temporal_argv(tmp_path: Path):
         [f"{n}=Keyword" for n in SEARCH_ATTRIBUTES]
 
 
+@pytest.mark.parametrize("door", [True, False])
+def test_the_embedded_temporal_with_and_without_its_door(tmp_path: Path, monkeypatch, door):
+    """Where namespaces can be made (root), the dev server starts in the door's namespace and the UI's codec
+    endpoint is the door's, with no credential; elsewhere it listens on 127.0.0.1 itself and the endpoint carries
+    the credential, as before the door."""
+    from cli.codec_server import codec_credential
+    from connect.codec import load_keys
+
+    monkeypatch.setattr(stack, "door_possible", lambda: (door, "why"))
+    s = Settings.from_env({}, home=tmp_path / "home", temporal_port=1234, ui_port=1235, codec_port=1236)
+    s.home.mkdir()
+    st = stack.Stack(s)
+    st._check_secrets_and_tls()  # makes the codec key, then the UI's codec endpoint
+    names = [c.name for c in st.children]
+    assert names == (["door"] if door else []) + ["temporal", "gateway", "worker"]
+    argv = st._child("temporal").argv
+    endpoint = argv[argv.index("--ui-codec-endpoint") + 1]
+    credential = codec_credential(load_keys(s.home).keys[0])  # the key the stack holds (this process's)
+    if door:
+        from activities import local_net
+        assert argv[:2] == ["nsenter", f"--net={local_net.NETNS_DIR / local_net.temporal_nsname(s.home)}"]
+        assert endpoint == "http://127.0.0.1:1235/_durastack/codec" and credential not in " ".join(argv)
+    else:
+        assert argv[0] != "nsenter" and endpoint == f"http://127.0.0.1:1236/{credential}"
+
+
 def test_gateway_and_worker_argv(tmp_path: Path, monkeypatch):
     s = Settings.from_env({}, home=tmp_path, gateway_port=9000, gateway_control_port=9001)
     import activities.local as local
