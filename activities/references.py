@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional
 
 from temporalio import activity
-from temporalio.service import RPCError
 
-from activities.report import PROVISIONED, report
+from activities.report import FIRST_POLL_SECONDS, MAX_POLL_SECONDS, ask_addresses, report_placed
 from models.interpolation import fill
-from models.run import AddressAnswer, AddressQuery, Instance, Placement, ReplicaInput
+from models.run import AddressQuery, Instance, Placement, ReplicaInput
 
 log = logging.getLogger("durastack.references")
-FIRST_POLL_SECONDS = 0.05  # the replicas of a service are placed together: most values exist within a poll or two
-MAX_POLL_SECONDS = 2.0
 
 
 async def resolve_late(inp: ReplicaInput, placement: Placement, instance: Instance) -> tuple[ReplicaInput, dict]:
@@ -29,15 +25,12 @@ async def resolve_late(inp: ReplicaInput, placement: Placement, instance: Instan
     if not inp.late_refs:
         return inp, {}
     job, poll, said = inp.job, FIRST_POLL_SECONDS, ""
+    await report_placed(inp.service_workflow_id, job, placement, instance)  # its own address first
     handle = activity.client().get_workflow_handle(inp.service_workflow_id)
     query = AddressQuery(replica_num=job.replica_num, submission_num=job.submission_num, keys=inp.late_refs)
-    placed = False
     while True:
-        if not placed:  # told again while the service has not got it: reports are fire-and-forget
-            await report(inp.service_workflow_id, job, PROVISIONED, "running", placement=placement, instance=instance)
-        answer = await _ask(handle, query)
-        placed = answer is not None and answer.placed
-        if placed and answer is not None and not answer.missing:
+        answer = await ask_addresses(handle, query)
+        if answer is not None and not answer.missing:
             break
         why = "; ".join(f"{k} {w}" for k, w in sorted(answer.missing.items())) if answer else "no answer"
         if why != said:
@@ -50,11 +43,3 @@ async def resolve_late(inp: ReplicaInput, placement: Placement, instance: Instan
     env = {**job.env, **{name: values[key] for name, key in inp.late_env.items()}}
     filled = job.model_copy(update={"commands": fill(job.commands, values), "env": env})
     return inp.model_copy(update={"job": filled}), values
-
-
-async def _ask(handle, query: AddressQuery) -> Optional[AddressAnswer]:
-    try:
-        return await handle.query("addresses", query, result_type=AddressAnswer)
-    except RPCError as e:  # e.g. the service's worker is away a moment: asked again
-        log.info("cannot ask %s for addresses: %s", handle.id, e)
-        return None

@@ -42,7 +42,7 @@ from activities.references import resolve_late
 from activities.router import RouterActivities
 from activities.replica_cloud import CloudReplicas
 from activities.runtime import local_limits
-from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report, unless_quick
+from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, report, report_placed, unless_quick
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
@@ -247,8 +247,10 @@ class ReplicaActivities:
             await backend.start(r, instance)
         finally:
             await provisioning()
-        sent = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONED, "running",
-                                                               placement=placement, instance=instance))
+        # Told until the service has it (resolve_late has already, for a replica with late references).
+        placed = (lambda: asyncio.sleep(0)) if r.late_refs else \
+            (lambda: report_placed(r.service_workflow_id, job, placement, instance))
+        sent = unless_quick(self.quick_seconds, placed)
         try:
             await self._wait_ready(backend, job, instance, r.probes, r.startup_timeout)
             if r.route:  # a worker behind the service's router group is reached by the router alone

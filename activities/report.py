@@ -4,7 +4,9 @@ The launch and teardown activities tell the service run (``ServiceRunWorkflow.re
 so the replica's own workflow spends no events relaying them. Each milestone has a fixed ``seq``: a retried
 attempt sends the same seq again and the service drops any report not newer than the last it applied, so
 retries and late signals never move a replica backwards. A report that cannot be sent (the service run is
-gone, Temporal is briefly away) is logged and dropped: it must never fail the work it reports on.
+gone, Temporal is briefly away) is logged and dropped: it must never fail the work it reports on. Those the
+service must not miss are made good: `placed` is sent again until the service's ``addresses`` query says it has
+it (``report_placed``), and the replica's workflow repeats `serving` and the end durably (workflows/replica.py).
 """
 
 from __future__ import annotations
@@ -12,14 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional
 
 from temporalio import activity
+from temporalio.service import RPCError
 
 from models.replica import JobSpec
 from models.run import Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
 
+if TYPE_CHECKING:
+    from models.run import AddressAnswer
+
 log = logging.getLogger("durastack.report")
+FIRST_POLL_SECONDS = 0.05  # the replicas of a service are placed together: most answers come within a poll or two
+MAX_POLL_SECONDS = 2.0
+SETTLE_SECONDS = 5.0
 PROVISIONING, PROVISIONED, SERVING, TERMINATING, FINISHED = (Step.PROVISIONING, Step.PROVISIONED, Step.SERVING,
                                                               Step.TERMINATING, Step.FINISHED)
 
@@ -43,6 +52,36 @@ async def report(service_workflow_id: str, job: JobSpec, seq: int, status: Repli
                     service_workflow_id, e)
 
 
+async def report_placed(service_workflow_id: str, job: JobSpec, placement: Placement, instance: Instance) -> None:
+    """The `placed` report, sent until the service has it (its ``addresses`` query says so; nothing in history).
+    A lost one left the service without the replica's address for as long as it loaded: a reference to it could
+    not resolve, and `ps` showed no instance. The caller ends this when the next report supersedes it."""
+    from models.run import AddressQuery
+
+    handle = activity.client().get_workflow_handle(service_workflow_id)
+    query = AddressQuery(replica_num=job.replica_num, submission_num=job.submission_num, keys=[])
+    poll = FIRST_POLL_SECONDS
+    while True:
+        await report(service_workflow_id, job, PROVISIONED, "running", placement=placement, instance=instance)
+        answer = await ask_addresses(handle, query)
+        if answer is not None and answer.placed:
+            return
+        activity.heartbeat("placed; telling the service")
+        await asyncio.sleep(poll)
+        poll = min(poll * 2, MAX_POLL_SECONDS)
+
+
+async def ask_addresses(handle, query) -> Optional["AddressAnswer"]:
+    """The service's answer to ``addresses``, or None when it cannot answer now (its worker is away a moment)."""
+    from models.run import AddressAnswer
+
+    try:
+        return await handle.query("addresses", query, result_type=AddressAnswer)
+    except RPCError as e:
+        log.info("cannot ask %s for addresses: %s", handle.id, e)
+        return None
+
+
 def unless_quick(delay: float, send: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
     """Send a report only if the step it announces is still going after ``delay`` seconds; returns what to await
     when the step ends. A step that ends sooner is told by the next report alone (its seq is higher): a local
@@ -59,8 +98,11 @@ def unless_quick(delay: float, send: Callable[[], Awaitable[None]]) -> Callable[
     task = asyncio.ensure_future(later())
 
     async def settle() -> None:
-        if not sending:
-            task.cancel()
+        # A send under way gets a moment to finish (reports then arrive in order); one that goes on (a service
+        # that does not answer) is dropped: the next report, of a higher seq, says it all.
+        if sending:
+            await asyncio.wait({task}, timeout=SETTLE_SECONDS)
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
     return settle

@@ -88,6 +88,21 @@ async def test_launch_places_once_waits_until_ready_registers_and_reports_each_s
         (10, "terminating", "scaled_down"), (11, "terminated", "scaled_down")]
 
 
+async def test_a_lost_placed_report_is_sent_again_until_the_service_has_it(local):
+    """Reports are signals, and a signal can be lost on the way (the service's worker or the server away). The
+    `placed` one was sent once: the service then knew nothing of where the replica is for as long as it loaded.
+    It is sent again, asked after with the service's `addresses` query, until the service has it."""
+    config = CONFIG.replace("commands: [python3 -m http.server $PORT --bind 127.0.0.1]",
+                            "commands: [sleep 1, python3 -m http.server $PORT --bind 127.0.0.1]")
+    client = FakeClient()
+    client.lose_placed = 2
+    launched = await _launch(ReplicaActivities(local, FakeGateway(), quick_seconds=0), client, _input(config=config))
+    assert client.lose_placed == 0
+    assert client.reports() == [(1, "provisioning", False, False), (2, "running", False, False),
+                                (3, "running", True, True)]
+    assert client.signals[1][2].placement == launched.placement  # told before the app answered
+
+
 async def test_a_poll_that_gets_no_answer_at_all_is_made_again_soon_its_timeout_doubling(local, monkeypatch):
     asked: list[float] = []
 

@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
 
-from models.run import NoCapacity
+from models.run import AddressAnswer, NoCapacity
 
 
 class FakeHandle:
@@ -25,7 +25,20 @@ class FakeHandle:
     async def signal(self, method: Any, arg: Any) -> None:
         if self.client.signals_fail:
             raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        placed = getattr(arg, "placement", None) is not None
+        if placed and self.client.lose_placed > 0:  # sent, and lost on the way
+            self.client.lose_placed -= 1
+            return
         self.client.signals.append((self.id, getattr(method, "__name__", method), arg))
+
+    async def query(self, name: str, arg: Any, result_type: Any = None) -> Any:
+        """The service's ``addresses``: whether a report of the asking replica's placement reached it."""
+        if self.client.signals_fail:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        assert name == "addresses", name
+        placed = any(getattr(u, "placement", None) is not None and (u.replica_num, u.submission_num) ==
+                     (arg.replica_num, arg.submission_num) for _, _, u in self.client.signals)
+        return AddressAnswer(placed=placed, missing={} if placed else {k: "not placed" for k in arg.keys})
 
     async def describe(self) -> Any:
         status = self.client.statuses.get(self.id, WorkflowExecutionStatus.RUNNING)
@@ -41,6 +54,7 @@ class FakeClient:
         self.signals: list[tuple[str, str, Any]] = []
         self.statuses: dict[str, Optional[WorkflowExecutionStatus]] = {}
         self.signals_fail = False
+        self.lose_placed = 0  # placement reports lost on the way
 
     def get_workflow_handle(self, workflow_id: str) -> FakeHandle:
         return FakeHandle(self, workflow_id)
