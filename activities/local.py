@@ -401,7 +401,7 @@ class LocalBackend:
         # loopback when replicas share the host's network; none when each is alone in its namespace.
         ip = net.lease(job.replica_id, str(wd), str(self._socket_path(wd)), port) if net else \
             ("" if self.isolated else "127.0.0.1")
-        env, notes = self._env(job, wd, meta, port, ip)
+        env, notes = self._env(job, wd, meta, port, ip, account)
         try:
             env_script(env)
         except ValueError as e:
@@ -476,13 +476,14 @@ class LocalBackend:
         them with the replica's tree."""
         return {"PATH": BASE_PATH, "LANG": "C.UTF-8", MARKER: str(wd)}
 
-    def _env(self, job: JobSpec, wd: Path, meta: Path, port: int, ip: str = "") -> tuple[dict[str, str], list[str]]:
+    def _env(self, job: JobSpec, wd: Path, meta: Path, port: int, ip: str = "",
+             account: Optional[Account] = None) -> tuple[dict[str, str], list[str]]:
         notes: list[str] = []
         # A confined replica cannot see this user's home (nor has one of its own): its work dir is its HOME.
         home = str(wd) if self.confined else os.environ.get("HOME") or str(Path.home())
         env = {"PATH": BASE_PATH, "HOME": home, "LANG": "C.UTF-8"}
-        if self.confined:  # its uid has no passwd entry: what getpass.getuser() and shells read instead
-            env["USER"] = env["LOGNAME"] = self.run_as(job).name
+        if account is not None:  # its uid may have no passwd entry: what getpass.getuser() and shells read instead
+            env["USER"] = env["LOGNAME"] = account.name
         if not self.isolated:
             env["TMPDIR"] = str(wd / "tmp")  # /tmp is shared with the host; well-behaved tools use TMPDIR
         env.update(job.env)

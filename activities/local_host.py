@@ -174,9 +174,14 @@ class Account(NamedTuple):
     gid: int
 
 
+def replica_user() -> str:
+    """The name of the host user confined replicas run as (unless a service names another)."""
+    return os.environ.get(REPLICA_USER_ENV, "").strip() or DEFAULT_REPLICA_USER
+
+
 def replica_account(create: bool = True) -> Optional[Account]:
     """The host user confined replicas run as; created (a system user, no home, no shell) when missing."""
-    name = os.environ.get(REPLICA_USER_ENV, "").strip() or DEFAULT_REPLICA_USER
+    name = replica_user()
     for attempt in range(2):
         try:
             pw = pwd.getpwnam(name)

@@ -17,8 +17,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from activities.local_host import (DEFAULT_REPLICA_USER, REPLICA_USER_ENV, Account, probe_confinement, replica_account,
-                                   user_refusal)
+from activities.local_host import Account, probe_confinement, replica_account, replica_user, user_refusal
 from models.replica import JobSpec
 
 DEFAULT_IMAGE = "nvidia/cuda:12.4.1-runtime-ubuntu22.04"
@@ -186,8 +185,7 @@ def _replica_account() -> Optional[Account]:
     """Who confined replicas run as here (None: they are not confined); one not yet made has no uid yet."""
     if not probe_confinement()[0]:
         return None
-    name = os.environ.get(REPLICA_USER_ENV, "").strip() or DEFAULT_REPLICA_USER
-    return replica_account(create=False) or Account(name, -1, -1)
+    return replica_account(create=False) or Account(replica_user(), -1, -1)
 
 
 def group_runtime_fields(config, index: int) -> dict[str, tuple[object, str]]:

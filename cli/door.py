@@ -43,10 +43,6 @@ REFUSED = ("this Temporal takes the API key of its durastack home: run durastack
 REALM = 'Basic realm="durastack Web UI (user durastack; durastack ui prints the password)", charset="UTF-8"'
 
 
-def api_key(keys: CodecKeys) -> str:
-    return derived_secret(keys.keys[0], API_KEY_PURPOSE)
-
-
 def ui_password(keys: CodecKeys) -> str:
     return derived_secret(keys.keys[0], UI_PURPOSE)
 

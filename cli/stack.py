@@ -266,26 +266,25 @@ async def _temporal_answers(settings: Settings) -> bool:
     return True
 
 
-async def _door_answers(ui_port: int) -> bool:
-    """The door's nginx answers on the UI port: with 401, to a request without a login."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", ui_port), 1.0)
+async def _http_status(port: int, path: str, host: str = "127.0.0.1") -> bytes:
+    """The status code of ``GET path`` on 127.0.0.1:``port``, read off the wire (no proxy env involved)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
     try:
-        writer.write(f"GET / HTTP/1.0\r\nHost: 127.0.0.1:{ui_port}\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
         head = await asyncio.wait_for(reader.readline(), 2.0)
-        return head.split()[1:2] == [b"401"]
+        return b"".join(head.split()[1:2])
     finally:
         writer.close()
+
+
+async def _door_answers(ui_port: int) -> bool:
+    """The door's nginx answers on the UI port: with 401, to a request without a login."""
+    return await _http_status(ui_port, "/", f"127.0.0.1:{ui_port}") == b"401"
 
 
 async def _gateway_answers(port: int) -> bool:
-    """GET /healthz through nginx (so both nginx and the control app are up); no proxy env involved."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
-    try:
-        writer.write(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        head = await asyncio.wait_for(reader.readline(), 2.0)
-        return head.split()[1:2] == [b"200"]
-    finally:
-        writer.close()
+    """GET /healthz through nginx (so both nginx and the control app are up)."""
+    return await _http_status(port, "/healthz") == b"200"
 
 
 # ---- children --------------------------------------------------------------------------------

@@ -295,9 +295,11 @@ def test_another_local_user_cannot_use_the_embedded_temporal(running: Server):
     from cli import door
     from cli.codec_server import codec_credential
     from connect.codec import load_keys
+    from connect.connection import embedded_api_key
 
     keys = load_keys(running.home, {})
-    secrets = [door.api_key(keys).encode(), door.ui_password(keys).encode(), codec_credential(keys.keys[0]).encode()]
+    secrets = [embedded_api_key(Settings(home=running.home), {}).encode(), door.ui_password(keys).encode(),
+               codec_credential(keys.keys[0]).encode()]
     for entry in os.listdir("/proc"):
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
