@@ -14,6 +14,7 @@ import logging
 from typing import Callable, Optional, Protocol
 
 from activities.cloud_errors import CloudError, ErrorKind, QuotaScope
+from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from models.backends import BackendsConfig, CloudInstance, provisioning_key
 from models.failures import ALL_OFFERS_FAILED, NO_OFFERS
@@ -236,10 +237,8 @@ def heartbeat_from_thread() -> Callable[[str], None]:
     import asyncio
     import contextvars
 
-    from temporalio import activity
-
     loop, context = asyncio.get_running_loop(), contextvars.copy_context()
-    return lambda message: loop.call_soon_threadsafe(activity.heartbeat, message, context=context)
+    return lambda message: loop.call_soon_threadsafe(progress, message, context=context)
 
 
 __all__ = ["CloudBackend", "NoCapacity", "activity_error", "cloud_offers", "heartbeat_from_thread", "list_tagged_all",

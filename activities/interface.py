@@ -20,6 +20,7 @@ from models.run import (
     Down,
     Launched,
     LaunchInput,
+    LaunchStep,
     MonitorInput,
     NoCapacity,
     RouteInput,
@@ -58,10 +59,33 @@ def no_capacity(details: NoCapacity) -> ApplicationError:
 
 @activity.defn
 async def launch_replica(inp: LaunchInput) -> Launched:
-    """Provision on ``inp.backend`` (exactly once, by the job's key), wait until the probes pass, register
+    """The three launch steps in one activity, as runs recorded before the launch had steps schedule it. Provision on ``inp.backend`` (exactly once, by the job's key), wait until the probes pass, register
     with the gateway. Reports `provisioning`, `running` and ready to the service by signal as it goes.
     Raises a non-retryable ``NoCapacity`` ApplicationError (details: ``models.run.NoCapacity``) when the
     backend cannot place it, ``ReplicaExited`` when the app exits before it is ready."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def place_replica(inp: LaunchInput) -> Launched:
+    """The launch's first step: an instance on ``inp.backend`` (exactly once, by the job's key), booted. Reports
+    `provisioning` when it takes a while. Raises ``NoCapacity`` (as ``launch_replica``) when the backend cannot
+    place it."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def start_replica(inp: LaunchStep) -> Launched:
+    """Pull the image (its progress in the heartbeat details) and start the replica's commands, once: a retry keeps
+    a container an earlier attempt started. Returns the late references it was started with."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def await_ready(inp: LaunchStep) -> None:
+    """Probe the replica for a while; once its probes pass, register it with the gateway and report `serving`.
+    Still loading: a retryable ``NotReadyYet`` (the workflow's retry policy polls, within the group's
+    `startup_timeout`); ``ReplicaExited`` when it exits first."""
     raise NotImplementedError
 
 

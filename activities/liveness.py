@@ -10,6 +10,7 @@ retried (on any worker) within that timeout, while a slow but live call is never
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from datetime import timedelta
 from typing import Any, Awaitable, Callable, Optional, TypeVar
@@ -27,10 +28,29 @@ def heartbeat_interval(timeout: Optional[timedelta]) -> Optional[float]:
     return timeout.total_seconds() / HEARTBEATS_PER_TIMEOUT if timeout else None
 
 
+# What the activity last said of its progress (``progress``), repeated by ``heartbeating``: Temporal keeps the
+# details of the last heartbeat only, and the Web UI (and `ps -v`) show them, so a bare heartbeat would erase them.
+_said: contextvars.ContextVar[list[str]] = contextvars.ContextVar("durastack_progress")
+
+
+def progress(text: str) -> None:
+    """Heartbeat with ``text`` as the activity's progress (e.g. an image pull's layers), kept until the next."""
+    said = _said.get(None)
+    if said is not None:
+        said[:] = [text]
+    activity.heartbeat(text)
+
+
 async def heartbeating(work: Awaitable[T]) -> T:
-    """Await ``work``, heartbeating every third of the heartbeat timeout meanwhile (nothing without a timeout)."""
+    """Await ``work``, heartbeating every third of the heartbeat timeout meanwhile (nothing without a timeout),
+    with what ``work`` last said of its progress."""
     every = heartbeat_interval(activity.info().heartbeat_timeout)
-    task = asyncio.ensure_future(work)
+    said: list[str] = []
+    token = _said.set(said)  # the task below runs in a copy of this context: it shares the list
+    try:
+        task = asyncio.ensure_future(work)
+    finally:
+        _said.reset(token)
     if every is None:
         return await task
     try:
@@ -38,7 +58,7 @@ async def heartbeating(work: Awaitable[T]) -> T:
             done, _ = await asyncio.wait({task}, timeout=every)
             if done:
                 return task.result()
-            activity.heartbeat()
+            activity.heartbeat(*said)
     finally:
         task.cancel()  # the activity was cancelled (or the wait failed): its work goes too
 

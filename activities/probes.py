@@ -11,6 +11,9 @@ from typing import Awaitable, Callable, Optional
 import httpcore
 import httpx
 
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
+
+from models.failures import NOT_READY_YET
 from models.service import ProbeSpec
 
 
@@ -142,6 +145,16 @@ class ProbeStreaks:
                     self.retry[i], self.due[i] = None, now + probe.interval
                 else:
                     self.retry[i], self.due[i] = retry * 2, now + min(retry, probe.interval)
+
+    def between_streaks(self) -> bool:
+        """No streak under way: a readiness wait may end here and start again later without losing one."""
+        return not any(s and s < p.ready_after for s, p in zip(self.streaks, self.probes))
+
+    def not_yet(self) -> ApplicationError:
+        """The end of one readiness attempt: retried by the workflow's policy, within the group's
+        `startup_timeout`. Benign: a model that loads for an hour is no warning each minute."""
+        said = f"its probes: {self.summary()}" if self.probes else "no HTTP answer yet"
+        return ApplicationError(f"not ready yet ({said})", type=NOT_READY_YET, category=ApplicationErrorCategory.BENIGN)
 
     def summary(self) -> str:
         return " ".join("✓" if s >= p.ready_after else ("~" if s else "×")

@@ -13,6 +13,7 @@ import logging
 
 from temporalio import activity
 
+from activities.liveness import progress
 from activities.report import FIRST_POLL_SECONDS, MAX_POLL_SECONDS, ask_addresses, report_placed
 from models.interpolation import fill
 from models.run import AddressQuery, Instance, Placement, ReplicaInput
@@ -36,7 +37,7 @@ async def resolve_late(inp: ReplicaInput, placement: Placement, instance: Instan
         if why != said:
             log.info("%s: placed; its commands wait: %s", job.replica_id, why or "its own address")
             said = why
-        activity.heartbeat(f"placed; waiting for addresses: {why}")
+        progress(f"placed; waiting for addresses: {why}")
         await asyncio.sleep(poll)
         poll = min(poll * 2, MAX_POLL_SECONDS)
     values = {k: answer.values[k] for k in inp.late_refs}

@@ -3,8 +3,9 @@
 A replica's life is three activities, each on its backend's task queue ``<queue>-<backend>``
 (``workflows.names.backend_queue``), so the workflow picks the backend by picking the queue:
 
-* ``launch_replica``: place it (exactly once: a retried attempt reuses what an earlier one made), wait until its
-  probes pass, register it with the gateway — reporting each step to the service (activities/report.py);
+* the launch, in three steps: ``place_replica`` (exactly once: a retried attempt reuses what an earlier one made),
+  ``start_replica`` (its image and commands, once), ``await_ready`` (probes, then the gateway) — reporting to the
+  service as they go (activities/report.py); ``launch_replica``, all three at once, for runs recorded before;
 * ``monitor_replicas``: one per service and backend, heartbeating while every watched replica serves;
 * ``teardown_replica``: leave the gateway, drain, terminate, report the end. Idempotent.
 
@@ -33,7 +34,7 @@ from activities import interface
 from activities.catalog import local_offer
 from activities.engines import EngineActivities
 from activities.interface import implements, no_capacity
-from activities.liveness import heartbeating, keeps_alive
+from activities.liveness import heartbeating, keeps_alive, progress
 from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
 from activities.local_cgroup import Limits, limits_for
 from activities.metrics import provisioning_failed
@@ -46,11 +47,10 @@ from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, repo
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
-from models.common import format_duration
-from models.failures import LAST_LINES, with_output
+from models.failures import LAST_LINES, not_ready_within, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
-from models.run import (Down, Instance, Launched, LaunchInput, MonitorInput, NoCapacity, Placement, ReplicaInput,
+from models.run import (READY_ATTEMPT_SECONDS, Down, Instance, Launched, LaunchInput, LaunchStep, MonitorInput, NoCapacity, Placement, ReplicaInput,
                         RouteInput, TeardownInput, Watched)
 from models.service import ProbeSpec
 
@@ -84,7 +84,8 @@ class Backend(Protocol):
     async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
     async def start(self, inp: ReplicaInput, instance) -> None: ...  # its commands run once this returns
     def reach(self, instance) -> tuple[str, Optional[Connect]]: ...
-    async def wait_ready(self, instance, probes: list[ProbeSpec]) -> None: ...
+    # Its probes pass; past ``until`` (monotonic), between two probe streaks: ``ProbeStreaks.not_yet``.
+    async def wait_ready(self, instance, probes: list[ProbeSpec], until: Optional[float] = None) -> None: ...
     async def down(self, instances: list) -> list[Optional[str]]: ...
     async def last_output(self, instance, lines: int) -> str: ...  # '' when it cannot be read
     async def stop(self, job: JobSpec, backend: str, instance) -> None: ...
@@ -156,8 +157,8 @@ class LocalReplicas:
         """Where this worker reaches the app (as the probes do): its socket on the host."""
         return instance.address, None
 
-    async def wait_ready(self, instance: LocalInstance, probes: list[ProbeSpec]) -> None:
-        """Probe until ready; fail (not retried) if the app exits first."""
+    async def wait_ready(self, instance: LocalInstance, probes: list[ProbeSpec], until: Optional[float] = None) -> None:
+        """Probe until ready, or until ``until`` (then not yet); fail (not retried) if the app exits first."""
         streaks = ProbeStreaks(probes)
         poll, timeout = FIRST_READY_POLL_SECONDS, FIRST_ANSWER_TIMEOUT_SECONDS
         while True:
@@ -174,7 +175,9 @@ class LocalReplicas:
                     return
                 if time.monotonic() - asked >= timeout:  # no answer at all (a refusal is quick): wait longer next
                     timeout = min(timeout * 2, ANSWER_TIMEOUT_SECONDS)
-            activity.heartbeat(streaks.summary())
+            if until is not None and time.monotonic() >= until and streaks.between_streaks():
+                raise streaks.not_yet()
+            progress(streaks.summary())
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, READY_POLL_SECONDS)
 
@@ -219,40 +222,77 @@ class ReplicaActivities:
 
     def backend_activities(self) -> list:
         """What a ``<queue>-<backend>`` worker runs: the replica's life on that backend."""
-        return [self.launch, self.teardown, self.monitor, self.router.sync, self.engines.watch]
+        return [self.place, self.start, self.ready, self.launch, self.teardown, self.monitor, self.router.sync,
+                self.engines.watch]
 
     def route_activities(self) -> list:
         """What the main queue runs: the service's gateway route."""
         return [self.ensure_route, self.remove_route]
 
     # --- launch -------------------------------------------------------------------------------------
+    # Three steps, each its own activity with its own budget (workflows/replica.py): place (instance and boot),
+    # start (image pull and commands), ready (probes, then the gateway). A retry resumes at the step that failed,
+    # on the same instance: the image, the container and whatever it has loaded are kept.
+
+    @implements(interface.place_replica)
+    @keeps_alive
+    async def place(self, inp: LaunchInput) -> Launched:
+        return await self._place(inp)
+
+    @implements(interface.start_replica)
+    @keeps_alive
+    async def start(self, inp: LaunchStep) -> Launched:
+        return await self._start(inp)
+
+    @implements(interface.await_ready)
+    @keeps_alive
+    async def ready(self, inp: LaunchStep) -> None:
+        await self._ready(inp, until=time.monotonic() + READY_ATTEMPT_SECONDS)
 
     @implements(interface.launch_replica)
     @keeps_alive
     async def launch(self, inp: LaunchInput) -> Launched:
-        r, job = inp.replica, inp.replica.job
-        # Each report is a round trip to Temporal (10–100 ms on a loaded machine), so it goes out while the next
-        # step runs rather than before it; each is awaited before the next is sent, so they still arrive in order.
-        # `provisioning` and `running, not ready` only when their step takes a while (a cloud instance, a model
-        # that loads), not for a local process that answers at once: the next report then says it all.
-        provisioning = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, job, PROVISIONING,
+        """The three steps in one attempt, for runs recorded before the launch had steps."""
+        placed = LaunchStep(replica=inp.replica, backend=inp.backend, launched=await self._place(inp))
+        started = placed.model_copy(update={"launched": await self._start(placed)})
+        await self._ready(started, timeout=inp.replica.startup_timeout)
+        return started.launched
+
+    async def _place(self, inp: LaunchInput) -> Launched:
+        r = inp.replica
+        # Each report is a round trip to Temporal (10–100 ms on a loaded machine), so it goes out while the step
+        # runs rather than before it; and only when the step takes a while (a cloud instance), not for a local
+        # process that starts at once: the next report then says it all.
+        provisioning = unless_quick(self.quick_seconds, lambda: report(r.service_workflow_id, r.job, PROVISIONING,
                                                                    "provisioning"))
         try:
             if r.backends is not None and inp.backend not in r.backends:
                 raise no_capacity(NoCapacity(backend=inp.backend, tried=False, reasons=[
                     f"the service's backends ({', '.join(r.backends)}) do not include {inp.backend}"]))
-            backend = self._backend(inp.backend, launching=True)
-            placement, instance = await backend.place(r, inp.backend)
-            r, refs = await resolve_late(r, placement, instance)  # once placed, before its commands run
-            await backend.start(r, instance)
+            placement, instance = await self._backend(inp.backend, launching=True).place(r, inp.backend)
         finally:
             await provisioning()
-        # Told until the service has it (resolve_late has already, for a replica with late references).
-        placed = (lambda: asyncio.sleep(0)) if r.late_refs else \
-            (lambda: report_placed(r.service_workflow_id, job, placement, instance))
+        return Launched(placement=placement, instance=instance)
+
+    async def _start(self, inp: LaunchStep) -> Launched:
+        launched = inp.launched
+        r, refs = await resolve_late(inp.replica, launched.placement, launched.instance)  # before its commands run
+        await self._backend(inp.backend).start(r, launched.instance)
+        return launched.model_copy(update={"refs": refs})
+
+    async def _ready(self, inp: LaunchStep, until: Optional[float] = None, timeout: Optional[int] = None) -> None:
+        """Wait until its probes pass (one attempt ``until`` then, or at most ``timeout`` seconds), register it,
+        report `serving`."""
+        r, job = inp.replica, inp.replica.job
+        placement, instance, refs = inp.launched.placement, inp.launched.instance, inp.launched.refs
+        backend = self._backend(inp.backend)
+        # `placed` goes out while it loads, told until the service has it (resolve_late has told it already, for
+        # a replica with late references); a later attempt asks first.
+        placed = (lambda: asyncio.sleep(0)) if r.late_refs else (lambda: report_placed(
+            r.service_workflow_id, job, placement, instance, ask_first=activity.info().attempt > 1))
         sent = unless_quick(self.quick_seconds, placed)
         try:
-            await self._wait_ready(backend, job, instance, r.probes, r.startup_timeout)
+            await self._wait_ready(backend, job, instance, r.probes, until, timeout)
             if r.route:  # a worker behind the service's router group is reached by the router alone
                 await self.gateway.register(job.service, job.replica_id, job.group, placement.address)
                 if hasattr(backend, "routed"):
@@ -263,17 +303,17 @@ class ReplicaActivities:
                      placement=placement, instance=instance, refs=refs)
         log.info("%s: serving on %s at %s%s", job.replica_id, placement.backend, placement.address,
                  "" if r.route else " (behind the router group)")
-        return Launched(placement=placement, instance=instance, refs=refs)
 
     @staticmethod
-    async def _wait_ready(backend: Backend, job: JobSpec, instance, probes: list[ProbeSpec], timeout: int) -> None:
-        """The backend's readiness wait, at most ``timeout`` seconds (the group's `startup_timeout`, not retried:
-        a retry would only wait again); a replica that exits first fails with its last lines of output."""
+    async def _wait_ready(backend: Backend, job: JobSpec, instance, probes: list[ProbeSpec], until: Optional[float],
+                          timeout: Optional[int]) -> None:
+        """The backend's readiness wait: one attempt, ending ``until`` then (NotReadyYet), or at most ``timeout``
+        seconds (the group's `startup_timeout`, not retried). A replica that exits first fails with its last lines
+        of output."""
         try:
-            await asyncio.wait_for(backend.wait_ready(instance, probes), timeout)
+            await asyncio.wait_for(backend.wait_ready(instance, probes, until), timeout)
         except TimeoutError:
-            raise ApplicationError(f"not ready within {format_duration(timeout)} (startup_timeout): its probes "
-                                   "never passed", type="NotReady", non_retryable=True) from None
+            raise ApplicationError(not_ready_within(timeout), type="NotReady", non_retryable=True) from None
         except ApplicationError as e:
             if e.type != "ReplicaExited":
                 raise

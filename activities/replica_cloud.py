@@ -37,6 +37,7 @@ from activities.cloud import (CloudBackend, NoCapacity, activity_error, heartbea
                               provision_cloud, terminate_cloud, terminate_replica)
 from activities.cloud_errors import CloudError, ErrorKind
 from activities.interface import no_capacity
+from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, SSHClient, SSHTarget, Tunnel, container_state, \
@@ -130,8 +131,8 @@ class CloudReplicas:
         return CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}{state} after {self.boot_timeout:g}s "
                                                f"({detail})", code="BootTimeout")
 
-    async def _ssh_start(self, inp: ReplicaInput, instance: CloudInstance, gpu: bool) -> None:
-        """Wait (bounded) for the instance's SSH and its boot, send the job, start it, open the tunnel."""
+    async def _boot(self, inp: ReplicaInput, instance: CloudInstance) -> None:
+        """Wait (bounded) for the instance's SSH and its boot; then its sshd serves the key made after boot."""
         target = self._target(instance, booting=True)
         deadline = time.monotonic() + self.boot_timeout
         said = ""
@@ -155,30 +156,48 @@ class CloudReplicas:
             if why != said:  # a boot that never answers is explained in the worker's log, once per reason
                 log.info("%s: %s: waiting for SSH: %s", inp.job.replica_id, instance.instance_id, why)
                 said = why
-            activity.heartbeat(f"{instance.instance_id}: {why}")
+            progress(f"{instance.instance_id}: {why}")
             await asyncio.sleep(min(self.poll_seconds, 2.0))
         try:
             if instance.host_key_after_boot:
                 after = self.ssh_keys.host_key(instance.key, after_boot=True)
                 await replace_host_key(conn, after.private_openssh, after.public_openssh)
-            # Pulling a large image takes minutes: heartbeat meanwhile.
-            started = asyncio.ensure_future(start_job(conn, inp.job, gpu=gpu, replica_ip=instance.private_ip))
-            while not started.done():
-                activity.heartbeat(f"{instance.instance_id}: starting the container (image pull)")
-                await asyncio.wait({started}, timeout=5.0)
-            if not started.result():
+        except RuntimeError as e:
+            raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="BootFailed") from e
+        finally:
+            conn.close()
+
+    async def _ssh_start(self, inp: ReplicaInput, instance: CloudInstance, gpu: bool) -> None:
+        """Send the job, pull its image and start its container, over SSH: once (a container an earlier attempt
+        started is kept)."""
+        try:
+            conn = await self.ssh.connect(self._target(instance))
+        except NotReady as e:  # booted a moment ago: a network blip, retried
+            raise CloudError(ErrorKind.TRANSIENT, str(e), code="NoSSH") from e
+        try:
+            started = await start_job(conn, inp.job, gpu=gpu, replica_ip=instance.private_ip,
+                                      said=lambda text: progress(f"{instance.instance_id}: {text}"))
+            if not started:
                 log.info("%s: %s: kept the container an earlier attempt started", inp.job.replica_id,
                          instance.instance_id)
-        except RuntimeError as e:  # docker run failed: the message is docker's, never the env
+        except RuntimeError as e:  # docker pull or run failed: the message is docker's, never the env
             raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="StartFailed") from e
         finally:
             conn.close()
-        if self.private_path(instance):
-            return  # the gateway connects to its private address: no tunnel
-        self._open_tunnel(instance, inp.job.port)
-        tunnel = self.tunnels[instance.instance_id]
+
+    @staticmethod
+    def _app_port(instance: CloudInstance) -> int:
+        """The port its app listens on, as its tags say (0: an instance made without one)."""
+        return int(instance.tags.get(TAG_NAMES[instance.backend]["port"], "0") or 0)
+
+    async def _reach_app(self, instance: CloudInstance) -> None:
+        """The tunnel the gateway and the probes reach the app through (none with ``data_path: private``): opened
+        by the readiness step, on whichever worker runs it."""
+        if self.ssh is None or self.private_path(instance):
+            return
+        tunnel = self._open_tunnel(instance, self._app_port(instance))
         while not tunnel.up.is_set():
-            activity.heartbeat(f"{instance.instance_id}: opening the tunnel")
+            progress(f"{instance.instance_id}: opening the tunnel")
             with contextlib.suppress(asyncio.TimeoutError):
                 await tunnel.wait_up(5.0)
 
@@ -228,9 +247,8 @@ class CloudReplicas:
                 continue  # no tunnel: the gateway keeps its route to the private address
             if isinstance(instance, CloudInstance) and instance.instance_id not in self.tunnels:
                 self.routes[instance.instance_id] = (service, w.replica_id, w.group)
-                port = int(instance.tags.get(TAG_NAMES[instance.backend]["port"], "0") or 0)
-                if port:
-                    self._open_tunnel(instance, port)
+                if self._app_port(instance):
+                    self._open_tunnel(instance, self._app_port(instance))
 
     async def _close_tunnel(self, instance_id: str) -> None:
         pending = self._connecting.pop(instance_id, None)
@@ -262,12 +280,13 @@ class CloudReplicas:
             provisioning_failed(backend, "no_offers")
             raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
                 describe_mismatch(pool, inp.resources, **filters) or inp.resources.summary()]))
-        progress = heartbeat_from_thread()
         try:
             offer, instance = await asyncio.to_thread(
                 provision_cloud, inp.job, inp.resources, offers, backends={backend: self.backends[backend]},
-                ledger=self.ledger, max_offers=self.config.max_offers, progress=progress)
+                ledger=self.ledger, max_offers=self.config.max_offers, progress=heartbeat_from_thread())
             instance = await self._until_running(instance)
+            if self.ssh is not None:
+                await self._boot(inp, instance)
         except NoCapacity as e:
             raise no_capacity(NoCapacityDetails(backend=backend, tried=e.tried, reasons=e.reasons)) from e
         except CloudError as e:
@@ -303,7 +322,7 @@ class CloudReplicas:
         while not reachable(instance):
             if time.monotonic() > deadline:
                 raise self._boot_timeout(instance, " is not running", instance.state)
-            activity.heartbeat(f"{instance.instance_id} is {instance.state}")
+            progress(f"{instance.instance_id} is {instance.state}")
             await asyncio.sleep(min(self.poll_seconds, 5.0))
             current = await asyncio.to_thread(self._backend(instance).get, instance)
             if current is None or current.state in DOWN:
@@ -317,10 +336,11 @@ class CloudReplicas:
 
     # --- readiness and liveness ---------------------------------------------------------------------
 
-    async def wait_ready(self, instance: CloudInstance, probes: list[ProbeSpec]) -> None:
-        """Ready = the instance runs and its app answers the probes (or any HTTP without probes). Its instance and
-        its container are checked as the monitor checks them: a command that exits before it is ready fails the
-        launch at once, as on the local backend, rather than after the launch's timeout."""
+    async def wait_ready(self, instance: CloudInstance, probes: list[ProbeSpec], until: Optional[float] = None) -> None:
+        """Ready = the instance runs and its app answers the probes (or any HTTP without probes); past ``until``,
+        not yet. Its instance and its container are checked as the monitor checks them: a command that exits
+        before it is ready fails the launch at once, as on the local backend, rather than after its timeout."""
+        await self._reach_app(instance)
         streaks = ProbeStreaks(probes)
         checked = float("-inf")
         while True:
@@ -339,7 +359,9 @@ class CloudReplicas:
                         return
                 elif await answers_http(address, connect=connect) is not None:
                     return
-            activity.heartbeat(streaks.summary() or instance.state)
+            if until is not None and time.monotonic() >= until and streaks.between_streaks():
+                raise streaks.not_yet()
+            progress(streaks.summary() or instance.state)
             await asyncio.sleep(PROBE_SECONDS)
 
     async def down(self, instances: list[CloudInstance]) -> list[Optional[str]]:

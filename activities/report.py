@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Optional
 from temporalio import activity
 from temporalio.service import RPCError
 
+from activities.liveness import progress
 from models.replica import JobSpec
 from models.run import Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
 
@@ -52,21 +53,29 @@ async def report(service_workflow_id: str, job: JobSpec, seq: int, status: Repli
                     service_workflow_id, e)
 
 
-async def report_placed(service_workflow_id: str, job: JobSpec, placement: Placement, instance: Instance) -> None:
+async def report_placed(service_workflow_id: str, job: JobSpec, placement: Placement, instance: Instance, *,
+                        ask_first: bool = False) -> None:
     """The `placed` report, sent until the service has it (its ``addresses`` query says so; nothing in history).
     A lost one left the service without the replica's address for as long as it loaded: a reference to it could
-    not resolve, and `ps` showed no instance. The caller ends this when the next report supersedes it."""
+    not resolve, and `ps` showed no instance. ``ask_first``: it may have it already (a later attempt of the
+    readiness step), and each report is an event in its history. The caller ends this when the next report
+    supersedes it."""
     from models.run import AddressQuery
 
     handle = activity.client().get_workflow_handle(service_workflow_id)
     query = AddressQuery(replica_num=job.replica_num, submission_num=job.submission_num, keys=[])
     poll = FIRST_POLL_SECONDS
     while True:
+        if ask_first:
+            answer = await ask_addresses(handle, query)
+            if answer is not None and answer.placed:
+                return
         await report(service_workflow_id, job, PROVISIONED, "running", placement=placement, instance=instance)
+        ask_first = False
         answer = await ask_addresses(handle, query)
         if answer is not None and answer.placed:
             return
-        activity.heartbeat("placed; telling the service")
+        progress("placed; telling the service")
         await asyncio.sleep(poll)
         poll = min(poll * 2, MAX_POLL_SECONDS)
 

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shlex
 import socket
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Awaitable, Callable, Optional
 
 import asyncssh
 
-from activities.runtime import CONTAINER_NAME, REPLICA_LABEL
+from activities.runtime import CONTAINER_NAME, REPLICA_LABEL, runtime_of
 from activities.userdata import job_upload, start_command
 from models.replica import JobSpec
 
@@ -172,10 +173,12 @@ async def wait_booted(conn: asyncssh.SSHClientConnection) -> bool:
     return status == 0
 
 
-async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool, replica_ip: str = "") -> bool:
-    """Write the job's files (root's, mode 600: the env holds secrets) and start its container, which gets
-    ``replica_ip`` (the instance's private address) as ``DURASTACK_REPLICA_IP``. False, and nothing done, when this
-    submission's container already ran here (``ran_before``)."""
+async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool, replica_ip: str = "",
+                    said: Callable[[str], None] = lambda text: None) -> bool:
+    """Write the job's files (root's, mode 600: the env holds secrets), pull its image (telling ``said`` how far)
+    and start its container, which gets ``replica_ip`` (the instance's private address) as
+    ``DURASTACK_REPLICA_IP``. False, and nothing done, when this submission's container already ran here
+    (``ran_before``)."""
     if await ran_before(conn, job):
         return False
     files = job_upload(job)
@@ -188,10 +191,41 @@ async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bo
         status, _, err = await run(conn, f"umask 077; cat > {REMOTE_DIR}/job/{shlex.quote(name)}", input=text)
         if status != 0:
             raise RuntimeError(f"writing {name} failed ({status}): {err.strip()[:300]}")
-    status, _, err = await run(conn, start_command(job, gpu=gpu, replica_ip=replica_ip), timeout=1800.0)  # may pull a large image
+    await pull_image(conn, runtime_of(job).image, said)
+    said("starting the container")
+    status, _, err = await run(conn, start_command(job, gpu=gpu, replica_ip=replica_ip), timeout=300.0)
     if status != 0:
         raise RuntimeError(f"docker run failed ({status}): {err.strip()[-500:]}")
     return True
+
+
+# `docker pull`'s lines without a terminal: "<layer id>: <state>" per layer, e.g. "Pulling fs layer", "Downloading",
+# "Pull complete", "Already exists".
+LAYER_LINE = re.compile(r"^([0-9a-f]{12}): (.+)$")
+LAYER_DONE = ("Pull complete", "Already exists")
+
+
+async def pull_image(conn: asyncssh.SSHClientConnection, image: str, said: Callable[[str], None]) -> None:
+    """``docker pull image``, telling ``said`` each change of its layer count ("pulling I: 3/7 layers"). The
+    caller's activity bounds it: a pull of tens of GB takes as long as it takes. An image already there is quick."""
+    layers: dict[str, str] = {}
+    last: list[str] = []
+    told = ""
+    async with conn.create_process(f"docker pull {shlex.quote(image)} 2>&1") as proc:
+        async for line in proc.stdout:
+            line = line.strip()
+            last = (last + [line])[-5:]
+            match = LAYER_LINE.match(line)
+            if match:
+                layers[match[1]] = match[2]
+            done = sum(1 for state in layers.values() if state in LAYER_DONE)
+            text = f"pulling {image}: {done}/{len(layers)} layers"
+            if text != told:
+                said(text)
+                told = text
+        await proc.wait()
+    if proc.exit_status != 0:
+        raise RuntimeError(f"docker pull {image} failed ({proc.exit_status}): {' | '.join(last)[-500:]}")
 
 
 async def ran_before(conn: asyncssh.SSHClientConnection, job: JobSpec) -> bool:

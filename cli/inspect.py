@@ -23,7 +23,35 @@ from cli.control import RPC, ask, live_status, running, running_status, service_
 from cli.render import ps_table, status_json, store_note
 from models.run import ServiceStatus
 from models.settings import Settings
+from workflows.jobs import replica_workflow_id
 from workflows.service import ServiceRunWorkflow, service_workflow_id
+
+
+async def with_progress(client: Client, status: ServiceStatus) -> ServiceStatus:
+    """Each starting replica's reason, when it has none, is what its launch's step last said (an image pull's
+    layers, its probes): the heartbeat details the Web UI shows on the replica workflow's pending activity."""
+    starting = [(g, r) for g in status.groups for r in g.replicas
+                if not r.ready and not r.reason and r.status in ("submitted", "provisioning", "running")]
+    said = await asyncio.gather(*(step_progress(client, replica_workflow_id(status.name, g.name, r.replica,
+                                                                             r.submission)) for g, r in starting))
+    for (_, r), text in zip(starting, said):
+        r.reason = text
+    return status
+
+
+async def step_progress(client: Client, workflow_id: str) -> str:
+    """"<step>: <its last heartbeat>" of the workflow's pending activity; '' when there is none (or no answer)."""
+    try:
+        pending = (await client.get_workflow_handle(workflow_id).describe(rpc_timeout=RPC)).raw_description \
+            .pending_activities
+    except RPCError:
+        return ""
+    for activity in pending:
+        details = activity.heartbeat_details.payloads
+        said = await client.data_converter.decode(list(details)) if details else []
+        if said and isinstance(said[0], str):
+            return f"{activity.activity_type.name}: {said[0]}"
+    return ""
 
 
 async def _running_services(client: Client) -> list[str]:
@@ -82,6 +110,12 @@ async def _live_ps(settings: Settings, name: Optional[str], verbose: bool, as_js
 
             statuses += await asyncio.to_thread(silent_statuses, settings, silent, not watch)
         return sorted(statuses, key=lambda s: s.name)
+
+    if verbose:
+        plain = collect
+
+        async def collect() -> list[ServiceStatus]:
+            return [await with_progress(client, s) for s in await plain()]
 
     if as_json:
         statuses = await collect()

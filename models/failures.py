@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Literal
 
+from models.common import format_duration
 from models.secrets import REDACTED
 
 RetryEvent = Literal["no-capacity", "interruption", "error"]
@@ -21,6 +22,7 @@ NO_BACKEND = "no backend serves this replica"  # this deployment serves none of 
 SPOT_INTERRUPTION = "spot interruption"  # the cloud took a spot instance back: "spot interruption (instance …)"
 
 _NO_CAPACITY = (NO_OFFERS, ALL_OFFERS_FAILED, NO_BACKEND)
+NOT_READY_YET = "NotReadyYet"  # the type of a readiness attempt's end: still loading, try again
 LAST_LINES = 5  # of a replica's output, told with the reason it exited before it was ready
 LAST_OUTPUT_CHARS = 400
 OUTPUT = "; last output: "
@@ -34,6 +36,11 @@ def with_output(reason: str, output: str, hide: Iterable[str] = ()) -> str:
     said = " | ".join(line.strip() for line in output.splitlines() if line.strip())
     said = said if len(said) <= LAST_OUTPUT_CHARS else "…" + said[-(LAST_OUTPUT_CHARS - 1):]
     return f"{reason}{OUTPUT}{said}" if said else reason
+
+
+def not_ready_within(seconds: int, said: str = "its probes never passed") -> str:
+    """A replica whose readiness took longer than its group's `startup_timeout` (``seconds``)."""
+    return f"not ready within {format_duration(seconds)} (startup_timeout): {said}"
 
 
 def without_output(reason: str) -> str:

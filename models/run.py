@@ -496,7 +496,8 @@ ServiceRecord.model_rebuild()
 # --- the lean replica lifecycle (activities/interface.py) -------------------------------------------
 
 class Launched(BaseModel):
-    """A replica that serves: provisioned, ready (its probes pass) and registered with the gateway."""
+    """Where a replica runs: what its launch steps return (placed, then started) and, once it serves, its
+    workflow keeps."""
 
     placement: Placement
     instance: "Instance"
@@ -508,6 +509,19 @@ class LaunchInput(BaseModel):
 
     replica: ReplicaInput
     backend: str = Field(description="local, aws or gcp: the backend this attempt uses.")
+
+
+# One attempt of the readiness step probes this long, then fails retryably (NotReadyYet) unless a probe's streak is
+# under way: a model that loads for an hour costs its workflow no event, and a worker lost meanwhile costs a minute.
+READY_ATTEMPT_SECONDS = 60
+
+
+class LaunchStep(BaseModel):
+    """A launch step after the first (``start_replica``, ``await_ready``): the replica where the first placed it."""
+
+    replica: ReplicaInput
+    backend: str = Field(description="The backend it was placed on.")
+    launched: Launched = Field(description="Its placement and instance (and, once started, its late references).")
 
 
 class NoCapacity(BaseModel):

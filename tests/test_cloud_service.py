@@ -425,10 +425,11 @@ async def test_split_workers_provision_on_the_aws_queue(dev_env, home, fake_ec2,
         assert live_instances("aws-split") == []
         aws_queue, main = names.backend_queue(s.settings.task_queue, "aws"), s.settings.task_queue
         # The stubs are registered under their own names (activities/interface.py).
-        launch, teardown, monitor = (f.__name__ for f in (interface.launch_replica, interface.teardown_replica,
-                                                          interface.monitor_replicas))
+        steps = [f.__name__ for f in (interface.place_replica, interface.start_replica, interface.await_ready,
+                                      interface.teardown_replica)]
+        monitor = interface.monitor_replicas.__name__
         replica = await scheduled(s.client, replica_workflow_id("aws-split", "llm", 0, 0))
-        assert replica == [(launch, aws_queue), (teardown, aws_queue)]
+        assert replica == [(step, aws_queue) for step in steps]
         service = await scheduled(s.client, service_workflow_id("aws-split"))
         assert (monitor, aws_queue) in service
         assert {q for a, q in service if a != monitor} == {main}

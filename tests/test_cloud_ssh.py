@@ -24,6 +24,7 @@ from activities.aws import AWSBackend
 from activities.gcp import GCPBackend
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas
+from activities.runtime import runtime_of
 from activities.ssh import SSHClient
 from connect.ssh_keys import SSHKeys
 from models.backends import AWSConfig, BackendsConfig, GCPConfig
@@ -31,7 +32,7 @@ from models.failures import retry_event
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
+from models.run import LaunchInput, LaunchStep, MonitorInput, ReplicaInput, TeardownInput, Watched
 from store import Store, StoreLedger
 from tests.fakes import vpc as vpcs
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env
@@ -160,6 +161,45 @@ async def test_a_command_that_exits_before_it_is_ready_fails_the_launch_at_once(
                                    60)
     assert e.value.type == "ReplicaExited" and e.value.non_retryable
     assert e.value.message == "container exited (3); last output: starting | no model at ***"
+
+
+async def test_a_retried_step_resumes_on_the_same_instance_with_one_pull(fake_ec2, vpc, ledger, tmp_path):
+    """The launch in steps: place (instance, boot), start (pull, container), ready (tunnel, probes, route). A start
+    retried after its container ran keeps it; the readiness step on another worker (no tunnel of its own, as after
+    a worker restart) opens the tunnel and routes the replica. One instance, one pull, one container start; the
+    pull's layers were told in the step's heartbeats (what `ps -v` and the Web UI show)."""
+    import boto3
+
+    fake_ec2.seed_amis("us-east-1")
+    config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
+    home = tmp_path / "home"
+    first, second = (_cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, home) for _ in "12")
+    client = FakeClient()
+    inp = ReplicaInput(service_workflow_id="service/svc", job=job(), resources=CPU, backends=["aws"])
+    said: list = []
+    env = activity_env(client)
+    env.on_heartbeat = lambda *details: said.extend(details)
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        placed = await env.run(first.place, LaunchInput(backend="aws", replica=inp))
+        step = LaunchStep(replica=inp, backend="aws", launched=placed)
+        started = await env.run(first.start, step)
+        host = vpc.hosts[placed.instance.instance_id]
+        container = host.container_pid()
+        assert (await env.run(first.start, step)) == started  # a retry: the container goes on
+        assert host.container_pid() == container
+        assert first.cloud.tunnels == {}  # the readiness step opens it, wherever it runs
+        await env.run(second.ready, step.model_copy(update={"launched": started}))
+        assert not booter.errors, booter.errors
+    image = runtime_of(job()).image
+    assert (host.root / "containers" / "pulls").read_text().splitlines() == [image]
+    assert f"{placed.instance.instance_id}: pulling {image}: 3/3 layers" in said
+    assert second.gateway.routed == {job().replica_id: started.placement.address}
+    assert (await _get(started.placement.address)).status_code == 200
+    running = [i for r in boto3.client("ec2", region_name="us-east-1").describe_instances()["Reservations"]
+               for i in r["Instances"] if i["State"]["Name"] != "terminated"]
+    assert len(running) == 1
+    await env.run(second.teardown, TeardownInput(service_workflow_id="service/svc", job=job(), backend="aws",
+                                                 instance=started.instance, reason="done", drain_seconds=0))
 
 
 async def test_a_spot_interruption_is_named_as_such(fake_ec2, vpc, ledger, tmp_path):

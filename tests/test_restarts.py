@@ -51,7 +51,7 @@ CONVERGE = 300  # seconds; generous: a lost activity is retried after its 20 s h
 # A monitor lost with its worker moves at its heartbeat timeout (ServiceRunInput.heartbeat_seconds, 20 s), or sooner
 # when the rollout changes what it watches and the service starts another.
 WATCH_TAKEOVER = 120
-LAUNCH, MONITOR = interface.launch_replica.__name__, interface.monitor_replicas.__name__  # the stubs' names
+PLACE, MONITOR = interface.place_replica.__name__, interface.monitor_replicas.__name__  # the stubs' names
 ROLLING = """
 type: service
 name: {name}
@@ -443,7 +443,7 @@ def test_two_workers_share_the_work_and_one_finishes_a_rollout_alone(stack: Stac
         assert everyone == {first, second.pid}, ran
         owner = {}
         for rid, acts in ran.items():
-            (provisioner,) = acts[LAUNCH]
+            (provisioner,) = acts[PLACE]
             inst = picture["live"][rid]
             assert proc_stat(inst.pid).ppid == provisioner, (rid, acts)
             owner[rid] = provisioner

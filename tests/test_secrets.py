@@ -229,14 +229,14 @@ class RecordingCloud(FakeCloud):
 
     def replica_activities(self):
         acts = super().replica_activities()
-        launch = next(a for a in acts if a.__name__ == "launch")
+        place = next(a for a in acts if a.__name__ == "place")
 
-        @implements(interface.launch_replica)
-        async def recording_launch(inp: LaunchInput) -> Launched:
+        @implements(interface.place_replica)
+        async def recording_place(inp: LaunchInput) -> Launched:
             self.envs[inp.replica.job.replica_id] = dict(inp.replica.job.env)
-            return await launch(inp)
+            return await place(inp)
 
-        return [recording_launch, *(a for a in acts if a is not launch)]
+        return [recording_place, *(a for a in acts if a is not place)]
 
 
 @aio

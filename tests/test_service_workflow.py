@@ -21,12 +21,13 @@ from temporalio.worker import Worker
 
 from activities.reaper import ReaperActivities
 from cli.control import deliver
+from cli.inspect import with_progress
 from models.loader import load_config_file, load_config_text
 from models.reaper import ReaperInput
-from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
+from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus, StopRequest
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
-from tests.fakes.cloud import fake_cloud_worker
+from tests.fakes.cloud import HUNG_IMAGE, fake_cloud_worker
 from workflows.jobs import replica_input
 from workflows.reaper import ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
@@ -566,6 +567,11 @@ async def test_a_replica_workflow_terminated_before_it_serves_is_torn_down_and_r
     await handle.result()
 
 
+async def _reason_is(client, handle, said: str) -> bool:
+    status = await with_progress(client, await status_of(handle))
+    return status.groups[0].replicas[0].reason == said
+
+
 async def test_a_replica_cancelled_during_its_launch_tears_down_only_once_the_launch_stopped(dev_env, cloud_dev):
     """Cancelled from the Web UI while its launch seems stuck: the launch is cancelled and waited for, then the
     teardown looks; it never runs beside a launch that could still make an instance or a route. (On the dev
@@ -575,6 +581,9 @@ async def test_a_replica_cancelled_during_its_launch_tears_down_only_once_the_la
     cloud.hang.add(rid)
     handle = await start(ts_env, cloud, "svc-cancel")
     await eventually(lambda: _true(cloud.instances.get(rid) == "running"))
+    # `ps -v` says how far its pull is: the step's heartbeat, from the replica workflow's pending activity.
+    said = f"start_replica: {rid}: pulling {HUNG_IMAGE}: 1/3 layers"
+    await eventually(lambda: _reason_is(ts_env.client, handle, said))
     await ts_env.client.get_workflow_handle(f"service/{rid}").cancel()
     await eventually(lambda: _true(cloud.instances.get(rid) == "terminated"))
     ops = [op for op, r in cloud.log if r == rid]
@@ -632,7 +641,7 @@ async def test_a_service_stopped_while_its_launch_waits_for_a_missing_worker_sto
 
     async def launching() -> bool:
         with contextlib.suppress(RPCError):
-            return any(a.activity_type.name == "launch_replica"
+            return any(a.activity_type.name == "place_replica"
                        for a in (await replica.describe()).raw_description.pending_activities)
         return False
     await eventually(launching)
@@ -644,10 +653,10 @@ async def test_a_service_stopped_while_its_launch_waits_for_a_missing_worker_sto
     await replica.terminate()
 
 
-async def test_a_launch_has_its_groups_startup_timeout_beyond_the_boot(ts_env, cloud):
-    """A 70B model's weights take most of an hour: its readiness has the group's `startup_timeout` (an hour by
-    default) on top of the launch's 30 minutes for the instance, boot and pull. Before, the whole launch had 30
-    minutes, and its retry started over on a new instance (a new pull, new weights), for ever."""
+async def test_each_launch_step_has_its_own_budget_and_readiness_the_groups_startup_timeout(ts_env, cloud):
+    """A 70B model's weights take most of an hour: its readiness has the group's `startup_timeout`, apart from the
+    30 minutes for the instance and its boot and the hour for the image pull. Before, one activity held all three,
+    and a retry started over."""
     name = "svc-big-model"
     text = CONFIG.format(name=name).replace("  - count: 1\n", "  - count: 1\n    startup_timeout: 2h\n")
     config = load_config_text(text).config
@@ -657,11 +666,56 @@ async def test_a_launch_has_its_groups_startup_timeout_beyond_the_boot(ts_env, c
         id=service_workflow_id(name), task_queue=cloud.queue)
     await wait_ready(handle, {"0": [0], "1": []})
     events = (await ts_env.client.get_workflow_handle(f"service/{name}/0/r0-s0").fetch_history()).events
-    launch = next(e.activity_task_scheduled_event_attributes for e in events
-                  if e.activity_task_scheduled_event_attributes.activity_type.name == "launch_replica")
-    assert launch.start_to_close_timeout.ToTimedelta() == timedelta(minutes=30) + timedelta(hours=2)
+    steps = {e.activity_task_scheduled_event_attributes.activity_type.name: e.activity_task_scheduled_event_attributes
+             for e in events if e.HasField("activity_task_scheduled_event_attributes")}
+    assert steps["place_replica"].start_to_close_timeout.ToTimedelta() == timedelta(minutes=30)
+    assert steps["start_replica"].start_to_close_timeout.ToTimedelta() == timedelta(minutes=60)
+    assert steps["await_ready"].schedule_to_close_timeout.ToTimedelta() == timedelta(hours=2)
+    assert "launch_replica" not in steps
     await handle.signal(ServiceRunWorkflow.stop)
     await handle.result()
+
+
+async def _lone_replica(env, cloud, name: str, load: timedelta, poll: timedelta, startup_timeout: str = ""):
+    """One replica workflow alone (no service: no watcher runs, so the test server skips time while it loads),
+    whose model loads for ``load`` of virtual time."""
+    extra = f"    startup_timeout: {startup_timeout}\n" if startup_timeout else ""
+    config = load_config_text(CONFIG.format(name=name).replace("  - count: 1\n", "  - count: 1\n" + extra)).config
+    cloud.clock, cloud.load_poll = env.get_current_time, poll
+    cloud.loads[f"{name}/0/r0-s0"] = load
+    return await env.client.start_workflow(
+        ReplicaWorkflow.run, replica_input(config, name, service_workflow_id(name), "0", 0, 0, 0),
+        id=f"service/{name}/0/r0-s0", task_queue=cloud.queue)
+
+
+async def test_a_model_that_loads_for_45_minutes_becomes_ready_on_one_instance_with_one_pull(ts_env_alone,
+                                                                                            cloud_alone):
+    """The readiness step polls by retrying (no history event per poll): 45 virtual minutes of loading end in a
+    serving replica, placed once and started once. Before, the launch's one activity waited in the worker, and
+    every retry placed and pulled again. A server of its own: another test's running activity stops its clock."""
+    ts_env, cloud = ts_env_alone, cloud_alone
+    rid = "svc-slow-load/0/r0-s0"
+    replica = await _lone_replica(ts_env, cloud, "svc-slow-load", timedelta(minutes=45), timedelta(minutes=1))
+    await ts_env.sleep(timedelta(minutes=40))  # the server skips its virtual time meanwhile
+    assert ("ready", rid) not in cloud.log
+    await ts_env.sleep(timedelta(minutes=10))
+    await eventually(lambda: _true(("register", rid) in cloud.log))
+    assert (cloud.provisions[rid], cloud.pulls[rid]) == (1, 1)
+    assert cloud.ready_attempts[rid] >= 45
+    events = (await replica.fetch_history()).events
+    assert len(events) < 40, [EventType.Name(e.event_type) for e in events]  # 45 polls: retries, not events
+    print(f"45-minute load: ready after {cloud.ready_attempts[rid]} readiness attempts; "
+          f"{cloud.provisions[rid]} instance, {cloud.pulls[rid]} pull, {len(events)} replica history events")
+    await replica.signal(ReplicaWorkflow.stop, StopRequest(reason="test over"))
+    assert await replica.result() == "test over"
+    assert cloud.instances[rid] == "terminated"
+
+
+async def test_a_model_slower_than_its_startup_timeout_fails_with_why(ts_env_alone, cloud_alone):
+    ts_env, cloud = ts_env_alone, cloud_alone
+    replica = await _lone_replica(ts_env, cloud, "svc-too-slow", timedelta(hours=3), timedelta(minutes=5), "20m")
+    assert await replica.result() == "not ready within 20m (startup_timeout): its probes never passed"
+    assert cloud.instances["svc-too-slow/0/r0-s0"] == "terminated"
 
 
 async def test_a_lost_serving_report_is_made_good_by_the_replica_workflow(ts_env, cloud):

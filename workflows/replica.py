@@ -1,13 +1,14 @@
 """ReplicaWorkflow: the life of one replica submission.
 
-launch (provision, probes until ready, register with the gateway: one activity, on the task queue
-of the backend it tries) → wait for a stop → teardown (leave the gateway, drain, terminate; retried
-until it succeeds, because a leaked instance costs money every hour).
+launch → wait for a stop → teardown (leave the gateway, drain, terminate; retried until it succeeds,
+because a leaked instance costs money every hour). The launch is three activities on the task queue of
+the backend it tries, each with its own budget: place (an instance, booted), start (its image pulled,
+its commands running), ready (probes until they pass, then the gateway).
 
 A healthy replica costs its workflow nothing: no watch activity, no timers. The service's monitor
 watches every serving replica and asks this workflow to stop when its process, container or instance
 dies. Reports to the service come from the activities, fire-and-forget, each with the sequence number
-of its lifecycle step, so this history holds about ten events until the replica stops.
+of its lifecycle step, so this history holds about twenty events until the replica stops.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from typing import Optional
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError as ActivityTimeout, TimeoutType
+from temporalio.exceptions import (ActivityError, ApplicationError, RetryState, TimeoutError as ActivityTimeout,
+                                   TimeoutType)
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS
-    from models.run import (Instance, Launched, LaunchInput, NoCapacity, Placement, ReplicaInput, ReplicaStatus,
-                            ReplicaUpdate, Step, StopRequest, TeardownInput)
+    from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS, NOT_READY_YET, not_ready_within
+    from models.run import (READY_ATTEMPT_SECONDS, Instance, Launched, LaunchInput, LaunchStep, NoCapacity, Placement,
+                            ReplicaInput, ReplicaStatus, ReplicaUpdate, Step, StopRequest, TeardownInput)
     from workflows.names import REPLICA_CHANGED, backend_queue
 
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
@@ -40,9 +42,18 @@ UNTAKEN_MADE_NOTHING = "untaken-made-nothing"
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
-# A launch's instance, boot and image pull, before its commands run; its readiness then has the group's
-# `startup_timeout` (the launch activity checks it and fails, not retried, past it).
+# The launch in three steps, each its own activity and budget, so that a retry resumes at the step that failed, on
+# the same instance, with its image and whatever it loaded. Runs recorded before it made one activity of all three.
+LAUNCH_IN_STEPS = "launch-in-steps"
+# The place step: an instance, and its boot (Docker, the GPU runtime, SSH). The single launch of older runs: this
+# plus the group's `startup_timeout`.
 BOOT_BUDGET = timedelta(minutes=30)
+# The start step: its image pull (tens of GB for an inference image) and its commands.
+PULL_BUDGET = timedelta(minutes=60)
+# The ready step polls by retrying: each attempt probes for a minute (READY_ATTEMPT_SECONDS) and fails retryably
+# until the replica is ready, within the group's `startup_timeout`. A retry is no history event.
+READY_POLL = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=1.0,
+                         maximum_interval=timedelta(seconds=1))
 # Teardown never gives up: back off to one attempt a minute, forever.
 FOREVER = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1))
 SHORT = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
@@ -131,12 +142,18 @@ class ReplicaWorkflow:
             self.tried.append(backend)
             queue = backend_queue(workflow.info().task_queue, backend)
             try:
-                self.launched = await workflow.execute_activity(
-                    interface.launch_replica, LaunchInput(replica=self.inp, backend=backend), task_queue=queue,
-                    schedule_to_start_timeout=timedelta(seconds=self.inp.unserved_seconds),
-                    start_to_close_timeout=BOOT_BUDGET + timedelta(seconds=self.inp.startup_timeout),
-                    heartbeat_timeout=self._heartbeat(), retry_policy=SHORT,
-                    cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED, summary=f"launch on {backend}")
+                if workflow.patched(LAUNCH_IN_STEPS):
+                    failure = await self._steps(backend, queue)
+                    if failure:
+                        return failure
+                else:
+                    self.launched = await workflow.execute_activity(
+                        interface.launch_replica, LaunchInput(replica=self.inp, backend=backend), task_queue=queue,
+                        schedule_to_start_timeout=timedelta(seconds=self.inp.unserved_seconds),
+                        start_to_close_timeout=BOOT_BUDGET + timedelta(seconds=self.inp.startup_timeout),
+                        heartbeat_timeout=self._heartbeat(), retry_policy=SHORT,
+                        cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                        summary=f"launch on {backend}")
                 if workflow.patched(DURABLE_SERVING):
                     await self._report_serving(self.launched)
                 return ""
@@ -148,6 +165,38 @@ class ReplicaWorkflow:
                     self.tried.remove(backend)
                 refusals.append(details)
         return no_capacity_reason(refusals)
+
+    async def _steps(self, backend: str, queue: str) -> str:
+        """Place, start, wait until ready, on ``backend``; '' once it serves, else why not. Once placed, its
+        instance is known (to the teardown, and to the reaper through ``placement``)."""
+        options = dict(task_queue=queue, heartbeat_timeout=self._heartbeat(),
+                       cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED)
+        self.launched = await workflow.execute_activity(
+            interface.place_replica, LaunchInput(replica=self.inp, backend=backend),
+            schedule_to_start_timeout=timedelta(seconds=self.inp.unserved_seconds), start_to_close_timeout=BOOT_BUDGET,
+            retry_policy=SHORT, summary=f"place on {backend}", **options)
+        step = LaunchStep(replica=self.inp, backend=backend, launched=self.launched)
+        self.launched = await workflow.execute_activity(
+            interface.start_replica, step, start_to_close_timeout=PULL_BUDGET, retry_policy=SHORT,
+            summary="pull the image, start", **options)
+        try:
+            await workflow.execute_activity(
+                interface.await_ready, step.model_copy(update={"launched": self.launched}),
+                schedule_to_close_timeout=timedelta(seconds=self.inp.startup_timeout),
+                start_to_close_timeout=self._ready_attempt(), retry_policy=READY_POLL, summary="until ready", **options)
+        except ActivityError as e:
+            if e.retry_state != RetryState.TIMEOUT:  # e.g. it exited: the failure says why
+                raise
+            # Out of time between two attempts (the last one's failure is the cause) or during one (the timeout's).
+            last = e.cause.cause if isinstance(e.cause, ActivityTimeout) else e.cause
+            said = last.message if isinstance(last, ApplicationError) and last.type != NOT_READY_YET else ""
+            return not_ready_within(self.inp.startup_timeout, *([said] if said else []))
+        return ""
+
+    def _ready_attempt(self) -> timedelta:
+        """One readiness attempt's limit: its minute of probes, and a probe's whole streak under way at its end."""
+        streak = max((p.ready_after * (p.interval + p.timeout) for p in self.inp.probes), default=0)
+        return timedelta(seconds=READY_ATTEMPT_SECONDS + streak + 60)
 
     async def _until_stopped(self, launch) -> str:
         """Launch, then wait for a stop; a stop during the launch cancels it (and waits for that)."""

@@ -30,15 +30,17 @@ from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERM
 from activities.engines import changed as engines_changed
 from activities.signals import judge_signal
 from activities.stats import changed
+from models.failures import NOT_READY_YET
 from models.replica import LocalInstance
 from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
-from models.run import (Down, EngineSnapshot, EngineWatch, Event, Launched, LaunchInput, MonitorInput, Placement,
-                        RecordResult, ReplicaInput, ReplicaSignal, RouteInput, ServiceRecord, ServiceStatus,
+from models.run import (Down, EngineSnapshot, EngineWatch, Event, Launched, LaunchInput, LaunchStep, MonitorInput,
+                        Placement, RecordResult, ReplicaInput, ReplicaSignal, RouteInput, ServiceRecord, ServiceStatus,
                         StatsSnapshot, StatsWatch, TeardownInput)
 from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
 
+HUNG_IMAGE = "example/llm:latest"  # what a hung replica's pull says it pulls
 # The request rate at a virtual time, and when it next changes.
 Traffic = Callable[[datetime], tuple[float, datetime]]
 
@@ -72,12 +74,23 @@ class FakeCloud:
         self.queue = ""
         self.addresses = 0  # instances given an address so far
         self.ips: dict[str, str] = {}  # each instance's address (the order instances start in is a race)
-        self.hang: set[str] = set()  # replica ids whose launch makes the instance, then never gets further
+        self.hang: set[str] = set()  # replica ids whose launch makes the instance, then its pull never ends
         self.router_lists: dict[str, dict[str, str]] = {}  # router replica id → worker url → worker type
         self.newest_sync: dict[str, float] = {}  # service → when its newest router sync was scheduled
         self.router_down: set[str] = set()  # router replica ids whose worker API does not answer
         self.engines: dict[str, float | str] = {}  # replica id → its engine signal, or why it cannot be read
         self.engine_default: float | str = "unreachable: ConnectError"  # a replica ``engines`` does not name
+        self.pulls: dict[str, int] = {}  # replica id → start steps run (each would pull its image)
+        self.started: dict[str, datetime] = {}  # replica id → when its commands started, virtual time
+        self.loads: dict[str, timedelta] = {}  # replica id → how long its model loads before it is ready
+        self.load_default = timedelta(0)
+        self.load_poll: Optional[timedelta] = None  # a loading replica's readiness retry delay (None: its policy's)
+        self.ready_attempts: dict[str, int] = {}  # replica id → readiness attempts while it loaded
+
+    async def _now(self) -> datetime:
+        """The server's time (virtual on the time-skipping server) when ``clock`` is set, else this attempt's
+        schedule time, which the server set."""
+        return await self.clock() if self.clock is not None else activity.info().current_attempt_scheduled_time
 
     @staticmethod
     def _poll_again(message: str, delay: Optional[timedelta]) -> ApplicationError:
@@ -126,8 +139,8 @@ class FakeCloud:
     def replica_activities(self):
         """The replica's life on the fake backend (``local``): what ``<queue>-local`` runs."""
 
-        @implements(interface.launch_replica)
-        async def launch(inp: LaunchInput) -> Launched:
+        @implements(interface.place_replica)
+        async def place(inp: LaunchInput) -> Launched:
             r, rid = inp.replica, inp.replica.job.replica_id
             self.inputs[rid] = r
             await report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
@@ -137,14 +150,6 @@ class FakeCloud:
             self.provisions[rid] = self.provisions.get(rid, 0) + 1
             self.instances[rid] = "running"
             self.log.append(("provision", rid))
-            if rid in self.hang:  # e.g. an image pull that never ends: heartbeating, so a cancellation reaches it
-                try:
-                    while True:
-                        activity.heartbeat()
-                        await asyncio.sleep(0.1)
-                except asyncio.CancelledError:
-                    self.log.append(("launch_cancelled", rid))
-                    raise
             group = r.job.group
             alive = sum(1 for x, st in self.instances.items() if st == "running" and x.split("/")[1] == group)
             self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
@@ -154,17 +159,53 @@ class FakeCloud:
             placement = Placement(backend="local", region="local", address=f"unix:/x/{rid}", ip=self.ips[rid])
             instance = LocalInstance(replica_id=rid, pid=0, start_time=0, work_dir=f"/x/{rid}",
                                      address=placement.address, isolated=False, log_path=f"/x/{rid}/log")
+            return Launched(placement=placement, instance=instance)
+
+        @implements(interface.start_replica)
+        async def start(inp: LaunchStep) -> Launched:
+            r, rid = inp.replica, inp.replica.job.replica_id
+            placement, instance = inp.launched.placement, inp.launched.instance
+            self.pulls[rid] = self.pulls.get(rid, 0) + 1
+            if rid in self.hang:  # an image pull that never ends: heartbeating, so a cancellation reaches it
+                try:
+                    while True:
+                        activity.heartbeat(f"{rid}: pulling {HUNG_IMAGE}: 1/3 layers")
+                        await asyncio.sleep(0.1)
+                except asyncio.CancelledError:
+                    self.log.append(("launch_cancelled", rid))
+                    raise
             await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement, instance=instance)
             r, refs = await resolve_late(r, placement, instance)  # as the real launch: once placed
             self.commands[rid], self.envs[rid] = list(r.job.commands), dict(r.job.env)
+            self.started[rid] = await self._now()
+            return inp.launched.model_copy(update={"refs": refs})
+
+        @implements(interface.await_ready)
+        async def await_ready(inp: LaunchStep) -> None:
+            r, rid = inp.replica, inp.replica.job.replica_id
+            loads = self.loads.get(rid, self.load_default)
+            if loads:  # the server's clock says whether it has loaded: each attempt looks once
+                self.ready_attempts[rid] = self.ready_attempts.get(rid, 0) + 1
+                waited = await self._now() - self.started[rid]
+                if waited < loads:  # as the real step's attempt ends (ProbeStreaks.not_yet)
+                    raise ApplicationError(f"not ready yet (loading, {waited} of {loads})", type=NOT_READY_YET,
+                                           next_retry_delay=self.load_poll, category=ApplicationErrorCategory.BENIGN)
             self.log.append(("ready", rid))
             if r.route:
                 self.routed.add(rid)
                 self.log.append(("register", rid))
             if rid not in self.lost_reports:  # a report is fire-and-forget: it may be lost
+                launched = inp.launched
                 await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
-                             placement=placement, instance=instance, refs=refs)
-            return Launched(placement=placement, instance=instance, refs=refs)
+                             placement=launched.placement, instance=launched.instance, refs=launched.refs)
+
+        @implements(interface.launch_replica)
+        async def launch(inp: LaunchInput) -> Launched:
+            """The three steps at once, as the worker runs them for runs recorded before the steps."""
+            step = LaunchStep(replica=inp.replica, backend=inp.backend, launched=await place(inp))
+            step = step.model_copy(update={"launched": await start(step)})
+            await await_ready(step)
+            return step.launched
 
         @implements(interface.teardown_replica)
         async def teardown(inp: TeardownInput) -> None:
@@ -254,7 +295,7 @@ class FakeCloud:
                 activity.heartbeat()
                 await asyncio.sleep(0.2)
 
-        return [launch, teardown, monitor, sync_router, watch_engines]
+        return [place, start, await_ready, launch, teardown, monitor, sync_router, watch_engines]
 
     def activities(self):
         """The service's activities: what the main queue runs."""

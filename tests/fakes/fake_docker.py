@@ -1,5 +1,5 @@
-"""A stand-in for the Docker CLI on a simulated cloud host: ``run -d``, ``rm -f``, ``inspect``, ``logs``, ``exec``,
-``kill`` — enough for what durastack sends over SSH (activities/userdata.py, activities/ssh.py).
+"""A stand-in for the Docker CLI on a simulated cloud host: ``pull``, ``run -d``, ``rm -f``, ``inspect``, ``logs``,
+``exec``, ``kill`` — enough for what durastack sends over SSH (activities/userdata.py, activities/ssh.py).
 
 A "container" is the group's commands run by a supervisor process in the host's network namespace, with the
 env of ``--env-file``/``-e``, the working dir of ``-w``, and its ``-v SRC:/durastack`` mount seen at SRC (the
@@ -9,6 +9,7 @@ as ``--network=host`` puts it (the flags it was given are kept in ``spec.json``)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -137,6 +138,27 @@ def _kill(name: str, sig: int = signal.SIGKILL) -> None:
             pass
 
 
+def _pull(image: str) -> int:
+    """What ``docker pull`` prints without a terminal: per layer ``<id>: <state>`` lines. Each pull is recorded in
+    ``pulls`` (one image per line); a second pull of an image finds it there, as Docker's image store would."""
+    record = STATE / "pulls"
+    pulled = record.read_text().splitlines() if record.exists() else []
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with open(record, "a") as f:
+        f.write(image + "\n")
+    name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "latest")
+    print(f"{tag}: Pulling from {name}", flush=True)
+    layers = [hashlib.sha256(f"{image} {n}".encode()).hexdigest()[:12] for n in range(3)]
+    if image in pulled:
+        print(f"Digest: sha256:{'0' * 64}\nStatus: Image is up to date for {image}", flush=True)
+        return 0
+    for state in ("Pulling fs layer", "Downloading", "Download complete", "Pull complete"):
+        for layer in layers:
+            print(f"{layer}: {state}", flush=True)
+    print(f"Digest: sha256:{'0' * 64}\nStatus: Downloaded newer image for {image}", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     if cmd == "run":
@@ -189,6 +211,8 @@ def main(argv: list[str]) -> int:
         name, command = rest[0], rest[1:]
         spec = json.loads((_dir(name) / "spec.json").read_text())
         return subprocess.call(command, env=spec["env"], cwd=spec["cwd"])
+    if cmd == "pull":
+        return _pull(args[-1])
     if cmd == "info":
         return 0
     print(f"fake docker: {cmd} is not simulated", file=sys.stderr)
