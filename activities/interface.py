@@ -1,6 +1,6 @@
 """The activities the workflows call, by reference: typed stubs that import nothing but models.
 
-Workflows schedule ``workflow.execute_activity(interface.launch_replica, LaunchInput(...))`` and never
+Workflows schedule ``workflow.execute_activity(interface.place_replica, LaunchInput(...))`` and never
 spell an activity's name; the worker registers the implementations (``activities/replica.py`` and the
 others), each bound to its stub with ``@implements(stub)``, which gives it the stub's name. A test
 checks that every stub has exactly one implementation with the same signature. Keeping the stubs
@@ -49,7 +49,7 @@ def implements(stub: Callable) -> Callable[[F], F]:
 
 
 def no_capacity(details: NoCapacity) -> ApplicationError:
-    """The error ``launch_replica`` raises when its backend cannot place the replica. The workflow reads
+    """The error ``place_replica`` raises when its backend cannot place the replica. The workflow reads
     ``NoCapacity.model_validate(error.details[0])`` (never the message, which is for people) and tries the next
     backend; non-retryable, because nothing was made and asking the same backend again gives the same answer."""
     what = "every offer failed" if details.tried else "nothing fits"
@@ -59,10 +59,10 @@ def no_capacity(details: NoCapacity) -> ApplicationError:
 
 @activity.defn
 async def launch_replica(inp: LaunchInput) -> Launched:
-    """The three launch steps in one activity, as runs recorded before the launch had steps schedule it. Provision on ``inp.backend`` (exactly once, by the job's key), wait until the probes pass, register
-    with the gateway. Reports `provisioning`, `running` and ready to the service by signal as it goes.
-    Raises a non-retryable ``NoCapacity`` ApplicationError (details: ``models.run.NoCapacity``) when the
-    backend cannot place it, ``ReplicaExited`` when the app exits before it is ready."""
+    """The three launch steps in one activity, as runs recorded before the launch had steps schedule it:
+    provision on ``inp.backend`` (exactly once, by the job's key), wait until the probes pass (at most the group's
+    `startup_timeout`), register with the gateway. Raises ``NoCapacity`` as ``place_replica`` does,
+    ``ReplicaExited`` when the app exits before it is ready."""
     raise NotImplementedError
 
 

@@ -50,8 +50,8 @@ from models.backends import CLOUDS
 from models.failures import LAST_LINES, not_ready_within, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
-from models.run import (READY_ATTEMPT_SECONDS, Down, Instance, Launched, LaunchInput, LaunchStep, MonitorInput, NoCapacity, Placement, ReplicaInput,
-                        RouteInput, TeardownInput, Watched)
+from models.run import (READY_ATTEMPT_SECONDS, Down, Instance, Launched, LaunchInput, LaunchStep, MonitorInput,
+                        NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
 from models.service import ProbeSpec
 
 log = logging.getLogger("durastack.replica")

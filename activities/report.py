@@ -34,23 +34,30 @@ PROVISIONING, PROVISIONED, SERVING, TERMINATING, FINISHED = (Step.PROVISIONING, 
                                                               Step.TERMINATING, Step.FINISHED)
 
 
-async def report(service_workflow_id: str, job: JobSpec, seq: int, status: ReplicaStatus, *, ready: bool = False,
-                 registered: bool = False, placement: Placement | None = None, instance: Instance | None = None,
-                 reason: str = "", refs: dict[str, str] | None = None) -> None:
-    """Signal ``status`` to the service run ``service_workflow_id``, from inside an activity."""
+async def report(service_workflow_id: str, job: JobSpec, seq: int, status: ReplicaStatus, **fields) -> None:
+    """Signal ``status`` to the service run ``service_workflow_id``, from inside an activity; ``fields``: those of
+    ``ReplicaUpdate`` (ready, registered, placement, instance, reason, refs)."""
+    try:
+        await send_report(activity.client(), service_workflow_id, replica_update(job, seq, status, **fields))
+    except Exception as e:  # noqa: BLE001 — see the module doc: a report never fails its activity
+        log.warning("%s: could not report %s (seq %d) to %s: %s", job.replica_id, status, seq,
+                    service_workflow_id, e)
+
+
+def replica_update(job: JobSpec, seq: int, status: ReplicaStatus, *, ready: bool = False, registered: bool = False,
+                   placement: Placement | None = None, instance: Instance | None = None, reason: str = "",
+                   refs: dict[str, str] | None = None) -> ReplicaUpdate:
+    return ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=status,
+                         ready=ready, registered=registered, placement=placement, instance=instance,
+                         reason=reason, seq=seq, refs=refs or {})
+
+
+async def send_report(client, service_workflow_id: str, update: ReplicaUpdate) -> None:
     # Imported here, not at the top: the workflow modules import the activity interface, so a top-level import
     # would make activity and workflow modules import each other.
     from workflows.service import ServiceRunWorkflow
 
-    update = ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=status,
-                           ready=ready, registered=registered, placement=placement, instance=instance,
-                           reason=reason, seq=seq, refs=refs or {})
-    try:
-        await activity.client().get_workflow_handle(service_workflow_id).signal(
-            ServiceRunWorkflow.replica_changed, update)
-    except Exception as e:  # noqa: BLE001 — see the module doc: a report never fails its activity
-        log.warning("%s: could not report %s (seq %d) to %s: %s", job.replica_id, status, seq,
-                    service_workflow_id, e)
+    await client.get_workflow_handle(service_workflow_id).signal(ServiceRunWorkflow.replica_changed, update)
 
 
 async def report_placed(service_workflow_id: str, job: JobSpec, placement: Placement, instance: Instance, *,

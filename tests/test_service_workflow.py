@@ -24,7 +24,7 @@ from cli.control import deliver
 from cli.inspect import with_progress
 from models.loader import load_config_file, load_config_text
 from models.reaper import ReaperInput
-from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus, StopRequest
+from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus, Step, StopRequest
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import HUNG_IMAGE, fake_cloud_worker
@@ -716,6 +716,48 @@ async def test_a_model_slower_than_its_startup_timeout_fails_with_why(ts_env_alo
     replica = await _lone_replica(ts_env, cloud, "svc-too-slow", timedelta(hours=3), timedelta(minutes=5), "20m")
     assert await replica.result() == "not ready within 20m (startup_timeout): its probes never passed"
     assert cloud.instances["svc-too-slow/0/r0-s0"] == "terminated"
+
+
+@pytest.mark.parametrize("step", [Step.PROVISIONING, Step.PROVISIONED, Step.SERVING, Step.TERMINATING, Step.FINISHED],
+                         ids=lambda step: step.name.lower())
+async def test_a_report_that_arrives_late_changes_nothing(ts_env, cloud, step):
+    """Each report held back until the replica has moved past its step (serving, or terminated), then delivered:
+    the service drops it. A scale up and down goes through every step."""
+    name = f"svc-late-{step.name.lower()}"
+    cloud.delayed.add(step)
+    handle = await start(ts_env, cloud, name)
+    await wait_ready(handle, {"0": [0], "1": []})
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=1))
+    await wait_ready(handle, {"0": [0], "1": [1]})
+    if step <= Step.SERVING:
+        await _changes_nothing(ts_env.client, cloud, handle, await status_of(handle))
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=0))
+    await eventually(lambda: _true(cloud.instances.get(f"{name}/1/r1-s0") == "terminated"))
+    terminated = await eventually(lambda: _terminated(handle, 1))
+    if step > Step.SERVING:
+        await _changes_nothing(ts_env.client, cloud, handle, terminated)
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await handle.result() == "stopped"
+
+
+async def _changes_nothing(client, cloud, handle, status: ServiceStatus) -> None:
+    """Deliver the held reports (at least one): the service's state and events stay as they are."""
+    events = [e.message for e in await handle.query(ServiceRunWorkflow.events)]
+    assert await cloud.deliver_held(client) >= 1
+    # An update sent after the late signals is handled after them (history order): the state then includes them.
+    await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="1", count=len(_group(status, "1"))))
+    assert await status_of(handle) == status
+    assert [e.message for e in await handle.query(ServiceRunWorkflow.events)] == events
+
+
+def _group(status: ServiceStatus, name: str) -> list:
+    return [r for g in status.groups if g.name == name for r in g.replicas if r.status != "terminated"]
+
+
+async def _terminated(handle, replica: int) -> Optional[ServiceStatus]:
+    status = await status_of(handle)
+    return status if [r.status for g in status.groups for r in g.replicas if r.replica == replica] == \
+        ["terminated"] else None
 
 
 async def test_a_lost_serving_report_is_made_good_by_the_replica_workflow(ts_env, cloud):

@@ -20,13 +20,14 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities import interface
 from activities.interface import implements
 from activities.references import resolve_late
 from activities.replica import ORPHANED_BY
-from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.engines import changed as engines_changed
 from activities.signals import judge_signal
 from activities.stats import changed
@@ -34,8 +35,8 @@ from models.failures import NOT_READY_YET
 from models.replica import LocalInstance
 from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
 from models.run import (Down, EngineSnapshot, EngineWatch, Event, Launched, LaunchInput, LaunchStep, MonitorInput,
-                        Placement, RecordResult, ReplicaInput, ReplicaSignal, RouteInput, ServiceRecord, ServiceStatus,
-                        StatsSnapshot, StatsWatch, TeardownInput)
+                        Placement, RecordResult, ReplicaInput, ReplicaSignal, ReplicaUpdate, RouteInput,
+                        ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
 from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
@@ -86,6 +87,27 @@ class FakeCloud:
         self.load_default = timedelta(0)
         self.load_poll: Optional[timedelta] = None  # a loading replica's readiness retry delay (None: its policy's)
         self.ready_attempts: dict[str, int] = {}  # replica id → readiness attempts while it loaded
+        self.delayed: set[int] = set()  # the steps (``Step``) whose reports arrive late
+        self.held: list[tuple[str, ReplicaUpdate]] = []  # reports held back: (service workflow id, report)
+
+    async def _report(self, service_workflow_id: str, job, seq: int, status: str, **fields) -> None:
+        """As activities/report.py: a signal to the service. A report of a step in ``delayed`` is held back until
+        ``deliver_held``: it arrives late, after the reports of later steps."""
+        update = replica_update(job, seq, status, **fields)
+        if seq in self.delayed:
+            self.held.append((service_workflow_id, update))
+            return
+        try:
+            await send_report(activity.client(), service_workflow_id, update)
+        except RPCError as e:  # as the real one: never fails the activity
+            self.log.append(("report_lost", f"{job.replica_id}: {e}"))
+
+    async def deliver_held(self, client) -> int:
+        """Send the reports held back so far; how many."""
+        held, self.held = self.held, []
+        for wid, update in held:
+            await send_report(client, wid, update)
+        return len(held)
 
     async def _now(self) -> datetime:
         """The server's time (virtual on the time-skipping server) when ``clock`` is set, else this attempt's
@@ -143,7 +165,7 @@ class FakeCloud:
         async def place(inp: LaunchInput) -> Launched:
             r, rid = inp.replica, inp.replica.job.replica_id
             self.inputs[rid] = r
-            await report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
+            await self._report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
             if any("crash" in c for c in r.job.commands):
                 self.log.append(("crash", rid))
                 raise ApplicationError("exited (1)", type="ReplicaExited", non_retryable=True)
@@ -174,7 +196,8 @@ class FakeCloud:
                 except asyncio.CancelledError:
                     self.log.append(("launch_cancelled", rid))
                     raise
-            await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement, instance=instance)
+            await self._report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement,
+                               instance=instance)
             r, refs = await resolve_late(r, placement, instance)  # as the real launch: once placed
             self.commands[rid], self.envs[rid] = list(r.job.commands), dict(r.job.env)
             self.started[rid] = await self._now()
@@ -196,8 +219,8 @@ class FakeCloud:
                 self.log.append(("register", rid))
             if rid not in self.lost_reports:  # a report is fire-and-forget: it may be lost
                 launched = inp.launched
-                await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
-                             placement=launched.placement, instance=launched.instance, refs=launched.refs)
+                await self._report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=r.route,
+                                   placement=launched.placement, instance=launched.instance, refs=launched.refs)
 
         @implements(interface.launch_replica)
         async def launch(inp: LaunchInput) -> Launched:
@@ -210,7 +233,7 @@ class FakeCloud:
         @implements(interface.teardown_replica)
         async def teardown(inp: TeardownInput) -> None:
             rid = inp.job.replica_id
-            await report(inp.service_workflow_id, inp.job, TERMINATING, "terminating", reason=inp.reason)
+            await self._report(inp.service_workflow_id, inp.job, TERMINATING, "terminating", reason=inp.reason)
             if inp.router is not None:  # the worker leaves the routers before it stops
                 for target in inp.router.routers:
                     if self.router_lists.get(target.instance.replica_id, {}).pop(inp.router.url, None):
@@ -221,7 +244,7 @@ class FakeCloud:
             if rid in self.instances:
                 self.instances[rid] = "terminated"
                 self.log.append(("terminate", rid))
-            await report(inp.service_workflow_id, inp.job, FINISHED, inp.final, reason=inp.reason)
+            await self._report(inp.service_workflow_id, inp.job, FINISHED, inp.final, reason=inp.reason)
 
         @implements(interface.monitor_replicas)
         async def monitor(inp: MonitorInput) -> list[Down]:
