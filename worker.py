@@ -37,7 +37,7 @@ from typing import Mapping, Optional
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
-from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerDeploymentConfig
 
 from activities.cloud import CloudBackend, make_backends
 from activities.local import LocalBackend
@@ -49,6 +49,7 @@ from activities.stats import StatsActivities
 from activities.store import StoreActivities
 from connect.codec import CodecKeyError
 from connect.connection import TemporalConfigError, client_options, connect_failure
+from connect.deployment import VersioningUnavailable, become_current, deployment_config, deployment_version
 from connect.installation import installation_id
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
@@ -179,16 +180,21 @@ def build_workers(client: Client, settings: Settings, gateway: GatewayClient,
                   clouds: Optional[Clouds] = None) -> list[Worker]:
     """The main worker process's workers (``worker_activities``)."""
     queues = worker_activities(client, settings, gateway, clouds or load_clouds(settings))
-    return [main_worker(client, q, acts) if q == settings.task_queue else backend_worker(client, q, acts)
+    deployment = deployment_config(settings)
+    return [main_worker(client, q, acts, deployment) if q == settings.task_queue else backend_worker(client, q, acts)
             for q, acts in queues.items()]
 
 
-def main_worker(client: Client, task_queue: str, activities: list) -> Worker:
-    """The main worker's Worker and its tuning (bench/scale_out.py builds it with a fake backend)."""
-    return Worker(client, task_queue=task_queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow],
+def main_worker(client: Client, task_queue: str, activities: list,
+                deployment: Optional[WorkerDeploymentConfig] = None, workflows: Optional[list] = None) -> Worker:
+    """The main worker's Worker and its tuning (bench/scale_out.py builds it with a fake backend); ``deployment``:
+    its build in the Worker Deployment (connect/deployment.py), None unversioned."""
+    return Worker(client, task_queue=task_queue, workflows=workflows or [ServiceRunWorkflow, ReplicaWorkflow,
+                                                                         ReaperWorkflow],
                   activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
                   max_cached_workflows=MAX_CACHED_WORKFLOWS, max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
-                  workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS))
+                  workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
+                  **({"deployment_config": deployment} if deployment else {}))
 
 
 def backend_worker(client: Client, task_queue: str, activities: list) -> Worker:
@@ -256,6 +262,11 @@ async def main(argv: Optional[list[str]] = None) -> None:
         for worker in workers:
             await stack.enter_async_context(worker)
             log.info("worker polling %s on %s", worker.task_queue, settings.address)
+        if not cloud_only and settings.worker_versioning:
+            try:  # before the reaper: its tasks wait for a current build
+                await become_current(client, deployment_version(settings))
+            except VersioningUnavailable as e:
+                sys.exit(f"worker: Worker Versioning: {e}")
         if not cloud_only:
             try:
                 await start_reaper(client, settings, reaper_input(settings, clouds))

@@ -65,6 +65,13 @@ class Settings(BaseModel):
         "unset: the host of the address."))
     temporal_api_key: Optional[SecretStr] = Field(None, description=(
         "API key sent as `Authorization: Bearer` (DURASTACK_TEMPORAL_API_KEY, Temporal Cloud); implies TLS."))
+    worker_versioning: bool = Field(True, description=(
+        "Worker Versioning (DURASTACK_WORKER_VERSIONING=on/off): the main workers are a Worker Deployment named "
+        "after the task queue, and the newest build takes every workflow task; off for a Temporal server without "
+        "Worker Deployments."))
+    build_id: Optional[str] = Field(None, max_length=255, description=(
+        "The workers' build in their Worker Deployment (DURASTACK_BUILD_ID, e.g. a git commit); unset: a hash of "
+        "durastack's code, so any change of it is a new build."))
 
     @classmethod
     def from_env(cls, environ: Optional[dict] = None, **overrides) -> "Settings":
@@ -84,6 +91,8 @@ class Settings(BaseModel):
             "local_replicas": env.get("DURASTACK_LOCAL_REPLICAS") or True,
             "gateway_control": env.get("DURASTACK_GATEWAY_CONTROL_URL") or None,
             "gateway_control_token": env.get("DURASTACK_GATEWAY_CONTROL_TOKEN") or None,
+            "worker_versioning": env.get("DURASTACK_WORKER_VERSIONING") or True,
+            "build_id": env.get("DURASTACK_BUILD_ID") or None,
             **{field: env.get(var) or None for field, var in TEMPORAL_TLS_ENV.items()},
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -140,7 +149,10 @@ class Settings(BaseModel):
             "DURASTACK_TASK_QUEUE": self.task_queue,
             "DURASTACK_BIND_HOST": self.bind_host,
             "DURASTACK_LOCAL_REPLICAS": "on" if self.local_replicas else "off",
+            "DURASTACK_WORKER_VERSIONING": "on" if self.worker_versioning else "off",
         }
+        if self.build_id:
+            env["DURASTACK_BUILD_ID"] = self.build_id
         if self.gateway_control:
             env["DURASTACK_GATEWAY_CONTROL_URL"] = self.gateway_control
         if self.gateway_control_token:  # only a given one: the home's file stays out of every child's environment
