@@ -150,11 +150,14 @@ class ProbeStreaks:
         """No streak under way: a readiness wait may end here and start again later without losing one."""
         return not any(s and s < p.ready_after for s, p in zip(self.streaks, self.probes))
 
+    def said(self) -> str:
+        """How far readiness is, for people (`ps -v`, the Web UI's pending activity)."""
+        return f"not ready: probes {self.summary()}" if self.probes else "not ready: no HTTP answer yet"
+
     def not_yet(self) -> ApplicationError:
         """The end of one readiness attempt: retried by the workflow's policy, within the group's
         `startup_timeout`. Benign: a model that loads for an hour is no warning each minute."""
-        said = f"its probes: {self.summary()}" if self.probes else "no HTTP answer yet"
-        return ApplicationError(f"not ready yet ({said})", type=NOT_READY_YET, category=ApplicationErrorCategory.BENIGN)
+        return ApplicationError(self.said(), type=NOT_READY_YET, category=ApplicationErrorCategory.BENIGN)
 
     def summary(self) -> str:
         return " ".join("✓" if s >= p.ready_after else ("~" if s else "×")

@@ -177,7 +177,7 @@ class LocalReplicas:
                     timeout = min(timeout * 2, ANSWER_TIMEOUT_SECONDS)
             if until is not None and time.monotonic() >= until and streaks.between_streaks():
                 raise streaks.not_yet()
-            progress(streaks.summary())
+            progress(streaks.said())
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, READY_POLL_SECONDS)
 

@@ -29,7 +29,6 @@ from typing import Callable, Optional
 
 import asyncssh
 
-from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.catalog import load_catalog
@@ -361,7 +360,7 @@ class CloudReplicas:
                     return
             if until is not None and time.monotonic() >= until and streaks.between_streaks():
                 raise streaks.not_yet()
-            progress(streaks.summary() or instance.state)
+            progress(streaks.said() if instance.state == "running" else f"{instance.instance_id} is {instance.state}")
             await asyncio.sleep(PROBE_SECONDS)
 
     async def down(self, instances: list[CloudInstance]) -> list[Optional[str]]:

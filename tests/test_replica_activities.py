@@ -25,7 +25,8 @@ from activities.replica import LocalReplicas, ReplicaActivities
 from activities.report import unless_quick
 from models.loader import load_config_text
 from models.replica import LocalInstance
-from models.run import Down, LaunchInput, MonitorInput, NoCapacity, ReplicaInput, TeardownInput, Watched
+from models.failures import NOT_READY_YET
+from models.run import Down, LaunchInput, LaunchStep, MonitorInput, NoCapacity, ReplicaInput, Step, TeardownInput, Watched
 from tests.conftest import eventually
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, no_capacity_of as _no_capacity
 from workflows.jobs import replica_input, replica_workflow_id
@@ -162,6 +163,33 @@ async def test_an_app_never_ready_within_its_startup_timeout_fails_the_launch_fo
         await asyncio.wait_for(_launch(ReplicaActivities(local, FakeGateway()), FakeClient(), inp), 30)
     assert failed.value.type == "NotReady" and failed.value.non_retryable
     assert failed.value.message == "not ready within 1s (startup_timeout): its probes never passed"
+
+
+async def test_the_steps_alone_and_a_readiness_attempt_that_ends_retryably_while_it_loads(local, tmp_path,
+                                                                                         monkeypatch):
+    """Each step alone, as the workflow runs them: a readiness attempt that outlasts its minute (here 0.3 s) ends
+    with a retryable NotReadyYet saying how far it is; a later attempt, once the app answers, serves it. The
+    process is started once."""
+    monkeypatch.setattr(replica_activities, "READY_ATTEMPT_SECONDS", 0.3)
+    gate = tmp_path / "loaded"
+    config = CONFIG.replace("commands: [python3 -m http.server $PORT --bind 127.0.0.1]",
+                            f"commands: [\"while [ ! -e {gate} ]; do sleep 0.05; done\", "
+                            "python3 -m http.server $PORT --bind 127.0.0.1]")
+    gateway, client = FakeGateway(), FakeClient()
+    acts, inp = ReplicaActivities(local, gateway), _input(config=config)
+    env = _env(client)
+    placed = await env.run(acts.place, LaunchInput(replica=inp, backend="local"))
+    started = LaunchStep(replica=inp, backend="local", launched=await env.run(acts.start, LaunchStep(
+        replica=inp, backend="local", launched=placed)))
+    with pytest.raises(ApplicationError) as loading:
+        await env.run(acts.ready, started)
+    assert loading.value.type == NOT_READY_YET and not loading.value.non_retryable
+    assert loading.value.message == "not ready: no HTTP answer yet" and gateway.routed == {}
+    gate.touch()
+    await env.run(acts.ready, started)
+    assert gateway.routed == {inp.job.replica_id: placed.placement.address}
+    assert local.find(inp.job).pid == placed.instance.pid  # started once
+    assert client.reports()[-1] == (Step.SERVING, "running", True, True)
 
 
 async def test_teardown_without_an_instance_stops_what_a_dead_launch_started(local):

@@ -8,7 +8,8 @@ its commands running), ready (probes until they pass, then the gateway).
 A healthy replica costs its workflow nothing: no watch activity, no timers. The service's monitor
 watches every serving replica and asks this workflow to stop when its process, container or instance
 dies. Reports to the service come from the activities, fire-and-forget, each with the sequence number
-of its lifecycle step, so this history holds about twenty events until the replica stops.
+of its lifecycle step, so this history holds about thirty events until the replica serves, however long
+it loads.
 """
 
 from __future__ import annotations
