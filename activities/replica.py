@@ -47,7 +47,7 @@ from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, repo
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
-from models.failures import LAST_LINES, not_ready_within, with_output
+from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
 from models.run import (READY_ATTEMPT_SECONDS, Down, Instance, Launched, LaunchInput, LaunchStep, MonitorInput,
@@ -80,6 +80,7 @@ class Backend(Protocol):
     """The instance work of one kind of backend (``LocalReplicas``, ``CloudReplicas``)."""
 
     min_poll_seconds: float  # liveness checks no more often than this (cloud APIs are slow and rate-limited)
+    one_activity: bool  # its launch's steps are quick: place runs them all (and a first readiness attempt)
 
     async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
     async def start(self, inp: ReplicaInput, instance) -> None: ...  # its commands run once this returns
@@ -95,6 +96,7 @@ class LocalReplicas:
     """Replicas as process trees on this machine (activities/local.py)."""
 
     min_poll_seconds = 0.0  # reading /proc is cheap
+    one_activity = True  # a process tree starts in milliseconds
 
     def __init__(self, local: LocalBackend, enabled: bool = True):
         """``enabled``: False on cluster workers, whose own machine the gateway cannot reach."""
@@ -237,7 +239,20 @@ class ReplicaActivities:
     @implements(interface.place_replica)
     @keeps_alive
     async def place(self, inp: LaunchInput) -> Launched:
-        return await self._place(inp)
+        placed = await self._place(inp)
+        if not self._backend(inp.backend).one_activity:
+            return placed
+        # Its start and a first readiness attempt too: a local replica is started in milliseconds and its app
+        # usually answers within a second; three activities would only add their round trips.
+        step = LaunchStep(replica=inp.replica, backend=inp.backend, launched=await self._start(
+            LaunchStep(replica=inp.replica, backend=inp.backend, launched=placed)))
+        try:
+            await self._ready(step, until=time.monotonic() + READY_ATTEMPT_SECONDS)
+        except ApplicationError as e:
+            if e.type != NOT_READY_YET:
+                raise
+            return step.launched  # still loading: the readiness step goes on
+        return step.launched.model_copy(update={"done": "serving"})
 
     @implements(interface.start_replica)
     @keeps_alive
@@ -256,7 +271,7 @@ class ReplicaActivities:
         placed = LaunchStep(replica=inp.replica, backend=inp.backend, launched=await self._place(inp))
         started = placed.model_copy(update={"launched": await self._start(placed)})
         await self._ready(started, timeout=inp.replica.startup_timeout)
-        return started.launched
+        return started.launched.model_copy(update={"done": "serving"})
 
     async def _place(self, inp: LaunchInput) -> Launched:
         r = inp.replica
@@ -272,13 +287,13 @@ class ReplicaActivities:
             placement, instance = await self._backend(inp.backend, launching=True).place(r, inp.backend)
         finally:
             await provisioning()
-        return Launched(placement=placement, instance=instance)
+        return Launched(placement=placement, instance=instance, done="placed")
 
     async def _start(self, inp: LaunchStep) -> Launched:
         launched = inp.launched
         r, refs = await resolve_late(inp.replica, launched.placement, launched.instance)  # before its commands run
         await self._backend(inp.backend).start(r, launched.instance)
-        return launched.model_copy(update={"refs": refs})
+        return launched.model_copy(update={"refs": refs, "done": "started"})
 
     async def _ready(self, inp: LaunchStep, until: Optional[float] = None, timeout: Optional[int] = None) -> None:
         """Wait until its probes pass (one attempt ``until`` then, or at most ``timeout`` seconds), register it,

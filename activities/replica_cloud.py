@@ -79,6 +79,8 @@ class CloudReplicas:
         self.poll_seconds, self.boot_timeout = poll_seconds, boot_timeout
         self.container_poll_seconds = container_poll_seconds
 
+    one_activity = False  # an instance boots and pulls for minutes: each step has its own activity and budget
+
     @property
     def min_poll_seconds(self) -> float:
         return self.container_poll_seconds if self.ssh is not None else self.poll_seconds

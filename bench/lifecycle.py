@@ -5,8 +5,8 @@
                                         [--skip history,apply,kill,move,orphans] [--keep]
 
 1. **history**: one service of N replicas (``--history-replicas``); from each ReplicaWorkflow's history, the
-   events up to the completion of its launch's last step, ``await_ready`` (the replica is ready and routed then),
-   and the workflow tasks among them; and the service workflow's events from its first child started to the workflow
+   events up to the completion of its launch's last step (the replica is ready and routed then; a local replica's
+   launch is one step), and the workflow tasks among them; and the service workflow's events from its first child started to the workflow
    task that saw the last replica ready, per replica.
 2. **apply**: `durastack apply -y` of one group of ``--apply-n`` replicas, minus own(N), the same app started N
    times at once without durastack (``bench.control_plane``, which this reuses; see bench/README.md).
@@ -47,7 +47,8 @@ from bench.stack import ROOT, BenchStack, code_note, load_avg, load_note, median
 from workflows.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
 
-READY, MONITOR = interface.await_ready.__name__, interface.monitor_replicas.__name__  # the stubs' names
+LAUNCH_STEPS = {f.__name__ for f in (interface.place_replica, interface.start_replica, interface.await_ready)}
+MONITOR = interface.monitor_replicas.__name__  # the stubs' names
 GROUP = "app"  # bench.control_plane.SERVICE's group
 POLL = 0.01  # seconds between looks at the gateway's routes
 
@@ -68,10 +69,10 @@ async def history_figures(stack: BenchStack, name: str, n: int) -> dict:
     per_replica = []
     for r in range(n):
         events = (await client.get_workflow_handle(replica_workflow_id(name, GROUP, r, 0)).fetch_history()).events
-        ready = next(e.event_id for e in events if _kind(e) == "activity_task_scheduled_event_attributes"
-                     and e.activity_task_scheduled_event_attributes.activity_type.name == READY)
-        done = next(e.event_id for e in events if _kind(e) == "activity_task_completed_event_attributes"
-                    and e.activity_task_completed_event_attributes.scheduled_event_id == ready)
+        steps = {e.event_id for e in events if _kind(e) == "activity_task_scheduled_event_attributes"
+                 and e.activity_task_scheduled_event_attributes.activity_type.name in LAUNCH_STEPS}
+        done = max(e.event_id for e in events if _kind(e) == "activity_task_completed_event_attributes"
+                   and e.activity_task_completed_event_attributes.scheduled_event_id in steps)
         tasks = sum(1 for e in events[:done] if _kind(e) == "workflow_task_completed_event_attributes")
         per_replica.append((done, tasks, len(events)))
     svc = (await client.get_workflow_handle(service_workflow_id(name)).fetch_history()).events

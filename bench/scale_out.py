@@ -52,7 +52,7 @@ from connect.codec import ensure_key_file
 from connect.connection import client_options
 from models.loader import load_config_text
 from models.replica import LocalInstance
-from models.run import (Down, Launched, LaunchInput, LaunchStep, MonitorInput, Placement, RouteInput, ServiceRecord, ServiceState,
+from models.run import (Down, Launched, LaunchInput, MonitorInput, Placement, RouteInput, ServiceRecord, ServiceState,
                         TeardownInput)
 from models.settings import Settings
 from workflows.names import backend_queue
@@ -90,30 +90,21 @@ class InstantBackend:
 
     def replica_activities(self) -> list:
         """``<queue>-local``'s."""
-        return [self.place, self.start, self.ready, self.teardown, self.monitor]
+        return [self.place, self.teardown, self.monitor]
 
     @implements(interface.place_replica)
     async def place(self, inp: LaunchInput) -> Launched:
+        """The whole launch in its first step, as the local backend's (``one_activity``)."""
         r, rid = inp.replica, inp.replica.job.replica_id
         await report(r.service_workflow_id, r.job, PROVISIONING, "provisioning")
         placement = Placement(backend="local", region="local", instance_type="instant",
                               address=f"unix:/nonexistent/{rid}.sock")
         instance = LocalInstance(replica_id=rid, pid=0, start_time=0, work_dir="/nonexistent",
                                  address=placement.address, isolated=False, log_path="/nonexistent/log")
-        return Launched(placement=placement, instance=instance)
-
-    @implements(interface.start_replica)
-    async def start(self, inp: LaunchStep) -> Launched:
-        r, launched = inp.replica, inp.launched
-        await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=launched.placement,
-                     instance=launched.instance)
-        return launched
-
-    @implements(interface.await_ready)
-    async def ready(self, inp: LaunchStep) -> None:
-        r, launched = inp.replica, inp.launched
+        await report(r.service_workflow_id, r.job, PROVISIONED, "running", placement=placement, instance=instance)
         await report(r.service_workflow_id, r.job, SERVING, "running", ready=True, registered=True,
-                     placement=launched.placement, instance=launched.instance)
+                     placement=placement, instance=instance)
+        return Launched(placement=placement, instance=instance, done="serving")
 
     @implements(interface.monitor_replicas)
     async def monitor(self, inp: MonitorInput) -> list[Down]:

@@ -502,6 +502,10 @@ class Launched(BaseModel):
     placement: Placement
     instance: "Instance"
     refs: dict[str, str] = Field(default_factory=dict, description="The late references it was started with.")
+    done: Literal["placed", "started", "serving"] = Field("placed", description=(
+        "How far the launch got: a step that ends at once goes on with the next in the same activity (a local "
+        "replica's whole launch is one), and the workflow schedules only the steps still to do. Not read for runs "
+        "recorded before the steps."))
 
 
 class LaunchInput(BaseModel):

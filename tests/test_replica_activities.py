@@ -165,11 +165,12 @@ async def test_an_app_never_ready_within_its_startup_timeout_fails_the_launch_fo
     assert failed.value.message == "not ready within 1s (startup_timeout): its probes never passed"
 
 
-async def test_the_steps_alone_and_a_readiness_attempt_that_ends_retryably_while_it_loads(local, tmp_path,
-                                                                                         monkeypatch):
-    """Each step alone, as the workflow runs them: a readiness attempt that outlasts its minute (here 0.3 s) ends
-    with a retryable NotReadyYet saying how far it is; a later attempt, once the app answers, serves it. The
-    process is started once."""
+async def test_a_local_launch_is_one_step_unless_its_app_loads_for_longer_than_an_attempt(local, tmp_path,
+                                                                                          monkeypatch):
+    """The place step of a local replica starts it and makes a first readiness attempt (a process tree starts in
+    milliseconds: one activity, not three). An app still loading after that attempt (here 0.3 s) leaves it
+    `started`; the readiness step's attempt then ends with a retryable NotReadyYet saying how far it is, and a
+    later one, once the app answers, serves it. The process is started once."""
     monkeypatch.setattr(replica_activities, "READY_ATTEMPT_SECONDS", 0.3)
     gate = tmp_path / "loaded"
     config = CONFIG.replace("commands: [python3 -m http.server $PORT --bind 127.0.0.1]",
@@ -179,17 +180,20 @@ async def test_the_steps_alone_and_a_readiness_attempt_that_ends_retryably_while
     acts, inp = ReplicaActivities(local, gateway), _input(config=config)
     env = _env(client)
     placed = await env.run(acts.place, LaunchInput(replica=inp, backend="local"))
-    started = LaunchStep(replica=inp, backend="local", launched=await env.run(acts.start, LaunchStep(
-        replica=inp, backend="local", launched=placed)))
+    assert placed.done == "started" and gateway.routed == {}
+    step = LaunchStep(replica=inp, backend="local", launched=placed)
     with pytest.raises(ApplicationError) as loading:
-        await env.run(acts.ready, started)
+        await env.run(acts.ready, step)
     assert loading.value.type == NOT_READY_YET and not loading.value.non_retryable
     assert loading.value.message == "not ready: no HTTP answer yet" and gateway.routed == {}
     gate.touch()
-    await env.run(acts.ready, started)
+    await env.run(acts.ready, step)
     assert gateway.routed == {inp.job.replica_id: placed.placement.address}
     assert local.find(inp.job).pid == placed.instance.pid  # started once
     assert client.reports()[-1] == (Step.SERVING, "running", True, True)
+    # An app that answers at once: the place step serves it.
+    quick = await env.run(acts.place, LaunchInput(replica=_input(replica=1), backend="local"))
+    assert quick.done == "serving" and _input(replica=1).job.replica_id in gateway.routed
 
 
 async def test_teardown_without_an_instance_stops_what_a_dead_launch_started(local):

@@ -200,8 +200,9 @@ class FakeCloud:
                                instance=instance)
             r, refs = await resolve_late(r, placement, instance)  # as the real launch: once placed
             self.commands[rid], self.envs[rid] = list(r.job.commands), dict(r.job.env)
-            self.started[rid] = await self._now()
-            return inp.launched.model_copy(update={"refs": refs})
+            if self.loads.get(rid, self.load_default):  # its load is timed from here
+                self.started[rid] = await self._now()
+            return inp.launched.model_copy(update={"refs": refs, "done": "started"})
 
         @implements(interface.await_ready)
         async def await_ready(inp: LaunchStep) -> None:
