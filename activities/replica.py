@@ -239,20 +239,11 @@ class ReplicaActivities:
     @implements(interface.place_replica)
     @keeps_alive
     async def place(self, inp: LaunchInput) -> Launched:
-        placed = await self._place(inp)
-        if not self._backend(inp.backend).one_activity:
-            return placed
-        # Its start and a first readiness attempt too: a local replica is started in milliseconds and its app
-        # usually answers within a second; three activities would only add their round trips.
-        step = LaunchStep(replica=inp.replica, backend=inp.backend, launched=await self._start(
-            LaunchStep(replica=inp.replica, backend=inp.backend, launched=placed)))
-        try:
-            await self._ready(step, until=time.monotonic() + READY_ATTEMPT_SECONDS)
-        except ApplicationError as e:
-            if e.type != NOT_READY_YET:
-                raise
-            return step.launched  # still loading: the readiness step goes on
-        return step.launched.model_copy(update={"done": "serving"})
+        if self._backend(inp.backend, launching=True).one_activity:
+            # Its start and a first readiness attempt too: a local replica is started in milliseconds and its app
+            # usually answers within a second; three activities would only add their round trips.
+            return await self._all_steps(inp, until=time.monotonic() + READY_ATTEMPT_SECONDS)
+        return await self._place(inp)
 
     @implements(interface.start_replica)
     @keeps_alive
@@ -268,9 +259,19 @@ class ReplicaActivities:
     @keeps_alive
     async def launch(self, inp: LaunchInput) -> Launched:
         """The three steps in one attempt, for runs recorded before the launch had steps."""
+        return await self._all_steps(inp, timeout=inp.replica.startup_timeout)
+
+    async def _all_steps(self, inp: LaunchInput, until: Optional[float] = None,
+                         timeout: Optional[int] = None) -> Launched:
+        """Place, start and wait until ready here; `started` when the app still loads ``until`` then."""
         placed = LaunchStep(replica=inp.replica, backend=inp.backend, launched=await self._place(inp))
         started = placed.model_copy(update={"launched": await self._start(placed)})
-        await self._ready(started, timeout=inp.replica.startup_timeout)
+        try:
+            await self._ready(started, until, timeout)
+        except ApplicationError as e:
+            if e.type != NOT_READY_YET:
+                raise
+            return started.launched  # still loading: the readiness step goes on
         return started.launched.model_copy(update={"done": "serving"})
 
     async def _place(self, inp: LaunchInput) -> Launched:
