@@ -49,7 +49,7 @@ from activities.stats import StatsActivities
 from activities.store import StoreActivities
 from connect.codec import CodecKeyError
 from connect.connection import TemporalConfigError, client_options, connect_failure
-from connect.deployment import VersioningUnavailable, become_current, deployment_config, deployment_version
+from connect.deployment import VersioningUnavailable, become_current, deployment_config
 from connect.installation import installation_id
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
@@ -176,11 +176,10 @@ def _ssh_path(settings: Settings) -> dict:
     return dict(ssh=SSHClient.from_keys(keys), ssh_keys=keys, home=settings.home)
 
 
-def build_workers(client: Client, settings: Settings, gateway: GatewayClient,
-                  clouds: Optional[Clouds] = None) -> list[Worker]:
-    """The main worker process's workers (``worker_activities``)."""
+def build_workers(client: Client, settings: Settings, gateway: GatewayClient, clouds: Optional[Clouds] = None,
+                  deployment: Optional[WorkerDeploymentConfig] = None) -> list[Worker]:
+    """The main worker process's workers (``worker_activities``); ``deployment``: the main one's build."""
     queues = worker_activities(client, settings, gateway, clouds or load_clouds(settings))
-    deployment = deployment_config(settings)
     return [main_worker(client, q, acts, deployment) if q == settings.task_queue else backend_worker(client, q, acts)
             for q, acts in queues.items()]
 
@@ -194,7 +193,7 @@ def main_worker(client: Client, task_queue: str, activities: list,
                   activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
                   max_cached_workflows=MAX_CACHED_WORKFLOWS, max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
                   workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
-                  **({"deployment_config": deployment} if deployment else {}))
+                  deployment_config=deployment)
 
 
 def backend_worker(client: Client, task_queue: str, activities: list) -> Worker:
@@ -255,16 +254,18 @@ async def main(argv: Optional[list[str]] = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as stack:
         gateway = await stack.enter_async_context(GatewayClient(settings.gateway_control_url, token=settings.control_token))
+        # The build is read once (the code's hash), so the version it polls as is the one it makes current.
+        deployment = None if cloud_only else deployment_config(settings)
         if cloud_only:
             workers = build_cloud_workers(client, settings, clouds, gateway)
         else:
-            workers = build_workers(client, settings, gateway, clouds)
+            workers = build_workers(client, settings, gateway, clouds, deployment)
         for worker in workers:
             await stack.enter_async_context(worker)
             log.info("worker polling %s on %s", worker.task_queue, settings.address)
-        if not cloud_only and settings.worker_versioning:
+        if deployment is not None:
             try:  # before the reaper: its tasks wait for a current build
-                await become_current(client, deployment_version(settings))
+                await become_current(client, deployment.version)
             except VersioningUnavailable as e:
                 sys.exit(f"worker: Worker Versioning: {e}")
         if not cloud_only:
