@@ -6,6 +6,7 @@ import asyncio
 import functools
 import socket
 import ssl
+import time
 from typing import Awaitable, Callable, Optional
 
 import httpcore
@@ -146,9 +147,12 @@ class ProbeStreaks:
                 else:
                     self.retry[i], self.due[i] = retry * 2, now + min(retry, probe.interval)
 
-    def between_streaks(self) -> bool:
-        """No streak under way: a readiness wait may end here and start again later without losing one."""
-        return not any(s and s < p.ready_after for s, p in zip(self.streaks, self.probes))
+    def end_attempt_past(self, until: Optional[float]) -> None:
+        """Raise ``not_yet`` once the monotonic clock is past ``until`` (None: never) and no streak is under way: a
+        readiness attempt may end there and a later one start again without losing one."""
+        if until is not None and time.monotonic() >= until and \
+                not any(s and s < p.ready_after for s, p in zip(self.streaks, self.probes)):
+            raise self.not_yet()
 
     def said(self) -> str:
         """How far readiness is, for people (`ps -v`, the Web UI's pending activity)."""

@@ -85,7 +85,7 @@ class Backend(Protocol):
     async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
     async def start(self, inp: ReplicaInput, instance) -> None: ...  # its commands run once this returns
     def reach(self, instance) -> tuple[str, Optional[Connect]]: ...
-    # Its probes pass; past ``until`` (monotonic), between two probe streaks: ``ProbeStreaks.not_yet``.
+    # Its probes pass; past ``until`` (monotonic), between two probe streaks: ``ProbeStreaks.end_attempt_past``.
     async def wait_ready(self, instance, probes: list[ProbeSpec], until: Optional[float] = None) -> None: ...
     async def down(self, instances: list) -> list[Optional[str]]: ...
     async def last_output(self, instance, lines: int) -> str: ...  # '' when it cannot be read
@@ -177,8 +177,7 @@ class LocalReplicas:
                     return
                 if time.monotonic() - asked >= timeout:  # no answer at all (a refusal is quick): wait longer next
                     timeout = min(timeout * 2, ANSWER_TIMEOUT_SECONDS)
-            if until is not None and time.monotonic() >= until and streaks.between_streaks():
-                raise streaks.not_yet()
+            streaks.end_attempt_past(until)
             progress(streaks.said())
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, READY_POLL_SECONDS)

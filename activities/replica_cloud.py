@@ -248,8 +248,9 @@ class CloudReplicas:
                 continue  # no tunnel: the gateway keeps its route to the private address
             if isinstance(instance, CloudInstance) and instance.instance_id not in self.tunnels:
                 self.routes[instance.instance_id] = (service, w.replica_id, w.group)
-                if self._app_port(instance):
-                    self._open_tunnel(instance, self._app_port(instance))
+                port = self._app_port(instance)
+                if port:
+                    self._open_tunnel(instance, port)
 
     async def _close_tunnel(self, instance_id: str) -> None:
         pending = self._connecting.pop(instance_id, None)
@@ -360,8 +361,7 @@ class CloudReplicas:
                         return
                 elif await answers_http(address, connect=connect) is not None:
                     return
-            if until is not None and time.monotonic() >= until and streaks.between_streaks():
-                raise streaks.not_yet()
+            streaks.end_attempt_past(until)
             progress(streaks.said() if instance.state == "running" else f"{instance.instance_id} is {instance.state}")
             await asyncio.sleep(PROBE_SECONDS)
 

@@ -71,17 +71,14 @@ async def report_placed(service_workflow_id: str, job: JobSpec, placement: Place
 
     handle = activity.client().get_workflow_handle(service_workflow_id)
     query = AddressQuery(replica_num=job.replica_num, submission_num=job.submission_num, keys=[])
-    poll = FIRST_POLL_SECONDS
+    poll, send = FIRST_POLL_SECONDS, not ask_first
     while True:
-        if ask_first:
-            answer = await ask_addresses(handle, query)
-            if answer is not None and answer.placed:
-                return
-        await report(service_workflow_id, job, PROVISIONED, "running", placement=placement, instance=instance)
-        ask_first = False
+        if send:
+            await report(service_workflow_id, job, PROVISIONED, "running", placement=placement, instance=instance)
         answer = await ask_addresses(handle, query)
         if answer is not None and answer.placed:
             return
+        send = True
         progress("placed; telling the service")
         await asyncio.sleep(poll)
         poll = min(poll * 2, MAX_POLL_SECONDS)

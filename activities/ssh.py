@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import socket
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
@@ -209,12 +210,12 @@ async def pull_image(conn: asyncssh.SSHClientConnection, image: str, said: Calla
     """``docker pull image``, telling ``said`` each change of its layer count ("pulling I: 3/7 layers"). The
     caller's activity bounds it: a pull of tens of GB takes as long as it takes. An image already there is quick."""
     layers: dict[str, str] = {}
-    last: list[str] = []
+    last: deque[str] = deque(maxlen=5)  # for the error
     told = ""
     async with conn.create_process(f"docker pull {shlex.quote(image)} 2>&1") as proc:
         async for line in proc.stdout:
             line = line.strip()
-            last = (last + [line])[-5:]
+            last.append(line)
             match = LAYER_LINE.match(line)
             if match:
                 layers[match[1]] = match[2]

@@ -109,13 +109,9 @@ async def _live_ps(settings: Settings, name: Optional[str], verbose: bool, as_js
             from cli.db import silent_statuses
 
             statuses += await asyncio.to_thread(silent_statuses, settings, silent, not watch)
+        if verbose:
+            await asyncio.gather(*(with_progress(client, s) for s in statuses))
         return sorted(statuses, key=lambda s: s.name)
-
-    if verbose:
-        plain = collect
-
-        async def collect() -> list[ServiceStatus]:
-            return [await with_progress(client, s) for s in await plain()]
 
     if as_json:
         statuses = await collect()
