@@ -202,6 +202,22 @@ async def test_a_retried_step_resumes_on_the_same_instance_with_one_pull(fake_ec
                                                  instance=started.instance, reason="done", drain_seconds=0))
 
 
+async def test_an_image_docker_refuses_fails_the_start_step_with_dockers_words(fake_ec2, vpc, ledger, tmp_path):
+    fake_ec2.seed_amis("us-east-1")
+    config = AWSConfig(regions=["us-east-1"], ami_owners=["self"], public_ip=False)
+    acts = _cloud("aws", AWSBackend(config), BackendsConfig(aws=config), ledger, vpc, tmp_path / "home")
+    inp = ReplicaInput(service_workflow_id="service/svc", job=job().model_copy(update={"image": "Example/LLM:latest"}),
+                       resources=CPU, backends=["aws"])
+    env = activity_env(FakeClient())
+    with vpcs.Booter(vpc, vpcs.moto_instances):
+        placed = await env.run(acts.place, LaunchInput(backend="aws", replica=inp))
+        with pytest.raises(ApplicationError) as refused:
+            await env.run(acts.start, LaunchStep(replica=inp, backend="aws", launched=placed))
+    assert "docker pull Example/LLM:latest failed (1): invalid reference format" in refused.value.message
+    await env.run(acts.teardown, TeardownInput(service_workflow_id="service/svc", job=inp.job, backend="aws",
+                                               instance=placed.instance, reason="done", drain_seconds=0))
+
+
 async def test_a_spot_interruption_is_named_as_such(fake_ec2, vpc, ledger, tmp_path):
     import boto3
 

@@ -140,7 +140,13 @@ def _kill(name: str, sig: int = signal.SIGKILL) -> None:
 
 def _pull(image: str) -> int:
     """What ``docker pull`` prints without a terminal: per layer ``<id>: <state>`` lines. Each pull is recorded in
-    ``pulls`` (one image per line); a second pull of an image finds it there, as Docker's image store would."""
+    ``pulls`` (one image per line); a second pull of an image finds it there, as Docker's image store would. A
+    reference Docker cannot parse (a repository name with capitals) fails as Docker fails it."""
+    repository = image.split("@")[0].rsplit(":", 1)[0] if "/" not in image.rsplit(":", 1)[-1] else image
+    if repository != repository.lower() or not image or any(c.isspace() for c in image):
+        # Docker refuses the reference before it asks any registry.
+        print(f"invalid reference format: repository name ({repository}) must be lowercase", file=sys.stderr)
+        return 1
     record = STATE / "pulls"
     pulled = record.read_text().splitlines() if record.exists() else []
     record.parent.mkdir(parents=True, exist_ok=True)
