@@ -38,6 +38,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerDeploymentConfig
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.cloud import CloudBackend, make_backends
 from activities.local import LocalBackend
@@ -78,6 +79,12 @@ HEARTBEAT_THROTTLE = timedelta(seconds=5)
 # Workflow task polls open at once (the SDK's default is 5, one of them for new and evicted workflows): when
 # thousands of replicas start, each poll waits on the server, and more of them start services sooner.
 WORKFLOW_TASK_POLLS = 20
+# The sandbox imports a workflow's module again for each run it holds, and with it builds that module's pydantic
+# models again: 150 services (1,050 cached runs) took 425 MiB, 309 MiB with the modules shared (bench/scale_out.py).
+# Our workflow modules keep no module-level state (their globals are constants). A shared module's calls are not
+# checked (datetime.now() passes), so the tests' workers and the replayer keep the default sandbox: a forbidden
+# call fails there.
+SANDBOX = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 
 
 @dataclass
@@ -193,7 +200,7 @@ def main_worker(client: Client, task_queue: str, activities: list,
                   activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
                   max_cached_workflows=MAX_CACHED_WORKFLOWS, max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
                   workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
-                  deployment_config=deployment)
+                  workflow_runner=SANDBOX, deployment_config=deployment)
 
 
 def backend_worker(client: Client, task_queue: str, activities: list) -> Worker:
