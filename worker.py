@@ -55,9 +55,11 @@ from connect.installation import installation_id
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget
+from models.run import FleetInput
 from models.settings import Settings
 from store import Store, StoreLedger, database_url
 from workflows import names
+from workflows.fleet import FleetMonitorWorkflow
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
@@ -196,7 +198,7 @@ def main_worker(client: Client, task_queue: str, activities: list,
     """The main worker's Worker and its tuning (bench/scale_out.py builds it with a fake backend); ``deployment``:
     its build in the Worker Deployment (connect/deployment.py), None unversioned."""
     return Worker(client, task_queue=task_queue, workflows=workflows or [ServiceRunWorkflow, ReplicaWorkflow,
-                                                                         ReaperWorkflow],
+                                                                         ReaperWorkflow, FleetMonitorWorkflow],
                   activities=activities, max_concurrent_activities=MAX_ACTIVITIES,
                   max_cached_workflows=MAX_CACHED_WORKFLOWS, max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
                   workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
@@ -232,6 +234,19 @@ async def start_reaper(client: Client, settings: Settings, inp: ReaperInput) -> 
                                          id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                                          static_summary="terminates cloud instances no replica owns, stops replicas no service owns")
     await handle.signal(ReaperWorkflow.configure, inp)
+
+
+async def start_fleet_monitors(client: Client, settings: Settings, queues: list[str]) -> None:
+    """Start the fleet monitor of each backend these workers serve, unless it runs already (workflows/fleet.py)."""
+    prefix = settings.task_queue + "-"
+    for queue in queues:
+        if queue.startswith(prefix):
+            backend = queue[len(prefix):]
+            await client.start_workflow(FleetMonitorWorkflow.run, FleetInput(backend=backend),
+                                        id=names.fleet_workflow_id(settings.task_queue, backend),
+                                        task_queue=settings.task_queue,
+                                        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                                        static_summary=f"watches every service's replicas on {backend}")
 
 
 async def main(argv: Optional[list[str]] = None) -> None:
@@ -275,6 +290,10 @@ async def main(argv: Optional[list[str]] = None) -> None:
                 await become_current(client, deployment.version)
             except VersioningUnavailable as e:
                 sys.exit(f"worker: Worker Versioning: {e}")
+        try:  # without them, services watch their replicas on their own
+            await start_fleet_monitors(client, settings, [w.task_queue for w in workers])
+        except Exception:  # noqa: BLE001
+            log.exception("could not start the fleet monitors")
         if not cloud_only:
             try:
                 await start_reaper(client, settings, reaper_input(settings, clouds))

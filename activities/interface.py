@@ -16,6 +16,7 @@ from temporalio.exceptions import ApplicationError
 
 from models.run import (
     EngineSnapshot,
+    FleetInput,
     EngineWatch,
     Down,
     Launched,
@@ -100,6 +101,14 @@ async def teardown_replica(inp: TeardownInput) -> None:
 async def monitor_replicas(inp: MonitorInput) -> list[Down]:
     """Heartbeat while every watched replica serves; return those that stopped (their process, container or
     instance died, or their workflow closed), each already unrouted."""
+    raise NotImplementedError
+
+
+@activity.defn
+async def watch_fleet(inp: FleetInput) -> None:
+    """Watch every service's serving replicas on ``inp.backend`` (asking the fleet monitor workflow what they are,
+    workflows/fleet.py) and heartbeat; unroute each that stopped and signal its service ``replicas_down``.
+    Never returns: cancelled at the workflow's continue-as-new."""
     raise NotImplementedError
 
 

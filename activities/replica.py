@@ -33,6 +33,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities import interface
 from activities.catalog import local_offer
 from activities.engines import EngineActivities
+from activities.fleet import FleetWatch
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive, progress
 from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
@@ -50,8 +51,8 @@ from models.backends import CLOUDS
 from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
-from models.run import (READY_ATTEMPT_SECONDS, Down, Instance, Launched, LaunchInput, LaunchStep, MonitorInput,
-                        NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
+from models.run import (READY_ATTEMPT_SECONDS, Down, FleetInput, Instance, Launched, LaunchInput, LaunchStep,
+                        MonitorInput, NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
 from models.service import ProbeSpec
 
 log = logging.getLogger("durastack.replica")
@@ -223,8 +224,8 @@ class ReplicaActivities:
 
     def backend_activities(self) -> list:
         """What a ``<queue>-<backend>`` worker runs: the replica's life on that backend."""
-        return [self.place, self.start, self.ready, self.launch, self.teardown, self.monitor, self.router.sync,
-                self.engines.watch]
+        return [self.place, self.start, self.ready, self.launch, self.teardown, self.monitor, self.watch_fleet,
+                self.router.sync, self.engines.watch]
 
     def route_activities(self) -> list:
         """What the main queue runs: the service's gateway route."""
@@ -402,6 +403,11 @@ class ReplicaActivities:
         log.info("%s on %s: %s", inp.service, inp.backend,
                  "; ".join(f"r{d.replica_num}-s{d.submission_num} {d.reason}" for d in down))
         return down
+
+    @implements(interface.watch_fleet)
+    async def watch_fleet(self, inp: FleetInput) -> None:
+        await FleetWatch(inp, self._backend(inp.backend), self.gateway, activity.client(),
+                         activity.info().workflow_id).run()
 
     # --- gateway routes -----------------------------------------------------------------------------
 

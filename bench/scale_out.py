@@ -47,18 +47,21 @@ from activities import interface
 from activities.interface import implements
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
 from activities.signals import judge_signal
+from activities.fleet import FleetWatch
+from activities.replica import _closed_workflows as closed_workflows
 from activities.watch import watch_until_down
 from bench.stack import code_note, free_port, load_avg, load_note
 from connect.codec import KEY_ENV, ensure_key_file
 from connect.connection import client_options
 from models.loader import load_config_text
 from models.replica import LocalInstance
-from models.run import (Down, Launched, LaunchInput, MonitorInput, Placement, RouteInput, ServiceRecord, ServiceState,
-                        TeardownInput)
+from models.run import (Down, FleetInput, Launched, LaunchInput, MonitorInput, Placement, RouteInput, ServiceRecord,
+                        ServiceState, TeardownInput)
 from models.settings import Settings
 from workflows.names import backend_queue
 
 GROUPS, PER_GROUP = ("router", "prefill", "decode"), 2
+FLEET = 0  # InstantBackend.watching's key of the fleet watch
 SERVICE = "type: service\nname: {name}\nport: 8000\nreplicas:\n" + "".join(
     f"  - name: {g}\n    count: {PER_GROUP}\n    commands: [python3 -m http.server 8000]\n" for g in GROUPS)
 QUERY_CONCURRENCY = 16
@@ -91,7 +94,7 @@ class InstantBackend:
 
     def replica_activities(self) -> list:
         """``<queue>-local``'s."""
-        return [self.place, self.teardown, self.monitor]
+        return [self.place, self.teardown, self.monitor, self.watch_fleet]
 
     @implements(interface.place_replica)
     async def place(self, inp: LaunchInput) -> Launched:
@@ -109,16 +112,44 @@ class InstantBackend:
 
     @implements(interface.monitor_replicas)
     async def monitor(self, inp: MonitorInput) -> list[Down]:
+        """A service's own monitor: the product's loop, an instance check that costs nothing, and the product's
+        describe of each replica workflow every ``workflow_check_seconds``."""
         key = id(inp)
         self.watching[key] = len(inp.replicas)
         self.watch_starts += 1
-        try:  # the product's watch loop, with a status check that costs nothing
-            return await watch_until_down(self.still_running, self.poll_seconds)
+        described = time.monotonic()
+
+        async def check() -> Optional[list[Down]]:
+            nonlocal described
+            if time.monotonic() - described >= inp.workflow_check_seconds:
+                described = time.monotonic()
+                return await closed_workflows(inp.replicas) or None
+            return None
+
+        try:
+            return await watch_until_down(check, min(self.poll_seconds, inp.workflow_check_seconds))
         finally:
             self.watching.pop(key, None)
 
-    @staticmethod
-    async def still_running() -> Optional[list[Down]]:
+    @implements(interface.watch_fleet)
+    async def watch_fleet(self, inp: FleetInput) -> None:
+        """The product's fleet watch (activities/fleet.py) over instances that never go down."""
+        self.watch_starts += 1
+        try:
+            await FleetWatch(inp, self, self, activity.client(), activity.info().workflow_id).run()
+        finally:
+            self.watching.pop(FLEET, None)
+
+    @property
+    def min_poll_seconds(self) -> float:
+        return self.poll_seconds
+
+    async def down(self, instances: list) -> list[Optional[str]]:
+        """The fleet watch's instance check: it costs nothing; counts what is watched."""
+        self.watching[FLEET] = len(instances)
+        return [None] * len(instances)
+
+    async def unregister(self, service: str, replica_id: str) -> None:
         return None
 
     @implements(interface.teardown_replica)
@@ -255,7 +286,7 @@ async def sample(pid: int, seconds: float) -> tuple[float, float]:
 class Bench:
     def __init__(self, tmp: Path, services: int, poll: float, log, heartbeat: Optional[dict] = None):
         self.tmp, self.n, self.poll, self.log = tmp, services, poll, log
-        self.heartbeat = heartbeat or {}  # ServiceRunInput's heartbeat_seconds (None: its default)
+        self.heartbeat = heartbeat or {}  # ServiceRunInput's heartbeat_seconds and fleet_monitor (None: default)
         self.home = tmp / "home"
         self.home.mkdir()
         self.settings = Settings(home=self.home, temporal_port=free_port(), ui_port=free_port(), codec_port=0,
@@ -331,7 +362,7 @@ class Bench:
         from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
         sem = asyncio.Semaphore(START_CONCURRENCY)
-        extra = {k: v for k, v in self.heartbeat.items() if v}
+        extra = {k: v for k, v in self.heartbeat.items() if v is not None}
 
         async def one(name: str) -> None:
             config = load_config_text(SERVICE.format(name=name)).config
@@ -384,13 +415,18 @@ class Bench:
 
 async def bench(args, log) -> list[str]:
     tmp = Path(tempfile.mkdtemp(prefix="dsbench-scale-"))
-    b = Bench(tmp, args.services, args.poll, log, {"heartbeat_seconds": args.heartbeat})
+    b = Bench(tmp, args.services, args.poll, log, {"heartbeat_seconds": args.heartbeat,
+                                                   "fleet_monitor": not args.own_monitors})
     ok = False
     n, replicas = args.services, args.services * len(GROUPS) * PER_GROUP
     out = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {code_note()}; {load_note()} at the start"]
     try:
         await b.start_temporal()
         t_poll = await b.start_worker()
+        if not args.own_monitors:  # as the worker does at its start
+            import worker
+
+            await worker.start_fleet_monitors(b.client, b.settings, [backend_queue(b.settings.task_queue, "local")])
         await asyncio.sleep(5)
         cpu0, rss0 = await sample(b.worker.pid, 10)
         log(f"worker pid {b.worker.pid} polling after {t_poll:.1f}s; empty: {rss0:.0f} MiB, {cpu0:.1f}% CPU")
@@ -434,8 +470,9 @@ async def bench(args, log) -> list[str]:
     beat = {k: b.heartbeat.get(k) or fields[k].default for k in ("heartbeat_seconds",)}
     out += [
         f"scale out: {n} services × {len(GROUPS)} groups × {PER_GROUP} replicas = {replicas} replica workflows in "
-        f"one worker process, instant fake backend (monitors poll every {args.poll:g} s; heartbeat timeout, monitors "
-        f"included, {beat['heartbeat_seconds']} s; worker: "
+        f"one worker process, instant fake backend ("
+        f"{'each service its own monitor' if args.own_monitors else 'one fleet monitor'}, polling every "
+        f"{args.poll:g} s; services' heartbeat timeout {beat['heartbeat_seconds']} s; worker: "
         f"{worker.MAX_ACTIVITIES} activity slots, sticky cache {worker.MAX_CACHED_WORKFLOWS}); "
         f"load avg (1 min) {load_avg()} at the end",
         f"  empty worker            {rss0:6.0f} MiB RSS  {cpu0:5.1f} % of one core",
@@ -463,6 +500,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="Seconds between the fake watch's status checks (default: the cloud backends' cadence).")
     p.add_argument("--heartbeat", type=int, help="ServiceRunInput.heartbeat_seconds, the monitors' too "
                                                   "(default: its default).")
+    p.add_argument("--own-monitors", action="store_true",
+                   help="Each service watches its replicas with a monitor of its own, not the fleet monitor.")
     p.add_argument("--keep", action="store_true", help="Keep the temp dir (logs, temporal.db).")
     p.add_argument("--as-worker", metavar="STATE", help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)

@@ -217,7 +217,8 @@ async def _apply_with_start(client: Client, settings: Settings, config: ServiceC
         # one at a time, so each gets its own deployment number. A start operation serves one request only.
         start = WithStartWorkflowOperation(
             ServiceRunWorkflow.run, ServiceRunInput(state=ServiceState(name=name, config=config, places=places,
-                                                                       hash_key=token_hex(32))),
+                                                                       hash_key=token_hex(32)),
+                                                   fleet_monitor=True),
             id=service_workflow_id(name), id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             task_queue=settings.task_queue, static_summary=f"service **{name}**")
         return client.execute_update_with_start_workflow(

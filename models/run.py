@@ -579,6 +579,35 @@ class Down(BaseModel):
     reason: str = Field(description="exited (1), instance terminated, workflow terminated, …")
     workflow_closed: bool = Field(False, description="Its workflow is gone: the service must tear it down itself.")
 
+class FleetInput(BaseModel):
+    """A backend's fleet monitor (workflows/fleet.py): what every service watches there, carried across its
+    continue-as-new. One heartbeating activity watches all of it, where each service's own monitor cost one."""
+
+    backend: str
+    watched: list[MonitorInput] = Field(default_factory=list)
+    heartbeat_seconds: int = Field(30, description="Heartbeat timeout of its activity: how soon another worker "
+                                                   "takes the watch over from a dead one.")
+    query_seconds: float = Field(5.0, description="How often the activity asks the workflow what changed.")
+    closed_check_seconds: float = Field(15.0, description="How often replica workflows that closed (e.g. "
+                                                          "terminated from the Web UI) are listed.")
+    history_limit: int = Field(10_000, description="Continue-as-new past this many events (or when suggested).")
+
+
+class FleetChanges(BaseModel):
+    """What the fleet monitor's watched set gained or lost since a version (query ``changes``)."""
+
+    version: int
+    full: bool = Field(description="``watched`` is the whole set, not only what changed.")
+    watched: list[MonitorInput] = Field(description="Each changed service's input; no replicas: no longer watched.")
+
+
+class FleetDowns(BaseModel):
+    """The fleet monitor's news for one service (signal ``replicas_down``): these are down, already unrouted."""
+
+    backend: str
+    downs: list[Down]
+
+
 for _model in (Replica, ReplicaUpdate, Launched, TeardownInput, Watched, EngineWatch):
     _model.model_rebuild()
 

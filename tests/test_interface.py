@@ -18,7 +18,7 @@ from models.settings import Settings
 STUBS = {name: fn for name, fn in vars(interface).items()
          if inspect.iscoroutinefunction(fn) and activity._Definition.from_callable(fn) is not None}
 BACKEND_STUBS = {"place_replica", "start_replica", "await_ready", "launch_replica", "teardown_replica",
-                 "monitor_replicas", "sync_router", "watch_engines"}
+                 "monitor_replicas", "watch_fleet", "sync_router", "watch_engines"}
 
 
 def _name(fn) -> str:

@@ -22,6 +22,7 @@ from temporalio.workflow import NondeterminismError
 from tests.conftest import DATA_CONVERTER
 from tests.fakes.changed_workflow import ExtraActivityFirst
 from workflows import admission
+from workflows.fleet import FleetMonitorWorkflow
 from workflows.reaper import ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
@@ -45,13 +46,15 @@ def workflow_type(h: WorkflowHistory) -> str:
 
 def test_histories_cover_every_workflow():
     types = [workflow_type(history(p)) for p in HISTORIES]
-    assert types.count("ServiceRunWorkflow") >= 3 and "ReplicaWorkflow" in types and "ReaperWorkflow" in types, \
+    assert types.count("ServiceRunWorkflow") >= 3 and "ReplicaWorkflow" in types and "ReaperWorkflow" in types \
+        and "FleetMonitorWorkflow" in types, \
         [p.name for p in HISTORIES]
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 async def test_saved_history_replays(path: Path):
-    await replayer(ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow).replay_workflow(history(path))
+    await replayer(ServiceRunWorkflow, ReplicaWorkflow, ReaperWorkflow, FleetMonitorWorkflow).replay_workflow(
+        history(path))
 
 
 async def test_an_unpatched_change_is_caught():

@@ -20,3 +20,8 @@ def backend_queue(task_queue: str, backend: str) -> str:
     """The task queue of the replica activities (launch, teardown, monitor) of ``backend``: the main worker polls
     it for this machine and the clouds it calls itself, a ``worker.py --backends <cloud>`` worker for its cloud."""
     return f"{task_queue}-{backend}"
+
+
+def fleet_workflow_id(task_queue: str, backend: str) -> str:
+    """The fleet monitor of ``backend`` (workflows/fleet.py): every service's replica watch there."""
+    return f"durastack/monitor/{backend_queue(task_queue, backend)}"

@@ -19,8 +19,8 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, Replica, ReplicaUpdate,
-                            ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
+    from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, FleetDowns, Replica,
+                            ReplicaUpdate, ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
     from workflows import addresses, lifecycle, routers, views
     from workflows.admission import Refused, check_apply, check_scale
@@ -48,6 +48,7 @@ HISTORY_BYTES = "history-bytes"  # a run continues as new past history_bytes_lim
 VALIDATE_START = "validate-start"  # each run judges its own configuration first: a start that skipped apply too
 JUDGED_ONCE = "judged-once"  # asked only by continued runs: they are not judged again
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
+FLEET_MONITOR = "fleet-monitor"  # serving replicas are watched by their backend's fleet monitor (workflows/fleet.py)
 
 
 def service_workflow_id(name: str) -> str:
@@ -71,6 +72,10 @@ class ServiceRunInput(BaseModel):
         "(its activity slots are never full), so a minute is only ever a missing worker."))
     store_retry_seconds: float = Field(
         30, description="While the store fails, try it again this often (each try costs a few history events).")
+    fleet_monitor: bool = Field(False, description=(
+        "Serving replicas are watched by each backend's fleet monitor (workflows/fleet.py, started by the workers), "
+        "one heartbeating activity for every service, rather than by a monitor of this service's own per backend. "
+        "`durastack apply` sets it; a backend whose fleet monitor does not run gets the service's own."))
 
 
 @workflow.defn
@@ -178,6 +183,11 @@ class ServiceRunWorkflow:
     # signal`). A signal cannot answer and arrives raw: the loop has it judged by a local activity, whose
     # verdict history keeps; a refused one becomes a `rejected` event and changes nothing.
 
+    @workflow.signal(name="replicas_down")
+    def replicas_down(self, news: FleetDowns) -> None:
+        """A backend's fleet monitor saw these serving replicas go down, and unrouted them."""
+        self.watchers.heard(news)
+
     @workflow.signal(name="scale")
     def scale_signal(self, payload: Any) -> None:
         self.signals.append(("scale", payload))
@@ -223,6 +233,8 @@ class ServiceRunWorkflow:
         self.start_bytes = workflow.info().get_current_history_size()
         if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
+        if self.inp.fleet_monitor:  # asked only where it matters: no marker in services that watch on their own
+            self.watchers.fleet = workflow.patched(FLEET_MONITOR)
         if addresses.one_place(state.config):  # the same: only services whose replicas reach each other
             state.one_place = workflow.patched(ONE_PLACE)
         workflow.set_current_details(views.details(views.status_view(state)))  # a new run shows it at once

@@ -3,6 +3,10 @@ autoscales, one replica monitor per backend that has serving replicas, one engin
 serving replicas of a group scaling on an engine signal, and one router sync while a router whose worker list
 durastack keeps runs (``workflows/routers.py``).
 
+With the fleet monitor (``fleet``, workflows/fleet.py), a backend's monitor is not the service's activity: the
+service tells the backend's fleet monitor what it watches and hears back by signal (``heard``); a backend whose
+fleet monitor cannot be told (not started, terminated) gets the service's own monitor for the rest of the run.
+
 Each returns only when something changed (a group's wanted count, a replica that died), so an idle
 service writes no history. Each is restarted when what it watches changes, with a cancel request the
 workflow does not wait for; at a continue-as-new none is cancelled: a watcher of a closed run learns it
@@ -11,6 +15,7 @@ at its next heartbeat and ends.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -22,13 +27,14 @@ with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.replica import replica_id
     from models.router import RouterView
-    from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, GroupWatch, MonitorInput,
-                            ServiceState, StatsSnapshot, StatsWatch, Watched)
+    from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, FleetDowns, GroupWatch,
+                            MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched)
     from workflows import routers
     from workflows.autoscaler import wanted
     from workflows.lifecycle import group_signal
     from workflows.jobs import replica_workflow_id
-    from workflows.names import backend_queue
+    from workflows.fleet import FleetMonitorWorkflow
+    from workflows.names import backend_queue, fleet_workflow_id
 
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 ENGINES = "engines/"  # a backend's engine watcher's key
@@ -40,13 +46,24 @@ class Watchers:
         # "stats", "router", "engines/<backend>" or a backend (its monitor) → (what, handle)
         self.running: dict[str, tuple[Any, ActivityHandle]] = {}
         self.sync_router = False  # whether a router's worker list is kept (patch router-sync, set by the service)
+        self.fleet = False  # whether the backends' fleet monitors watch (patch fleet-monitor, set by the service)
+        self.told: dict[str, MonitorInput] = {}  # backend → what its fleet monitor was told to watch (or will be)
+        self.telling: dict[str, asyncio.Task] = {}  # backend → the signals going to its fleet monitor
+        self.own: set[str] = set()  # backends whose fleet monitor could not be told: the service's own monitor
+        self.heard_downs: list[Down] = []  # what the fleet monitors said is down, not yet taken
+        self.fell_back = False  # a fleet monitor could not be told since the last ``take``
 
     def done(self) -> bool:
-        return any(handle.done() for _, handle in self.running.values())
+        return any(handle.done() for _, handle in self.running.values()) or bool(self.heard_downs) or self.fell_back
+
+    def heard(self, news: FleetDowns) -> None:
+        """A fleet monitor's news: these replicas are down (unrouted already)."""
+        self.heard_downs += news.downs
 
     def take(self) -> tuple[Optional[StatsSnapshot], list[Down], Optional[RouterView], list[EngineSnapshot]]:
         """What the finished watchers saw; each is started again by the next ``refresh``."""
-        snapshot, downs, view, engines = None, [], None, []
+        snapshot, downs, view, engines = None, self.heard_downs, None, []
+        self.heard_downs, self.fell_back = [], False
         for key, (_, handle) in list(self.running.items()):
             if not handle.done():
                 continue
@@ -69,6 +86,8 @@ class Watchers:
     def refresh(self, state: ServiceState) -> None:
         """Start, restart or stop each watcher so that it watches what the state has now."""
         wanted_now = {} if state.stopping else _wanted(state, self.sync_router)
+        if self.fleet:
+            wanted_now = self._tell_fleets(state.name, wanted_now)
         for key in set(self.running) - set(wanted_now):
             self._cancel(key)
         for key, what in wanted_now.items():
@@ -80,6 +99,42 @@ class Watchers:
     def stop(self) -> None:
         for key in list(self.running):
             self._cancel(key)
+        for backend, told in list(self.told.items()):
+            self._tell(backend, MonitorInput(service=told.service, backend=backend, replicas=[]))
+
+    def _tell_fleets(self, service: str, wanted_now: dict[str, Any]) -> dict[str, Any]:
+        """Tell each backend's fleet monitor what this service watches there; the rest is the service's own."""
+        for backend in set(self.told) - set(wanted_now):
+            self._tell(backend, MonitorInput(service=service, backend=backend, replicas=[]))
+        for key, what in list(wanted_now.items()):
+            if isinstance(what, MonitorInput) and key not in self.own:
+                self._tell(key, what)
+                del wanted_now[key]
+        return wanted_now
+
+    def _tell(self, backend: str, what: MonitorInput) -> None:
+        if self.told.get(backend) == what or (backend not in self.told and not what.replicas):
+            return
+        self.told[backend] = what
+        if backend not in self.telling or self.telling[backend].done():
+            self.telling[backend] = asyncio.ensure_future(self._send(backend))
+
+    async def _send(self, backend: str) -> None:
+        """Signal the newest of what the backend's fleet monitor is to watch, in order, until it has it."""
+        sent: Optional[MonitorInput] = None
+        while backend in self.told and self.told[backend] != sent:
+            what = self.told[backend]
+            try:
+                fleet = fleet_workflow_id(workflow.info().task_queue, backend)
+                await workflow.get_external_workflow_handle(fleet).signal(
+                    FleetMonitorWorkflow.watch, what)
+            except Exception as e:  # noqa: BLE001 — no fleet monitor runs there: the service watches on its own
+                workflow.logger.warning("fleet monitor of %s not told (%s): the service watches it itself", backend, e)
+                self.own.add(backend)
+                self.told.pop(backend, None)
+                self.fell_back = True
+                return
+            sent = what
 
     def _cancel(self, key: str) -> None:
         entry = self.running.pop(key, None)

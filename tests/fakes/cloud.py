@@ -29,14 +29,16 @@ from activities.references import resolve_late
 from activities.replica import ORPHANED_BY
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.engines import changed as engines_changed
+from activities.fleet import FleetWatch
 from activities.signals import judge_signal
 from activities.stats import changed
 from models.failures import NOT_READY_YET
 from models.replica import LocalInstance
 from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
-from models.run import (Down, EngineSnapshot, EngineWatch, Event, Launched, LaunchInput, LaunchStep, MonitorInput,
+from models.run import (Down, EngineSnapshot, EngineWatch, Event, FleetInput, Launched, LaunchInput, LaunchStep, MonitorInput,
                         Placement, RecordResult, ReplicaInput, ReplicaSignal, ReplicaUpdate, RouteInput,
                         ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
+from workflows.fleet import FleetMonitorWorkflow
 from workflows.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
@@ -319,7 +321,13 @@ class FakeCloud:
                 activity.heartbeat()
                 await asyncio.sleep(0.2)
 
-        return [place, start, await_ready, launch, teardown, monitor, sync_router, watch_engines]
+        @implements(interface.watch_fleet)
+        async def watch_fleet(inp: FleetInput) -> None:
+            """The real fleet watch (activities/fleet.py) over this cloud: an instance is down once crashed."""
+            await FleetWatch(inp, _FleetView(self), _FleetGateway(self), activity.client(),
+                             activity.info().workflow_id).run()
+
+        return [place, start, await_ready, launch, teardown, monitor, sync_router, watch_engines, watch_fleet]
 
     def activities(self):
         """The service's activities: what the main queue runs."""
@@ -370,11 +378,33 @@ class FakeCloud:
         return {rid for rid, s in self.instances.items() if s == "running"}
 
 
+class _FleetView:
+    """FakeCloud as the fleet watch sees a backend."""
+
+    min_poll_seconds = 0.0
+
+    def __init__(self, cloud: FakeCloud) -> None:
+        self.cloud = cloud
+
+    async def down(self, instances: list) -> list[Optional[str]]:
+        return ["exited (1)" if self.cloud.crash.setdefault(i.replica_id, asyncio.Event()).is_set() else None
+                for i in instances]
+
+
+class _FleetGateway:
+    def __init__(self, cloud: FakeCloud) -> None:
+        self.cloud = cloud
+
+    async def unregister(self, service: str, replica_id: str) -> None:
+        self.cloud.routed.discard(replica_id)
+        self.cloud.log.append(("unregister", replica_id))
+
+
 async def fake_cloud_worker(env, fake: Optional[FakeCloud] = None) -> AsyncIterator[FakeCloud]:
     """A FakeCloud and a worker running both workflows with it, on a task queue of their own."""
     fake = fake or FakeCloud()
     queue = f"tq-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow],
+    async with Worker(env.client, task_queue=queue, workflows=[ServiceRunWorkflow, ReplicaWorkflow, FleetMonitorWorkflow],
                       activities=fake.activities()), \
             Worker(env.client, task_queue=backend_queue(queue, "local"), activities=fake.replica_activities()):
         fake.queue = queue

@@ -17,7 +17,10 @@ Each scenario runs a representative service life and saves ``(await handle.fetch
   one refused signal, stop;
 * ``service_taken_id`` — a replica whose workflow id is held by a workflow no run owns starts as its next
   submission; ``replica_untaken`` — a replica whose only backend no worker serves fails, nothing torn down;
-* ``reaper_passes`` — the ReaperWorkflow: full passes, quick passes and a reconfiguration.
+* ``reaper_passes`` — the ReaperWorkflow: full passes, quick passes and a reconfiguration;
+* ``service_fleet_watched`` / ``fleet_monitor`` — a service watched by the fleet monitor, a crash replaced through
+  its signal, and the fleet monitor's history; ``service_fleet_missing`` — a service whose backend has no fleet
+  monitor, watching on its own.
 
 When to re-capture: while the workflow code is still young, after any change (this session); once services
 run for real, only after an intentional change behind ``workflow.patched`` — and then with ``--tag``, keeping
@@ -44,13 +47,14 @@ from temporalio.worker import Worker
 
 from models.loader import load_config_text
 from models.reaper import ReapAction, ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
-from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus
+from models.run import ApplyRequest, FleetInput, ScaleRequest, ServiceState, ServiceStatus
 from models.settings import SEARCH_ATTRIBUTES
 from tests.conftest import DATA_CONVERTER, _time_skipping_env, eventually, last_run_result, run_histories, tool
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
 from workflows import names
 from workflows.jobs import replica_input
+from workflows.fleet import FleetMonitorWorkflow
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
@@ -311,16 +315,64 @@ async def reaper_passes(capture: Capture) -> None:
         await env.shutdown()
 
 
-SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply, taken_and_untaken, reaper_passes]
+async def fleet_watched(capture: Capture) -> None:
+    """Services watched by the fleet monitor (`fleet-monitor`): one whose replica crashes and is replaced through
+    the fleet's signal, then stops; one on a backend with no fleet monitor, which watches on its own; and the fleet
+    monitor's own history (its watch, the services' signals)."""
+    async with dev_cloud() as (env, cloud):
+        fleet = await env.client.start_workflow(
+            FleetMonitorWorkflow.run, FleetInput(backend="local", query_seconds=0.5),
+            id=names.fleet_workflow_id(cloud.queue, "local"), task_queue=cloud.queue)
+        name = "hist-fleet"
+        handle = await start(env, cloud, name, GROUPS, fleet_monitor=True)
+        await settled(handle, {"router": 1, "decode": 0})
+        crashed = f"{name}/router/r0-s0"
+        await eventually(lambda: _watched(fleet, name))
+        cloud.crash.setdefault(crashed, asyncio.Event()).set()
+        await eventually(lambda: _replaced(handle))
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await capture.save("service_fleet_watched", await handle.fetch_history())
+        await fleet.terminate("history captured")
+        await capture.save("fleet_monitor", await fleet.fetch_history())
+        name = "hist-no-fleet"
+        handle = await start(env, cloud, name, GROUPS, fleet_monitor=True)
+        await settled(handle, {"router": 1, "decode": 0})
+        await eventually(lambda: _scheduled(handle, "monitor_replicas"))  # its own, once the fleet was not found
+        await handle.signal(ServiceRunWorkflow.stop)
+        await handle.result()
+        await capture.save("service_fleet_missing", await handle.fetch_history())
+
+
+async def _watched(fleet, service: str) -> bool:
+    return any(w.service == service for w in (await fleet.query(FleetMonitorWorkflow.changes, 0)).watched)
+
+
+async def _scheduled(handle, activity_type: str) -> bool:
+    return any(e.activity_task_scheduled_event_attributes.activity_type.name == activity_type
+               for e in (await handle.fetch_history()).events if e.HasField("activity_task_scheduled_event_attributes"))
+
+
+async def _replaced(handle) -> bool:
+    status = await handle.query(ServiceRunWorkflow.status)
+    return any(r.submission == 1 and r.ready for g in status.groups for r in g.replicas)
+
+
+SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply, taken_and_untaken, reaper_passes,
+             fleet_watched]
 
 
 async def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.histories.capture", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=HERE, help="Where the JSON files go (default: tests/histories).")
     parser.add_argument("--tag", help="Suffix for new files, keeping the old ones (e.g. the patch id).")
+    parser.add_argument("--only", action="append", choices=[s.__name__ for s in SCENARIOS],
+                        help="Run only this scenario (repeatable).")
     args = parser.parse_args(argv)
     capture = Capture(args.out, args.tag)
     for scenario in SCENARIOS:
+        if args.only and scenario.__name__ not in args.only:
+            continue
         await scenario(capture)
     for name, events in capture.saved:
         print(f"{events:5d} events  {args.out / name}")
