@@ -79,8 +79,13 @@ class FleetWatch:
         return max(asked, self.backend.min_poll_seconds)
 
     async def ask(self) -> None:
-        """Take what changed in the watched set since the last answer."""
-        changes = await self.fleet.query("changes", self.version, result_type=FleetChanges)
+        """Take what changed in the watched set since the last answer (nothing while the workflow does not answer,
+        e.g. its worker restarting: what is known is still watched)."""
+        try:
+            changes = await self.fleet.query("changes", self.version, result_type=FleetChanges)
+        except RPCError as e:
+            log.warning("the fleet monitor did not say what changed: %s (asks again)", e)
+            return
         if changes.full:
             self.watched = {}
         for w in changes.watched:

@@ -13,9 +13,10 @@
 3. **kill**: SIGKILL to a serving replica's app (one replica per service, ``--kills`` services); the time until
    the gateway's control API no longer routes to it, until it routes to the replacement, and until a request
    through the gateway gets a 200.
-4. **move**: a second worker joins the server's Temporal; SIGKILL to the worker whose ``monitor_replicas`` watches
-   the service, then at once SIGKILL to a replica's app; the time until that replica is unrouted, which waits
-   for the monitor to move to the other worker at its heartbeat timeout (``ServiceRunInput.heartbeat_seconds``).
+4. **move**: a second worker joins the server's Temporal; SIGKILL to the worker whose watch covers the service
+   (the local fleet monitor's ``watch_fleet``), then at once SIGKILL to a replica's app; the time until that
+   replica is unrouted, which waits for the watch to move to the other worker at its heartbeat timeout
+   (``FleetInput.heartbeat_seconds``, 30 s).
 5. **orphans**: a service terminated as the Web UI's button does, and another reset to its first workflow task;
    what still runs (app processes) and is routed ``--orphan-wait`` s later, and when it was last more than one
    replica per slot (the reaper's quick pass and the reset run's takeover, not a test hook, clean up).
@@ -44,11 +45,13 @@ from activities import interface
 from activities.local_host import MARKER
 from bench.control_plane import SERVICE, own_start, run_once
 from bench.stack import ROOT, BenchStack, code_note, load_avg, load_note, median, until
+from workflows import names
+from workflows.fleet import FleetMonitorWorkflow
 from workflows.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
 
 LAUNCH_STEPS = {f.__name__ for f in (interface.place_replica, interface.start_replica, interface.await_ready)}
-MONITOR = interface.monitor_replicas.__name__  # the stubs' names
+MONITOR, WATCH_FLEET = interface.monitor_replicas.__name__, interface.watch_fleet.__name__  # the stubs' names
 GROUP = "app"  # bench.control_plane.SERVICE's group
 POLL = 0.01  # seconds between looks at the gateway's routes
 
@@ -246,12 +249,19 @@ def supervised_worker(stack: BenchStack) -> Optional[int]:
 
 
 async def monitor_holders(stack: BenchStack, name: str) -> set[int]:
-    """Pids of the workers running the service's monitors (pending activities with a started attempt), but not a
-    monitor the service cancelled when what it watches changed: that one lingers until its next heartbeat."""
+    """Pids of the workers watching the service's replicas: the local fleet monitor's watch once it lists the
+    service (``durastack apply`` starts services watched by it), else the service's own monitors (pending
+    activities with a started attempt, but not one the service cancelled when what it watches changed: that one
+    lingers until its next heartbeat)."""
     client = await stack.temporal()
-    d = await client.get_workflow_handle(service_workflow_id(name)).describe()
+    fleet = client.get_workflow_handle(names.fleet_workflow_id(stack.settings.task_queue, "local"))
+    if any(w.service == name for w in (await fleet.query(FleetMonitorWorkflow.changes, 0)).watched):
+        handle, kind = fleet, WATCH_FLEET
+    else:
+        handle, kind = client.get_workflow_handle(service_workflow_id(name)), MONITOR
+    d = await handle.describe()
     return {int(p.last_worker_identity.split("@", 1)[0]) for p in d.raw_description.pending_activities
-            if p.activity_type.name == MONITOR and p.last_worker_identity and p.last_started_time.seconds
+            if p.activity_type.name == kind and p.last_worker_identity and p.last_started_time.seconds
             and p.state != PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED}
 
 
