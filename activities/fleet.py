@@ -15,11 +15,10 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Optional
 
-from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.liveness import heartbeat_interval
+from activities.liveness import heartbeating, progress
 from models.run import Down, FleetChanges, FleetDowns, FleetInput, MonitorInput, Watched
 
 log = logging.getLogger("durastack.fleet")
@@ -30,13 +29,23 @@ TELL_AGAIN_SECONDS = 60.0
 # Visibility is written after the close: closes are listed from this far back of the last listing.
 CLOSED_MARGIN = timedelta(seconds=60)
 REPLICA_WORKFLOW = "ReplicaWorkflow"
-# As a service's own monitor: a replica workflow that ended like this tore nothing down.
+RPC_SECONDS = 10.0  # a query or listing not answered within this is asked again at the next turn
+# A replica workflow that ended like this tore nothing down: its instance and route are left to the service. One
+# that completed or was cancelled tore itself down (a lingering monitor must not unroute it again).
 ORPHANED_BY = (WorkflowExecutionStatus.TERMINATED, WorkflowExecutionStatus.TIMED_OUT, WorkflowExecutionStatus.FAILED)
 
 
 def down_of(w: Watched, reason: str, workflow_closed: bool = False) -> Down:
     return Down(replica_num=w.replica_num, submission_num=w.submission_num, reason=reason,
                 workflow_closed=workflow_closed)
+
+
+def closed_down(w: Watched, status: Optional[WorkflowExecutionStatus]) -> Optional[Down]:
+    """Down when its workflow ended without tearing down, or is not found (``status`` None)."""
+    if status is not None and status not in ORPHANED_BY:
+        return None
+    why = "not found" if status is None else status.name.lower().replace("_", " ")
+    return down_of(w, f"replica workflow {why}", workflow_closed=True)
 
 
 class FleetWatch:
@@ -51,8 +60,12 @@ class FleetWatch:
         self.listed_to = datetime.now(timezone.utc) - CLOSED_MARGIN
 
     async def run(self) -> None:
-        beat_every = heartbeat_interval(activity.info().heartbeat_timeout) or self.inp.query_seconds
-        asked = polled = listed = beat = float("-inf")
+        """Heartbeats go out on their own (``heartbeating``): a slow call here (a busy workflow's query, a cloud's
+        API) must not make the watch look dead."""
+        await heartbeating(self._watch())
+
+    async def _watch(self) -> None:
+        asked = polled = listed = float("-inf")
         while True:
             now = time.monotonic()
             if now - asked >= self.inp.query_seconds:
@@ -68,11 +81,9 @@ class FleetWatch:
                     downs.setdefault(service, []).extend(d for d in more if (d.replica_num, d.submission_num) not in seen)
                 listed = now
             await asyncio.gather(*(self.tell(s, d) for s, d in downs.items() if d))
-            if now - beat >= beat_every:
-                activity.heartbeat(f"watching {sum(len(w.replicas) for w in self.watched.values())} replicas "
-                                   f"of {len(self.watched)} services")
-                beat = now
-            await asyncio.sleep(min(self.poll_seconds(), self.inp.query_seconds, beat_every))
+            progress(f"watching {sum(len(w.replicas) for w in self.watched.values())} replicas of "
+                     f"{len(self.watched)} services")
+            await asyncio.sleep(min(self.poll_seconds(), self.inp.query_seconds))
 
     def poll_seconds(self) -> float:
         asked = min((w.poll_seconds for w in self.watched.values()), default=self.inp.query_seconds)
@@ -82,8 +93,9 @@ class FleetWatch:
         """Take what changed in the watched set since the last answer (nothing while the workflow does not answer,
         e.g. its worker restarting: what is known is still watched)."""
         try:
-            changes = await self.fleet.query("changes", self.version, result_type=FleetChanges)
-        except RPCError as e:
+            changes = await self.fleet.query("changes", self.version, result_type=FleetChanges,
+                                             rpc_timeout=timedelta(seconds=RPC_SECONDS))
+        except RPCError as e:  # a busy workflow answers a query after its workflow task: that may take long
             log.warning("the fleet monitor did not say what changed: %s (asks again)", e)
             return
         if changes.full:
@@ -124,7 +136,8 @@ class FleetWatch:
         query = (f"WorkflowType = '{REPLICA_WORKFLOW}' AND ExecutionStatus != 'Running' "
                  f"AND CloseTime >= '{since.strftime('%Y-%m-%dT%H:%M:%S.%fZ')}'")
         try:
-            found = {e.id async for e in self.client.list_workflows(query) if e.id in by_id}
+            found = {e.id async for e in self.client.list_workflows(query, rpc_timeout=timedelta(seconds=RPC_SECONDS))
+                     if e.id in by_id}
         except RPCError as e:
             log.warning("could not list closed replica workflows: %s (looks again)", e)
             self.listed_to = since
@@ -138,9 +151,9 @@ class FleetWatch:
                 if e.status != RPCStatusCode.NOT_FOUND:
                     continue
                 status = None
-            if status is None or status in ORPHANED_BY:
-                why = "not found" if status is None else status.name.lower().replace("_", " ")
-                out.setdefault(service, []).append(down_of(r, f"replica workflow {why}", workflow_closed=True))
+            down = closed_down(r, status)
+            if down is not None:
+                out.setdefault(service, []).append(down)
         return out
 
     async def tell(self, service: str, downs: list[Down]) -> None:
@@ -152,10 +165,12 @@ class FleetWatch:
                  "; ".join(f"r{d.replica_num}-s{d.submission_num} {d.reason}" for d in downs))
         try:
             await self.client.get_workflow_handle(f"service/{service}").signal(
-                "replicas_down", FleetDowns(backend=self.inp.backend, downs=downs))
+                "replicas_down", FleetDowns(backend=self.inp.backend, downs=downs),
+                rpc_timeout=timedelta(seconds=RPC_SECONDS))
         except RPCError as e:
-            if e.status != RPCStatusCode.NOT_FOUND:
-                raise
+            if e.status != RPCStatusCode.NOT_FOUND:  # told at the next turn
+                log.warning("could not tell %s: %s", service, e)
+                return
             log.info("%s is not running: no longer watched", service)
             self.watched.pop(service, None)
             return

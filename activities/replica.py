@@ -26,14 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Protocol
 
 from temporalio import activity
-from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import interface
 from activities.catalog import local_offer
 from activities.engines import EngineActivities
-from activities.fleet import FleetWatch
+from activities.fleet import FleetWatch, closed_down, down_of
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive, progress
 from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
@@ -380,7 +379,7 @@ class ReplicaActivities:
             if now - polled >= poll - SLACK:
                 polled = now
                 reasons = await backend.down([w.instance for w in inp.replicas])
-                down += [_down(w, why) for w, why in zip(inp.replicas, reasons) if why is not None]
+                down += [down_of(w, why) for w, why in zip(inp.replicas, reasons) if why is not None]
             if now - described >= inp.workflow_check_seconds - SLACK:
                 described = now
                 seen = {(d.replica_num, d.submission_num) for d in down}
@@ -458,16 +457,6 @@ class BackendsServed:
         return list(self.backends)
 
 
-def _down(w: Watched, reason: str, workflow_closed: bool = False) -> Down:
-    return Down(replica_num=w.replica_num, submission_num=w.submission_num, reason=reason,
-                workflow_closed=workflow_closed)
-
-
-# A replica workflow that ended like this tore nothing down: its instance and route are left to the service. One
-# that completed or was cancelled tore itself down (a lingering monitor must not unroute it again).
-ORPHANED_BY = (WorkflowExecutionStatus.TERMINATED, WorkflowExecutionStatus.TIMED_OUT, WorkflowExecutionStatus.FAILED)
-
-
 async def _closed_workflows(watched: list[Watched]) -> list[Down]:
     """The watched replicas whose workflow ended without tearing down (e.g. terminated from the Web UI)."""
     client = activity.client()
@@ -476,13 +465,11 @@ async def _closed_workflows(watched: list[Watched]) -> list[Down]:
         try:
             status = (await client.get_workflow_handle(w.workflow_id).describe()).status
         except RPCError as e:
-            if e.status == RPCStatusCode.NOT_FOUND:
-                return _down(w, "replica workflow not found", workflow_closed=True)
-            log.warning("could not describe %s: %s (keeps watching)", w.workflow_id, e)
-            return None
-        if status not in ORPHANED_BY:
-            return None
-        return _down(w, f"replica workflow {status.name.lower().replace('_', ' ')}", workflow_closed=True)
+            if e.status != RPCStatusCode.NOT_FOUND:
+                log.warning("could not describe %s: %s (keeps watching)", w.workflow_id, e)
+                return None
+            status = None
+        return closed_down(w, status)
 
     return [d for d in await asyncio.gather(*(closed(w) for w in watched)) if d is not None]
 

@@ -26,7 +26,7 @@ from temporalio.worker import Worker
 from activities import interface
 from activities.interface import implements
 from activities.references import resolve_late
-from activities.replica import ORPHANED_BY
+from activities.fleet import ORPHANED_BY
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.engines import changed as engines_changed
 from activities.fleet import FleetWatch
