@@ -16,7 +16,7 @@
 4. **move**: a second worker joins the server's Temporal; SIGKILL to the worker whose watch covers the service
    (the local fleet monitor's ``watch_fleet``), then at once SIGKILL to a replica's app; the time until that
    replica is unrouted, which waits for the watch to move to the other worker at its heartbeat timeout
-   (``FleetInput.heartbeat_seconds``, 30 s).
+   (``FleetInput.heartbeat_seconds``, 24 s).
 5. **orphans**: a service terminated as the Web UI's button does, and another reset to its first workflow task;
    what still runs (app processes) and is routed ``--orphan-wait`` s later, and when it was last more than one
    replica per slot (the reaper's quick pass and the reset run's takeover, not a test hook, clean up).

@@ -585,8 +585,9 @@ class FleetInput(BaseModel):
 
     backend: str
     watched: list[MonitorInput] = Field(default_factory=list)
-    heartbeat_seconds: int = Field(30, description="Heartbeat timeout of its activity: how soon another worker "
-                                                   "takes the watch over from a dead one.")
+    heartbeat_seconds: int = Field(24, description="Heartbeat timeout of its activity: how soon another worker "
+                                                   "takes the watch over from a dead one (its first look follows: "
+                                                   "within the failover goal of 30 s).")
     query_seconds: float = Field(5.0, description="How often the activity asks the workflow what changed.")
     closed_check_seconds: float = Field(15.0, description="How often replica workflows that closed (e.g. "
                                                           "terminated from the Web UI) are listed.")

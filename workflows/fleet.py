@@ -4,8 +4,8 @@ A service's own monitor is an activity that heartbeats for the service's whole l
 third of a 20 s timeout, 1,000 idle services sent 150 heartbeats a second, and Temporal spent most of a core
 writing them (bench/scale_out.py). Here each service tells the fleet monitor what it watches (signal ``watch``,
 its ``MonitorInput``, whenever that changes; no replicas: nothing) and one activity on the backend's queue
-watches them all, heartbeating every 10 s against a 30 s timeout: a dead worker's watch moves to another within
-30 s. The activity asks this workflow what changed (query ``changes``, every few seconds) and tells each
+watches them all, heartbeating every 8 s against a 24 s timeout: a dead worker's watch moves to another, and
+looks again, within 30 s. The activity asks this workflow what changed (query ``changes``, every few seconds) and tells each
 service what went down (signal ``replicas_down`` to ``service/<name>``), as the service's own monitor returned it.
 
 Started by each worker that serves the backend (``start_workflow`` with USE_EXISTING); a service that cannot
