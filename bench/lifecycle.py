@@ -39,19 +39,16 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
-from temporalio.api.enums.v1 import PendingActivityState
 
 from activities import interface
 from activities.local_host import MARKER
+from cli.inspect import watchers_of
 from bench.control_plane import SERVICE, own_start, run_once
 from bench.stack import ROOT, BenchStack, code_note, load_avg, load_note, median, until
-from workflows import names
-from workflows.fleet import FleetMonitorWorkflow
 from workflows.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
 
 LAUNCH_STEPS = {f.__name__ for f in (interface.place_replica, interface.start_replica, interface.await_ready)}
-MONITOR, WATCH_FLEET = interface.monitor_replicas.__name__, interface.watch_fleet.__name__  # the stubs' names
 GROUP = "app"  # bench.control_plane.SERVICE's group
 POLL = 0.01  # seconds between looks at the gateway's routes
 
@@ -249,20 +246,9 @@ def supervised_worker(stack: BenchStack) -> Optional[int]:
 
 
 async def monitor_holders(stack: BenchStack, name: str) -> set[int]:
-    """Pids of the workers watching the service's replicas: the local fleet monitor's watch once it lists the
-    service (``durastack apply`` starts services watched by it), else the service's own monitors (pending
-    activities with a started attempt, but not one the service cancelled when what it watches changed: that one
-    lingers until its next heartbeat)."""
+    """Pids of the workers watching the service's replicas (cli.inspect.watchers_of)."""
     client = await stack.temporal()
-    fleet = client.get_workflow_handle(names.fleet_workflow_id(stack.settings.task_queue, "local"))
-    if any(w.service == name for w in (await fleet.query(FleetMonitorWorkflow.changes, 0)).watched):
-        handle, kind = fleet, WATCH_FLEET
-    else:
-        handle, kind = client.get_workflow_handle(service_workflow_id(name)), MONITOR
-    d = await handle.describe()
-    return {int(p.last_worker_identity.split("@", 1)[0]) for p in d.raw_description.pending_activities
-            if p.activity_type.name == kind and p.last_worker_identity and p.last_started_time.seconds
-            and p.state != PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED}
+    return {int(w.split("@", 1)[0]) for w in await watchers_of(client, stack.settings.task_queue, name)}
 
 
 def run_moves(stack: BenchStack, moves: int) -> list[str]:

@@ -14,16 +14,20 @@ from typing import Optional
 
 import typer
 from rich.live import Live
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from activities import interface
 from cli.client import ControlPlaneDown, connect, run
 from cli.console import err, out, user_error
 from cli.control import RPC, ask, live_status, running, running_status, service_url
 from cli.render import ps_table, status_json, store_note
 from models.run import ServiceStatus
 from models.settings import Settings
+from workflows.fleet import FleetMonitorWorkflow
 from workflows.jobs import replica_workflow_id
+from workflows.names import fleet_workflow_id
 from workflows.service import ServiceRunWorkflow, service_workflow_id
 
 
@@ -52,6 +56,26 @@ async def step_progress(client: Client, workflow_id: str) -> str:
         if said and isinstance(said[0], str):
             return f"{activity.activity_type.name}: {said[0]}"
     return ""
+
+
+async def watchers_of(client: Client, task_queue: str, service: str, backend: str = "local") -> set[str]:
+    """Identities of the workers watching ``service``'s replicas on ``backend``: the fleet monitor's watch once it
+    lists the service, and the service's own monitors (a started attempt; one the service cancelled lingers until
+    its next heartbeat: not counted)."""
+    fleet = client.get_workflow_handle(fleet_workflow_id(task_queue, backend))
+    handles = [(client.get_workflow_handle(service_workflow_id(service)), interface.monitor_replicas.__name__)]
+    try:
+        if any(w.service == service for w in (await fleet.query(FleetMonitorWorkflow.changes, 0)).watched):
+            handles.append((fleet, interface.watch_fleet.__name__))
+    except RPCError:  # no fleet monitor runs: the service watches on its own
+        pass
+    out = set()
+    for handle, kind in handles:
+        d = await handle.describe()
+        out |= {p.last_worker_identity for p in d.raw_description.pending_activities
+                if p.activity_type.name == kind and p.last_worker_identity and p.last_started_time.seconds
+                and p.state != PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED}
+    return out
 
 
 async def _running_services(client: Client) -> list[str]:

@@ -32,7 +32,6 @@ from typing import Optional
 
 import httpx
 import pytest
-from temporalio.api.enums.v1 import PendingActivityState
 
 from activities.local import LocalBackend
 from activities.local_host import MARKER, is_alive, proc_stat
@@ -51,7 +50,7 @@ CONVERGE = 300  # seconds; generous: a lost activity is retried after its 20 s h
 # A monitor lost with its worker moves at its heartbeat timeout (ServiceRunInput.heartbeat_seconds, 20 s), or sooner
 # when the rollout changes what it watches and the service starts another.
 WATCH_TAKEOVER = 120
-PLACE, MONITOR = interface.place_replica.__name__, interface.monitor_replicas.__name__  # the stubs' names
+PLACE = interface.place_replica.__name__  # the stub's name
 ROLLING = """
 type: service
 name: {name}
@@ -400,16 +399,14 @@ async def _ran(handle) -> dict[str, set[int]]:
 
 
 async def _monitors(stack: Stack, name: str) -> set[int]:
-    """Pids of the workers that hold the service's running replica monitors now (pending activities that have
-    started an attempt; one whose worker died stays pending on it until its heartbeat timeout). A monitor the
-    service cancelled stays pending until its worker sees the cancel at its next heartbeat: not counted."""
+    """Pids of the workers watching the service's replicas now (cli.inspect.watchers_of: the fleet monitor's
+    watch, or the service's own monitors); one whose worker died stays pending on it until its heartbeat timeout."""
     from cli.client import connect
+    from cli.inspect import watchers_of
 
-    client = await connect(Settings.from_env(environ=stack.env))
-    description = await client.get_workflow_handle(service_workflow_id(name)).describe()
-    return {_worker_pid(p.last_worker_identity) for p in description.raw_description.pending_activities
-            if p.activity_type.name == MONITOR and p.last_worker_identity
-            and p.state != PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED}
+    settings = Settings.from_env(environ=stack.env)
+    client = await connect(settings)
+    return {_worker_pid(w) for w in await watchers_of(client, settings.task_queue, name)}
 
 
 # Replicas of the two-worker test: Temporal hands tasks to whichever worker polls first, so with few
