@@ -48,6 +48,29 @@ def closed_down(w: Watched, status: Optional[WorkflowExecutionStatus]) -> Option
     return down_of(w, f"replica workflow {why}", workflow_closed=True)
 
 
+def merged(downs: list[Down], more: list[Down]) -> list[Down]:
+    """``downs``, then those of ``more`` about other replicas."""
+    seen = {(d.replica_num, d.submission_num) for d in downs}
+    return downs + [d for d in more if (d.replica_num, d.submission_num) not in seen]
+
+
+async def closed_workflows(client: Client, watched: list[Watched]) -> list[Down]:
+    """The watched replicas whose workflow ended without tearing down (e.g. terminated from the Web UI), by a
+    describe of each: its latest run decides (a reset's old run closed, its new one runs)."""
+
+    async def closed(w: Watched) -> Optional[Down]:
+        try:
+            status = (await client.get_workflow_handle(w.workflow_id).describe()).status
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                log.warning("could not describe %s: %s (keeps watching)", w.workflow_id, e)
+                return None
+            status = None
+        return closed_down(w, status)
+
+    return [d for d in await asyncio.gather(*(closed(w) for w in watched)) if d is not None]
+
+
 class FleetWatch:
     """The watched set as the workflow last told it, and what was told to each service."""
 
@@ -77,8 +100,7 @@ class FleetWatch:
                 polled = now
             if now - listed >= self.inp.closed_check_seconds:
                 for service, more in (await self.workflows_closed()).items():
-                    seen = {(d.replica_num, d.submission_num) for d in downs.get(service, [])}
-                    downs.setdefault(service, []).extend(d for d in more if (d.replica_num, d.submission_num) not in seen)
+                    downs[service] = merged(downs.get(service, []), more)
                 listed = now
             await asyncio.gather(*(self.tell(s, d) for s, d in downs.items() if d))
             progress(f"watching {sum(len(w.replicas) for w in self.watched.values())} replicas of "
@@ -143,17 +165,9 @@ class FleetWatch:
             self.listed_to = since
             return {}
         out: dict[str, list[Down]] = {}
-        for wid in sorted(found):  # the latest run decides: a reset's old run closed, its new one runs
-            service, r = by_id[wid]
-            try:
-                status = (await self.client.get_workflow_handle(wid).describe()).status
-            except RPCError as e:
-                if e.status != RPCStatusCode.NOT_FOUND:
-                    continue
-                status = None
-            down = closed_down(r, status)
-            if down is not None:
-                out.setdefault(service, []).append(down)
+        for service in {by_id[wid][0] for wid in found}:
+            mine = [r for wid, (s, r) in by_id.items() if s == service and wid in found]
+            out[service] = await closed_workflows(self.client, mine)
         return out
 
     async def tell(self, service: str, downs: list[Down]) -> None:

@@ -27,12 +27,11 @@ from typing import Optional, Protocol
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
 
 from activities import interface
 from activities.catalog import local_offer
 from activities.engines import EngineActivities
-from activities.fleet import FleetWatch, closed_down, down_of
+from activities.fleet import FleetWatch, closed_workflows, down_of, merged
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive, progress
 from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
@@ -382,9 +381,7 @@ class ReplicaActivities:
                 down += [down_of(w, why) for w, why in zip(inp.replicas, reasons) if why is not None]
             if now - described >= inp.workflow_check_seconds - SLACK:
                 described = now
-                seen = {(d.replica_num, d.submission_num) for d in down}
-                down += [d for d in await _closed_workflows(inp.replicas)
-                         if (d.replica_num, d.submission_num) not in seen]
+                down = merged(down, await closed_workflows(activity.client(), inp.replicas))
             return down or None
 
         try:
@@ -455,23 +452,6 @@ class BackendsServed:
     @implements(interface.served_backends)
     async def served_backends(self) -> list[str]:
         return list(self.backends)
-
-
-async def _closed_workflows(watched: list[Watched]) -> list[Down]:
-    """The watched replicas whose workflow ended without tearing down (e.g. terminated from the Web UI)."""
-    client = activity.client()
-
-    async def closed(w: Watched) -> Optional[Down]:
-        try:
-            status = (await client.get_workflow_handle(w.workflow_id).describe()).status
-        except RPCError as e:
-            if e.status != RPCStatusCode.NOT_FOUND:
-                log.warning("could not describe %s: %s (keeps watching)", w.workflow_id, e)
-                return None
-            status = None
-        return closed_down(w, status)
-
-    return [d for d in await asyncio.gather(*(closed(w) for w in watched)) if d is not None]
 
 
 def _exit_reason(state: str, code: Optional[int]) -> str:

@@ -47,8 +47,7 @@ from activities import interface
 from activities.interface import implements
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
 from activities.signals import judge_signal
-from activities.fleet import FleetWatch
-from activities.replica import _closed_workflows as closed_workflows
+from activities.fleet import FleetWatch, closed_workflows
 from activities.watch import watch_until_down
 from bench.stack import code_note, free_port, load_avg, load_note
 from connect.codec import KEY_ENV, ensure_key_file
@@ -123,7 +122,7 @@ class InstantBackend:
             nonlocal described
             if time.monotonic() - described >= inp.workflow_check_seconds:
                 described = time.monotonic()
-                return await closed_workflows(inp.replicas) or None
+                return await closed_workflows(activity.client(), inp.replicas) or None
             return None
 
         try:
