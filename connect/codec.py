@@ -6,6 +6,11 @@ as it was, so history stays readable (counts, commands, events) while secrets ar
 restores the marked strings; validation then strips the mark. The codec runs in the client and the
 worker outside the workflow sandbox, so workflow code never sees ciphertext.
 
+A payload past ``COMPRESS_ABOVE`` bytes (after that) is sent zlib-compressed, whole, as ``binary/zlib``: what
+continues as new carries a whole state (a backend's fleet monitor carries every replica it watches: 6,000 made
+2.3 MB of JSON, past Temporal's 2 MB limit on a payload, and 0.1 MB compressed). The Web UI's codec server
+decodes it like any other, so history stays readable there.
+
 Why field-level rather than whole-payload encryption: the service workflow's input carries the whole
 state (configuration, replicas, events) across every continue-as-new; encrypting it whole would hide
 every decision from the Web UI for the sake of one token.
@@ -28,6 +33,7 @@ import hmac
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -55,6 +61,8 @@ _AAD = b"durastack-secret-" + VERSION.encode()
 _SECRET_JSON = json.dumps(SECRET_MARK)[1:-1].encode()
 _ENCRYPTED_JSON = json.dumps(ENCRYPTED_MARK)[1:-1].encode()
 _JSON = b"json/plain"
+_ZLIB = b"binary/zlib"
+COMPRESS_ABOVE = 64 * 1024  # bytes; smaller payloads stay plain JSON, readable in history without the codec
 
 
 class CodecKeyError(ValueError):
@@ -154,10 +162,10 @@ class SecretCodec(PayloadCodec):
         return self._keys
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        return [self._rewrite(p, _SECRET_JSON, self._encrypt) for p in payloads]
+        return [_compress(self._rewrite(p, _SECRET_JSON, self._encrypt)) for p in payloads]
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        return [self._rewrite(p, _ENCRYPTED_JSON, self._decrypt) for p in payloads]
+        return [self._rewrite(_decompress(p), _ENCRYPTED_JSON, self._decrypt) for p in payloads]
 
     def _rewrite(self, payload: Payload, mark: bytes, change: Callable[[str], str]) -> Payload:
         if mark not in payload.data or payload.metadata.get("encoding") != _JSON:
@@ -193,6 +201,19 @@ class SecretCodec(PayloadCodec):
             raise CodecKeyError(f"a secret in this payload was encrypted with codec key {kid or '?'} ({version}); "
                                 f"this process has key {', '.join(keys.ids)} from {keys.source}. Set {KEY_ENV} "
                                 "to the key the other durastack processes use") from None
+
+
+def _compress(payload: Payload) -> Payload:
+    """The payload itself, compressed whole, when it is past ``COMPRESS_ABOVE`` (its secrets already sealed)."""
+    if len(payload.data) <= COMPRESS_ABOVE:
+        return payload
+    return Payload(metadata={"encoding": _ZLIB}, data=zlib.compress(payload.SerializeToString()))
+
+
+def _decompress(payload: Payload) -> Payload:
+    if payload.metadata.get("encoding") != _ZLIB:
+        return payload
+    return Payload.FromString(zlib.decompress(payload.data))
 
 
 def _walk(value: Any, change: Callable[[str], str]) -> Any:

@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 
-from models.run import FleetChanges, FleetInput
+from models.replica import LocalInstance
+from models.run import FleetChanges, FleetInput, MonitorInput, Watched
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from tests.test_service_workflow import _true, start, wait_ready
@@ -113,6 +114,34 @@ async def test_the_watched_set_outlives_the_fleets_continue_as_new(dev_env, clou
         await h.result()
     await eventually(lambda: _is(watched(fleet), {}))
     await fleet.terminate()
+
+
+async def test_a_fleet_of_6000_replicas_continues_as_new_and_answers_whole(dev_env, cloud):
+    """Its carried set is 2.3 MB of JSON, past Temporal's 2 MB limit on one payload: sent compressed
+    (connect/codec.py), 1,000 services × 6 replicas start, hop and answer."""
+    services = [MonitorInput(service=f"svc-{i:04d}", backend="gcp", replicas=[_watched(f"svc-{i:04d}", r)
+                                                                             for r in range(6)]) for i in range(1000)]
+    assert len(FleetInput(backend="gcp", watched=services).model_dump_json()) > 2 * 2**20
+    # On a backend no worker here serves: its watch waits unstarted, and only the workflow is looked at.
+    started = await dev_env.client.start_workflow(
+        FleetMonitorWorkflow.run, FleetInput(backend="gcp", watched=services, history_limit=3),
+        id=fleet_workflow_id(cloud.queue, "gcp"), task_queue=cloud.queue)
+    fleet = dev_env.client.get_workflow_handle(started.id)
+    late = MonitorInput(service="svc-late", backend="gcp", replicas=[_watched("svc-late", 0)])
+    await fleet.signal(FleetMonitorWorkflow.watch, late)  # its task finds the history past the limit
+    await eventually(lambda: _hopped(fleet, started.result_run_id))
+    got = await watched(fleet)
+    assert len(got) == 1001 and got["svc-0999"] == [f"svc-0999/decode/r{r}-s0" for r in range(6)]
+    assert got["svc-late"] == ["svc-late/decode/r0-s0"]
+    await fleet.terminate()
+
+
+def _watched(service: str, replica: int) -> Watched:
+    rid = f"{service}/decode/r{replica}-s0"
+    return Watched(replica_num=replica, submission_num=0, group="decode", workflow_id=f"service/{rid}",
+                   replica_id=rid, instance=LocalInstance(replica_id=rid, pid=4000 + replica, start_time=1, isolated=True,
+                                                          work_dir=f"/srv/{rid}", address=f"unix:/srv/{rid}.sock",
+                                                          log_path=f"/srv/{rid}/log", ip=f"10.0.{replica}.2"))
 
 
 async def test_without_a_fleet_monitor_the_service_watches_on_its_own(dev_env, cloud):

@@ -7,6 +7,7 @@ import base64
 import json
 import stat
 import uuid
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from activities import interface
 from activities.interface import implements
 from cli.codec_server import codec_endpoint, start_codec_server, ui_origins
 from cli.service import _resolve
-from connect.codec import (KEY_ENV, KEY_FILE, CodecKeyError, SecretCodec, ensure_key_file, load_keys, new_key,
-                           parse_keys)
+from connect.codec import (COMPRESS_ABOVE, KEY_ENV, KEY_FILE, CodecKeyError, SecretCodec, ensure_key_file, load_keys,
+                           new_key, parse_keys)
 from gateway.app import free_port
 from cli.control import deliver
 from models.loader import load_config_text
@@ -176,6 +177,22 @@ async def test_codec_encrypts_marked_strings_only_and_restores_them():
     assert ServiceConfiguration.model_validate_json(back[1].data) == config
     # A fresh nonce each time: equal secrets do not give equal ciphertexts.
     assert (await codec.encode([marked]))[0].data != out[1].data
+
+
+@aio
+async def test_a_large_payload_travels_compressed_with_its_secrets_sealed_first():
+    codec = SecretCodec(parse_keys(new_key(), "test"))
+    big = payload({"token": SECRET_MARK + HF, "rows": [f"replica {i} of a large state" for i in range(20_000)]})
+    assert len(big.data) > 4 * COMPRESS_ABOVE
+    (out,) = await codec.encode([big])
+    assert out.metadata["encoding"] == b"binary/zlib" and len(out.data) < len(big.data) / 10
+    inner = Payload.FromString(zlib.decompress(out.data))
+    assert_nowhere(inner.data, "the compressed payload")  # sealed before it was compressed
+    assert inner.data.count(b"durastack-encrypted") == 1
+    (back,) = await codec.decode([out])
+    assert json.loads(back.data) == json.loads(big.data) and back.metadata == big.metadata
+    small = payload({"rows": ["short"]})
+    assert (await codec.encode([small]))[0] is small  # small payloads stay readable JSON in history
 
 
 @aio
