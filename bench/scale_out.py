@@ -1,7 +1,7 @@
 """Scale out: one worker process holding N services (3 groups × 2 replicas) on a fake instant backend.
 
     .venv/bin/python -m bench.scale_out [--services 1000] [--settle 30] [--idle 60] [--poll 15]
-                                        [--heartbeat S] [--timeout 3600] [--keep]
+                                        [--heartbeat S] [--tick S] [--cache N] [--timeout 3600] [--keep]
 
 A Temporal dev server (the venv's `temporal`, headless, SQLite in a temp dir, free ports, the durastack search
 attributes: `cli.stack.temporal_argv`) and one worker **subprocess**: the real ServiceRunWorkflow and
@@ -173,12 +173,17 @@ class InstantBackend:
         return ["local"]
 
 
-async def run_worker(address: str, task_queue: str, metrics_port: int, poll: float, state: Path) -> None:
-    """The worker process: worker.main_worker with the instant backend, until SIGTERM/SIGINT.
+async def run_worker(address: str, task_queue: str, metrics_port: int, poll: float, state: Path,
+                     cache: Optional[int] = None) -> None:
+    """The worker process: worker.main_worker with the instant backend (its sticky cache ``cache`` runs if given),
+    until SIGTERM/SIGINT.
 
     Writes {"pid", "polling", "watching", "watch_starts"} to ``state`` (atomically) when it changes.
     """
     import worker
+
+    if cache is not None:
+        worker.MAX_CACHED_WORKFLOWS = cache
 
     settings = Settings.from_env(environ={}, home=state.parent, temporal_address=address, task_queue=task_queue,
                                  worker_metrics_port=metrics_port)
@@ -248,7 +253,7 @@ def rss_mib(pid: int, key: str = "VmRSS") -> float:
 
 def worker_metrics(port: int) -> dict[str, float]:
     """Counters of the worker's Prometheus endpoint (worker.metrics_runtime): workflow tasks run and the
-    milliseconds they took, per workflow type, and heartbeats sent to the server."""
+    milliseconds they took, per workflow type, sticky cache misses, and heartbeats sent to the server."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10, trust_env=False).text
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -260,16 +265,19 @@ def worker_metrics(port: int) -> dict[str, float]:
                 out[f"{wf} {kind}"] = out.get(f"{wf} {kind}", 0) + float(value)
         elif name.startswith("temporal_request{") and 'operation="RecordActivityTaskHeartbeat"' in name:
             out["heartbeats"] = float(value)
+        elif name.startswith("temporal_sticky_cache_miss{"):
+            out["misses"] = out.get("misses", 0) + float(value)
     return out
 
 
 def idle_work(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
-    """What the worker did while idle: workflow tasks per minute (and their mean ms), heartbeats per second."""
+    """What the worker did while idle: workflow tasks per minute (and their mean ms), those that missed the sticky
+    cache (each replayed its run's history), heartbeats per second."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     tasks = [f"{wf} {60 * d[f'{wf} n'] / seconds:.0f}/min ({d[f'{wf} ms'] / d[f'{wf} n']:.0f} ms)"
              for wf in ("ServiceRunWorkflow", "ReplicaWorkflow") if d.get(f"{wf} n")]
-    return (f"workflow tasks: {', '.join(tasks) or 'none'}; heartbeats sent "
-            f"{d.get('heartbeats', 0) / seconds:.1f}/s")
+    return (f"workflow tasks: {', '.join(tasks) or 'none'}, replayed (not cached) {60 * d.get('misses', 0) / seconds:.0f}"
+            f"/min; heartbeats sent {d.get('heartbeats', 0) / seconds:.1f}/s")
 
 
 async def sample(pid: int, seconds: float) -> tuple[float, float]:
@@ -283,9 +291,10 @@ async def sample(pid: int, seconds: float) -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, tmp: Path, services: int, poll: float, log, heartbeat: Optional[dict] = None):
-        self.tmp, self.n, self.poll, self.log = tmp, services, poll, log
-        self.heartbeat = heartbeat or {}  # ServiceRunInput's heartbeat_seconds and fleet_monitor (None: default)
+    def __init__(self, tmp: Path, services: int, poll: float, log, inputs: Optional[dict] = None,
+                 cache: Optional[int] = None):
+        self.tmp, self.n, self.poll, self.log, self.cache = tmp, services, poll, log, cache
+        self.inputs = inputs or {}  # ServiceRunInput's fields for every service (None: its default)
         self.home = tmp / "home"
         self.home.mkdir()
         self.settings = Settings(home=self.home, temporal_port=free_port(), ui_port=free_port(), codec_port=0,
@@ -324,7 +333,8 @@ class Bench:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DURASTACK_") or k == KEY_ENV}
         self.worker = Proc([sys.executable, "-m", "bench.scale_out", "--as-worker", str(self.state),
                             "--address", self.settings.address, "--task-queue", self.settings.task_queue,
-                            "--metrics-port", str(self.settings.worker_metrics_port), "--poll", str(self.poll)],
+                            "--metrics-port", str(self.settings.worker_metrics_port), "--poll", str(self.poll)]
+                           + (["--cache", str(self.cache)] if self.cache is not None else []),
                            self.tmp / "worker.log", env=env)
         await self.until(lambda: self.worker_state().get("pid") == self.worker.pid, timeout, "worker polling")
         return time.monotonic() - t0
@@ -361,7 +371,7 @@ class Bench:
         from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
         sem = asyncio.Semaphore(START_CONCURRENCY)
-        extra = {k: v for k, v in self.heartbeat.items() if v is not None}
+        extra = {k: v for k, v in self.inputs.items() if v is not None}
 
         async def one(name: str) -> None:
             config = load_config_text(SERVICE.format(name=name)).config
@@ -414,8 +424,8 @@ class Bench:
 
 async def bench(args, log) -> list[str]:
     tmp = Path(tempfile.mkdtemp(prefix="dsbench-scale-"))
-    b = Bench(tmp, args.services, args.poll, log, {"heartbeat_seconds": args.heartbeat,
-                                                   "fleet_monitor": not args.own_monitors})
+    b = Bench(tmp, args.services, args.poll, log, {"heartbeat_seconds": args.heartbeat, "safety_tick_seconds": args.tick,
+                                                   "fleet_monitor": not args.own_monitors}, args.cache)
     ok = False
     n, replicas = args.services, args.services * len(GROUPS) * PER_GROUP
     out = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {code_note()}; {load_note()} at the start"]
@@ -466,13 +476,13 @@ async def bench(args, log) -> list[str]:
     from workflows.service import ServiceRunInput
 
     fields = ServiceRunInput.model_fields
-    beat = {k: b.heartbeat.get(k) or fields[k].default for k in ("heartbeat_seconds",)}
+    inp = {k: b.inputs.get(k) or fields[k].default for k in ("heartbeat_seconds", "safety_tick_seconds")}
     out += [
         f"scale out: {n} services × {len(GROUPS)} groups × {PER_GROUP} replicas = {replicas} replica workflows in "
         f"one worker process, instant fake backend ("
         f"{'each service its own monitor' if args.own_monitors else 'one fleet monitor'}, polling every "
-        f"{args.poll:g} s; services' heartbeat timeout {beat['heartbeat_seconds']} s; worker: "
-        f"{worker.MAX_ACTIVITIES} activity slots, sticky cache {worker.MAX_CACHED_WORKFLOWS}); "
+        f"{args.poll:g} s; services' heartbeat timeout {inp['heartbeat_seconds']} s, safety tick {inp['safety_tick_seconds']} s; "
+        f"worker: {worker.MAX_ACTIVITIES} activity slots, sticky cache {args.cache or worker.MAX_CACHED_WORKFLOWS}); "
         f"load avg (1 min) {load_avg()} at the end",
         f"  empty worker            {rss0:6.0f} MiB RSS  {cpu0:5.1f} % of one core",
         f"  start                   submitted {t_submit:.1f} s · all watches {t_watch:.1f} s · all status ready "
@@ -499,6 +509,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="Seconds between the fake watch's status checks (default: the cloud backends' cadence).")
     p.add_argument("--heartbeat", type=int, help="ServiceRunInput.heartbeat_seconds, the monitors' too "
                                                   "(default: its default).")
+    p.add_argument("--tick", type=int, help="ServiceRunInput.safety_tick_seconds (default: its default).")
+    p.add_argument("--cache", type=int, help="The worker's sticky cache, in runs (default: worker.MAX_CACHED_WORKFLOWS).")
     p.add_argument("--own-monitors", action="store_true",
                    help="Each service watches its replicas with a monitor of its own, not the fleet monitor.")
     p.add_argument("--keep", action="store_true", help="Keep the temp dir (logs, temporal.db).")
@@ -508,7 +520,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--metrics-port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.as_worker:
-        asyncio.run(run_worker(args.address, args.task_queue, args.metrics_port, args.poll, Path(args.as_worker)))
+        asyncio.run(run_worker(args.address, args.task_queue, args.metrics_port, args.poll, Path(args.as_worker),
+                               args.cache))
         return 0
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     print("\n".join(asyncio.run(bench(args, log))))
