@@ -69,10 +69,11 @@ log = logging.getLogger("durastack.worker")
 # backend's queue for its whole life (an async activity costs a coroutine), so the slots are sized for thousands
 # of services plus the launches and teardowns around them (bench/scale_out.py).
 MAX_ACTIVITIES = 20_000
-# The sticky cache keeps the workflows touched last: every service workflow (each wakes at its safety tick) when the
-# worker holds up to ~1,000 services, while idle replica workflows, which get no task for days, are evicted and
-# replayed (about 40 events) on their next one. A cached workflow costs 0.1-0.6 MB (bench/scale_out.py).
-MAX_CACHED_WORKFLOWS = 1_500
+# The sticky cache keeps the workflows touched last. An idle workflow gets no task for an hour (a service's safety
+# tick) or for days (a replica), so one the cache let go replays rarely (a service's history: about 90 ms of CPU);
+# a cached run costs 0.1-0.6 MB. At 1,000 idle services (7,000 workflows) the worker took 721 MiB with 1,500
+# cached, 604 MiB with 500, at the same idle CPU (0.6 %, bench/scale_out.py).
+MAX_CACHED_WORKFLOWS = 500
 # The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: every 16 s against the 20 s
 # default, so a worker 4 s late (a busy loop, a slow network) timed a live launch out and a second one started.
 # Sent as often as the activities beat (a third of the timeout, activities/liveness.py), two may be lost or late

@@ -5,8 +5,8 @@
 One service with a fixed group (1 replica, running and watched) and an autoscaled group at zero
 (its stats watcher running), with no traffic. After it settles, the events of the service
 workflow and of every replica workflow are counted at the start and the end of the idle period;
-the difference is scaled to one hour. Measure a full hour (the default): the safety tick (10 min)
-and the watcher's hourly renewal are coarse, so short runs over- or under-count.
+the difference is scaled to one hour. Measure a full hour (the default): the safety tick (an hour)
+and the stats watcher's renewal (50 min) are coarse, so short runs over- or under-count.
 """
 
 from __future__ import annotations

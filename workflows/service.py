@@ -57,15 +57,17 @@ def service_workflow_id(name: str) -> str:
 
 class ServiceRunInput(BaseModel):
     state: ServiceState
-    safety_tick_seconds: int = Field(600, description="Longest sleep between passes when nothing happens.")
+    safety_tick_seconds: int = Field(3600, description=(
+        "Longest sleep between passes when nothing happens (every wake-up that matters has its own: a message, a "
+        "watcher's news, a back-off or delay ending). An idle service the worker's cache let go replays its "
+        "history at each tick, so it is long (bench/scale_out.py)."))
     history_limit: int = Field(8000, description="Continue-as-new past this many events (or when suggested).")
     history_bytes_limit: int = Field(4 * 2**20, description=(
         "Continue-as-new once the run's history grew by this many bytes: large configurations (long commands, many "
         "env values) travel in many events, and Temporal refuses a history past 50 MB."))
     heartbeat_seconds: int = Field(
         20, description="Heartbeat timeout of the long activities: how soon a dead worker's launches, teardowns "
-                        "and watchers are taken over by another worker (each heartbeats every third of it: one "
-                        "monitor per service and backend, so 1,000 services cost 150 heartbeats a second).")
+                        "and watchers are taken over by another worker (each heartbeats every third of it).")
     unserved_seconds: int = Field(60, description=(
         "A launch no worker of its backend takes within this is given up on that backend (a cloud worker not "
         "running): said in `events` and `ps`, and the next backend tried. A live worker takes a launch at once "
