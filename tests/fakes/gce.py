@@ -2,7 +2,9 @@
 
 instances insert / get / list (label and status filter) / delete / aggregatedList, zone operations get and
 wait; firewall rules and their global operations; unknown zones, and machine or accelerator types a zone does
-not have (per the shipped catalog), refused as Compute refuses them (400 invalid); requestId dedupe; 409 on a duplicate name in a zone; faults: capacity and quota in the operation,
+not have (per tests/fakes/gce_zones.py, written from Google's documentation, not from the shipped catalog), refused
+as Compute refuses them (400 invalid), and an accelerator the machine type cannot take (400 badRequest); requestId
+dedupe; 409 on a duplicate name in a zone; faults: capacity and quota in the operation,
 synchronous quota (403) or any HTTP error, and "lost responses" (created, then answered 503). A stdlib
 ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it into a test module).
 """
@@ -19,7 +21,7 @@ from typing import Optional
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from tests.fakes import ServedInThread
+from tests.fakes import ServedInThread, gce_zones
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/(?P<kind>instances|operations)"
@@ -63,24 +65,6 @@ def _matches(instance: dict, flt: str) -> bool:
     if rest:
         raise ValueError(f"unsupported filter: {flt!r}")
     return True
-
-
-def _catalog_machines() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """{zone: machine types} and {zone: accelerator types} as Compute knows them, from the shipped catalog:
-    the fake refuses what Compute would refuse (an unknown zone, a type a zone does not have)."""
-    from activities.catalog import load_catalog
-    from activities.gcp import ACCELERATORS
-
-    machines: dict[str, set[str]] = {}
-    accelerators: dict[str, set[str]] = {}
-    for o in load_catalog():
-        if o.backend != "gcp":
-            continue
-        for zone in o.zones:
-            machines.setdefault(zone, set()).add(o.instance_type)
-            if o.instance_type.startswith("n1-") and o.gpu_name:
-                accelerators.setdefault(zone, set()).add(ACCELERATORS.get(o.gpu_name.lower(), o.gpu_name.lower()))
-    return machines, accelerators
 
 
 class FakeGCE(ServedInThread):
@@ -128,8 +112,9 @@ class FakeGCE(ServedInThread):
             self.lose = 0
             self.op_polls = 1  # new operations report RUNNING for this many polls, then DONE
             self.firewalls: dict[tuple[str, str], dict] = {}
-            self.machine_types, self.accelerator_types = _catalog_machines()
-
+            # What Compute has in each zone, per Google's documentation; a test may narrow or widen a zone.
+            self.machine_types = {z: set(gce_zones.machine_types(z)) for z in gce_zones.ZONES}
+            self.accelerator_types = {z: set(gce_zones.accelerator_types(z)) for z in gce_zones.ZONES}
 
     # --- test controls ----------------------------------------------------------------------------
 
@@ -208,6 +193,9 @@ class FakeGCE(ServedInThread):
                 return _http_error(400, f"Invalid value for field 'resource.guestAccelerators[0].acceleratorType': "
                                         f"'{acc.get('acceleratorType')}'. Accelerator type '{kind}' does not exist "
                                         f"in zone '{z}'.", "invalid")
+            if not gce_zones.attachable(machine_type, kind):  # T4/V100/P4/P100 on N1 only; A2/A3/G2 carry their own
+                return _http_error(400, f"[{machine_type}, {kind}] features are not compatible for creating "
+                                        "instance.", "badRequest")
         for fault in self.faults:
             if fault.matches(z, machine_type, body.get("scheduling", {}).get("provisioningModel") == "SPOT"):
                 if fault.times is not None:
