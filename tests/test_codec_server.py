@@ -35,6 +35,15 @@ async def test_codec_endpoint_answers_the_ui_only():
             async with http.post(f"{endpoint}/decode", json=body, headers=ok) as r:
                 assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == ui
                 assert b"hf_abc" in base64.b64decode((await r.json())["payloads"][0]["data"])
+            # A payload the codec compressed (past COMPRESS_ABOVE) reaches the UI as readable JSON.
+            big = (await codec.encode([await _payload("X=" + "y" * 100_000)]))[0]
+            assert big.metadata["encoding"] == b"binary/zlib"
+            wire = {"payloads": [{"metadata": {k: base64.b64encode(v).decode() for k, v in big.metadata.items()},
+                                  "data": base64.b64encode(big.data).decode()}]}
+            async with http.post(f"{endpoint}/decode", json=wire, headers=ok) as r:
+                (shown,) = (await r.json())["payloads"]
+                assert base64.b64decode(shown["metadata"]["encoding"]) == b"json/plain"
+                assert b"y" * 100_000 in base64.b64decode(shown["data"])
             # The older key's credential still opens it (a UI set up before the rotation).
             assert await post(f"{base}/{codec_credential(keys.keys[1])}/decode", **ok) == 200
             assert await post(f"{endpoint}/encode", **ok) == 200
