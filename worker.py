@@ -71,9 +71,10 @@ log = logging.getLogger("durastack.worker")
 MAX_ACTIVITIES = 20_000
 # The sticky cache keeps the workflows touched last. An idle workflow gets no task for an hour (a service's safety
 # tick) or for days (a replica), so one the cache let go replays rarely (a service's history: about 90 ms of CPU);
-# a cached run costs 0.1-0.6 MB. At 1,000 idle services (7,000 workflows) the worker took 721 MiB with 1,500
-# cached, 604 MiB with 500, at the same idle CPU (0.6 %, bench/scale_out.py).
-MAX_CACHED_WORKFLOWS = 500
+# a cached service costs about 0.6 MB, most of it in the SDK's core. At 1,000 idle services (7,000 workflows) the
+# worker took 721 MiB with 1,500 cached, 604 MiB with 500, 450 MiB with 250, at about 1 % of a core
+# (bench/scale_out.py); 250 services changing at once still run from the cache.
+MAX_CACHED_WORKFLOWS = 250
 # The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: every 16 s against the 20 s
 # default, so a worker 4 s late (a busy loop, a slow network) timed a live launch out and a second one started.
 # Sent as often as the activities beat (a third of the timeout, activities/liveness.py), two may be lost or late
