@@ -164,11 +164,11 @@ class FleetWatch:
             log.warning("could not list closed replica workflows: %s (looks again)", e)
             self.listed_to = since
             return {}
-        out: dict[str, list[Down]] = {}
-        for service in {by_id[wid][0] for wid in found}:
-            mine = [r for wid, (s, r) in by_id.items() if s == service and wid in found]
-            out[service] = await closed_workflows(self.client, mine)
-        return out
+        mine: dict[str, list[Watched]] = {}
+        for wid in sorted(found):
+            service, r = by_id[wid]
+            mine.setdefault(service, []).append(r)
+        return dict(zip(mine, await asyncio.gather(*(closed_workflows(self.client, rs) for rs in mine.values()))))
 
     async def tell(self, service: str, downs: list[Down]) -> None:
         """Unroute, then tell the service; a service that is gone is watched no more."""
