@@ -39,8 +39,8 @@ from activities.interface import no_capacity
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
-from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, SSHClient, SSHTarget, Tunnel, container_state, \
-    logs_command, replace_host_key, run, ssh_target, start_job, tunnel_socket, wait_booted
+from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
+    container_state, logs_command, replace_host_key, run, ssh_target, start_job, tunnel_socket, wait_booted
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
@@ -181,6 +181,10 @@ class CloudReplicas:
             if not started:
                 log.info("%s: %s: kept the container an earlier attempt started", inp.job.replica_id,
                          instance.instance_id)
+        except PullDenied as e:  # the same credentials would be refused again: the replica fails, saying why
+            why = "check `image` and `registry_auth`" if inp.job.registry_auth else \
+                "a private image needs `registry_auth`"
+            raise ApplicationError(f"{e} ({why})", type="ImagePullDenied", non_retryable=True) from e
         except RuntimeError as e:  # docker pull or run failed: the message is docker's, never the env
             raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="StartFailed") from e
         finally:

@@ -156,8 +156,8 @@ def docker_daemon() -> Optional[str]:
 
 def local_limits(fields: dict[str, tuple[object, str]]) -> tuple[list[str], list[str]]:
     """(errors, warnings) for a group's effective runtime fields on the local backend: ``fields`` maps
-    ``docker``/``privileged``/``nvcc``/``image``/``commands`` to (value, field path). Local replicas run their
-    commands on this machine, confined, without containers."""
+    ``docker``/``privileged``/``nvcc``/``image``/``commands``/``user``/``registry_auth`` to (value, field path).
+    Local replicas run their commands on this machine, confined, without containers."""
     errors, warnings = [], []
     value = lambda name: fields.get(name, (None, name))[0]  # noqa: E731
     path = lambda name: fields.get(name, (None, name))[1]  # noqa: E731
@@ -171,7 +171,9 @@ def local_limits(fields: dict[str, tuple[object, str]]) -> tuple[list[str], list
         errors.append(f"{path('nvcc')}: the local backend has no CUDA compiler (no nvcc on this machine's PATH)")
     if value("image"):
         if value("commands"):
-            warnings.append(f"{path('image')}: ignored by the local backend, which runs the commands on this machine")
+            pulls = " (and so is `registry_auth`)" if value("registry_auth") else ""
+            warnings.append(f"{path('image')}: ignored by the local backend, which runs the commands on this "
+                            f"machine{pulls}")
         else:
             errors.append(f"{path('image')}: the local backend cannot run images; give the group commands")
     # The local backend's own rule (it refuses at start too), said here, at plan time, with the field.
@@ -198,6 +200,7 @@ def group_runtime_fields(config, index: int) -> dict[str, tuple[object, str]]:
         out[name] = (own, f"groups[{index}].{name}") if own is not None else (getattr(config, name), name)
     out["commands"] = (list(group.commands), f"groups[{index}].commands" if explicit else "commands")
     out["user"] = (config.user, "user")
+    out["registry_auth"] = (config.registry_auth, "registry_auth")
     return out
 
 

@@ -30,6 +30,7 @@ import asyncssh
 
 from activities.runtime import CONTAINER_NAME, REPLICA_LABEL, runtime_of
 from activities.userdata import job_upload, start_command
+from models.registry import RegistryAuth, docker_config
 from models.replica import JobSpec
 
 log = logging.getLogger("durastack.ssh")
@@ -192,7 +193,7 @@ async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bo
         status, _, err = await run(conn, f"umask 077; cat > {REMOTE_DIR}/job/{shlex.quote(name)}", input=text)
         if status != 0:
             raise RuntimeError(f"writing {name} failed ({status}): {err.strip()[:300]}")
-    await pull_image(conn, runtime_of(job).image, said)
+    await pull_image(conn, runtime_of(job).image, said, auth=job.registry_auth)
     said("starting the container")
     status, _, err = await run(conn, start_command(job, gpu=gpu, replica_ip=replica_ip), timeout=300.0)
     if status != 0:
@@ -206,13 +207,33 @@ LAYER_LINE = re.compile(r"^([0-9a-f]{12}): (.+)$")
 LAYER_DONE = ("Pull complete", "Already exists")
 
 
-async def pull_image(conn: asyncssh.SSHClientConnection, image: str, said: Callable[[str], None]) -> None:
+class PullDenied(RuntimeError):
+    """The registry refused the image: private without (the right) ``registry_auth``, or no such repository."""
+
+
+# Docker's words when the registry refuses a pull (Docker Hub's "pull access denied … denied: …", a registry's
+# "unauthorized: authentication required", "denied: requested access to the resource is denied").
+_DENIED = re.compile(r"pull access denied|unauthorized|denied: ")
+PULL_CONFIG = f"{REMOTE_DIR}/job/docker"  # the credentials' Docker config, for the pull only (mode 700)
+
+
+async def pull_image(conn: asyncssh.SSHClientConnection, image: str, said: Callable[[str], None],
+                     auth: Optional[RegistryAuth] = None) -> None:
     """``docker pull image``, telling ``said`` each change of its layer count ("pulling I: 3/7 layers"). The
-    caller's activity bounds it: a pull of tens of GB takes as long as it takes. An image already there is quick."""
+    caller's activity bounds it: a pull of tens of GB takes as long as it takes. An image already there is quick.
+    With ``auth``, the pull reads it from a Docker config written (over stdin, mode 600) for it alone and removed
+    when it ends; nothing of it is on a command line."""
     layers: dict[str, str] = {}
     last: deque[str] = deque(maxlen=5)  # for the error
     told = ""
-    async with conn.create_process(f"docker pull {shlex.quote(image)} 2>&1") as proc:
+    pull = f"docker pull {shlex.quote(image)} 2>&1"
+    if auth is not None:
+        status, _, err = await run(conn, f'umask 077; mkdir -p {PULL_CONFIG}; cat > {PULL_CONFIG}/config.json',
+                                   input=docker_config(image, auth))
+        if status != 0:
+            raise RuntimeError(f"writing the registry credentials failed ({status}): {err.strip()[:300]}")
+        pull = f"docker --config {PULL_CONFIG} pull {shlex.quote(image)} 2>&1; s=$?; rm -rf {PULL_CONFIG}; exit $s"
+    async with conn.create_process(pull) as proc:
         async for line in proc.stdout:
             line = line.strip()
             last.append(line)
@@ -226,7 +247,9 @@ async def pull_image(conn: asyncssh.SSHClientConnection, image: str, said: Calla
                 told = text
         await proc.wait()
     if proc.exit_status != 0:
-        raise RuntimeError(f"docker pull {image} failed ({proc.exit_status}): {' | '.join(last)[-500:]}")
+        said_last = " | ".join(last)[-500:]
+        denied = _DENIED.search(said_last)
+        raise (PullDenied if denied else RuntimeError)(f"docker pull {image} failed ({proc.exit_status}): {said_last}")
 
 
 async def ran_before(conn: asyncssh.SSHClientConnection, job: JobSpec) -> bool:
@@ -364,5 +387,6 @@ class Tunnel:
             self.socket_path.unlink()
 
 
-__all__ = ["NETNS_ENV", "netns_socket_factory", "socket_factory_from_env", "NotReady", "SSHClient", "SSHTarget", "Tunnel", "container_state", "exec_command", "logs_command",
-           "run", "start_job", "tunnel_socket", "wait_booted"]
+__all__ = ["NETNS_ENV", "netns_socket_factory", "socket_factory_from_env", "NotReady", "PullDenied", "SSHClient",
+           "SSHTarget", "Tunnel", "container_state", "exec_command", "logs_command", "run", "start_job",
+           "tunnel_socket", "wait_booted"]

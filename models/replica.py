@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import BeforeValidator, Field, FieldSerializationInfo, field_serializer
 
 from models.common import Model
+from models.registry import RegistryAuth
 from models.secrets import dump_env, unmark_env
 
 # Service and group names become path components of the replica's work dir, so keep them tame.
@@ -40,6 +41,8 @@ class JobSpec(Model):
                                                    "(None: the backend's, sh locally, bash in a container that has it).")
     entrypoint: Optional[str] = Field(None, description="Runs instead of the shell, given the commands (one script) "
                                                         "as its last argument; alone with an image, instead of its own.")
+    registry_auth: Optional[RegistryAuth] = Field(None, description=(
+        "Credentials for pulling `image`, with the `env` values they name filled in (secret)."))
     nvcc: bool = Field(False, description="Run in the CUDA devel image (nvcc available).")
     docker: bool = Field(False, description="Docker-in-Docker: privileged, dockerd started, commands in bash.")
     privileged: bool = Field(False, description="Run the container privileged (always with docker).")

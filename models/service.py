@@ -15,6 +15,7 @@ from pydantic import (AfterValidator, BeforeValidator, Field, FieldSerialization
 
 from models.common import Duration, IntRange, Model, Range, duration_or_off
 from models.failures import RETRY_EVENTS, RetryEvent
+from models.registry import RegistryAuth
 from models.secrets import SECRETS_DESCRIPTION, dump_env, is_secret, unmark
 
 SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,40}$")
@@ -406,6 +407,9 @@ class ServiceConfiguration(Model):
     commands: Annotated[list[Command], _bounded(MAX_COMMANDS, "commands")] = Field(
         default_factory=list, description="Shell commands of the implicit group.")
     entrypoint: Optional[Line] = Field(None, description="Container entrypoint.")
+    registry_auth: Optional[RegistryAuth] = Field(None, description=(
+        "Credentials for pulling a private `image` on cloud instances: `username` and `password`, each may be "
+        "`${{ env.NAME }}` (an `env` entry's value). A new one applies to the next pulls: no replica restarts."))
     working_dir: Optional[Line] = Field(None, min_length=1, description=(
         "Working directory of the commands: relative to the replica's work dir, or absolute."))
     user: Optional[Annotated[str, Field(pattern=USER_RE.pattern)]] = Field(

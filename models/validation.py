@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from models.gateway import (MAX_RATE_LIMIT_BURST, MAX_RATE_LIMIT_RPS, RATE_LIMIT_HEADER_PATTERN,
                             RATE_LIMIT_PREFIX_PATTERN)
 from models.interpolation import find, group_name
+from models.registry import ENV_REF
 from models.resources import ResourcesSpec
 from models.service import (
     ENGINE_METRICS,
@@ -48,7 +49,7 @@ def _set(value: object) -> bool:
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
     rules = [_model_rules, _service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds,
-             _not_supported, _references]
+             _not_supported, _references, _registry_auth]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 
@@ -205,6 +206,26 @@ def _secrets(cfg: ServiceConfiguration) -> Iterator[Issue]:
         if name not in cfg.env:
             yield Issue(("secrets", i), f"{name} is not in `env`; list the names of `env` entries that are secret",
                         about=(("env",),))
+
+
+def _registry_auth(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    """``${{ env.NAME }}`` is the one expression `registry_auth` takes, naming an `env` entry."""
+    auth = cfg.registry_auth
+    if auth is None:
+        return
+    for field in ("username", "password"):
+        text = getattr(auth, field)
+        if "${{" in ENV_REF.sub("", text):
+            yield Issue(("registry_auth", field), "the only expression `registry_auth` takes is `${{ env.NAME }}`, "
+                                                  "naming an `env` entry")
+        for name in (m[1] for m in ENV_REF.finditer(text)):
+            if name not in cfg.env:
+                yield Issue(("registry_auth", field), f"`${{{{ env.{name} }}}}`: {name} is not in `env`; add it "
+                                                      f"there (a bare `{name}` takes it from your environment)",
+                            about=(("env",),))
+    if not any(cfg.image or g.image for g in cfg.replica_groups):
+        yield Issue(("registry_auth",), "no group sets `image`: the default images are public, nothing would use "
+                                        "these credentials")
 
 
 def _probes_and_limits(cfg: ServiceConfiguration) -> Iterator[Issue]:
@@ -374,14 +395,14 @@ def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
 
 def _expressions_outside_commands(node: object, at: Path) -> Iterator[Path]:
     """Paths of the string fields holding ``${{`` other than ``commands`` and ``env`` (which has its own rule).
-    No other form (``${{ env.X }}``, ``${{ secrets.X }}``) is substituted anywhere: every one would reach the job
-    as written."""
+    No other form (``${{ secrets.X }}``; ``${{ env.X }}`` but in `registry_auth`, which has its own rule) is
+    substituted anywhere: every one would reach the job as written."""
     if isinstance(node, str):
         if "${{" in node:
             yield at
     elif isinstance(node, BaseModel):
         for name in type(node).model_fields:
-            if (not at and name == "env") or name == "commands":
+            if (not at and name in ("env", "registry_auth")) or name == "commands":
                 continue
             yield from _expressions_outside_commands(getattr(node, name), at + (name,))
     elif isinstance(node, (list, tuple)):

@@ -1,5 +1,6 @@
 """A stand-in for the Docker CLI on a simulated cloud host: ``pull``, ``run -d``, ``rm -f``, ``inspect``, ``logs``,
-``exec``, ``kill`` — enough for what durastack sends over SSH (activities/userdata.py, activities/ssh.py).
+``exec``, ``kill`` — enough for what durastack sends over SSH (activities/userdata.py, activities/ssh.py). Its
+registry has the private repositories ``$FAKE_REGISTRY`` lists, pulled only with their credentials.
 
 A "container" is the group's commands run by a supervisor process in the host's network namespace, with the
 env of ``--env-file``/``-e``, the working dir of ``-w``, and its ``-v SRC:/durastack`` mount seen at SRC (the
@@ -9,6 +10,7 @@ as ``--network=host`` puts it (the flags it was given are kept in ``spec.json``)
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -138,14 +140,45 @@ def _kill(name: str, sig: int = signal.SIGKILL) -> None:
             pass
 
 
-def _pull(image: str) -> int:
+def _registry_refuses(image: str, repository: str, config: Path) -> str:
+    """Why the registry refuses the pull ('' if it does not): a repository ``$FAKE_REGISTRY`` (JSON: {repository:
+    "user:password"}) lists is private, pulled only with those credentials in the client's ``config.json`` under
+    the registry's key, as ``docker login`` writes them. Refused in the daemon's words: Docker Hub's, or a
+    registry's ``unauthorized``."""
+    listed = Path(os.environ.get("FAKE_REGISTRY") or "/nonexistent")
+    private = json.loads(listed.read_text()) if listed.exists() else {}
+    if repository not in private:
+        return ""
+    first, slash, path = repository.partition("/")
+    registry = first if slash and ("." in first or ":" in first or first == "localhost") else ""
+    try:
+        auths = json.loads((config / "config.json").read_text()).get("auths", {})
+    except (OSError, ValueError):
+        auths = {}
+    given = auths.get(registry or "https://index.docker.io/v1/", {}).get("auth", "")
+    if given and base64.b64decode(given).decode() == private[repository]:
+        return ""
+    if not registry:
+        return (f"Error response from daemon: pull access denied for {repository}, repository does not exist or "
+                "may require 'docker login': denied: requested access to the resource is denied")
+    reference = image.rpartition(":")[2] if ":" in image.rsplit("/", 1)[-1] else "latest"
+    return (f'Error response from daemon: Head "https://{registry}/v2/{path}/manifests/{reference}": '
+            "unauthorized: authentication required")
+
+
+def _pull(image: str, config: Path) -> int:
     """What ``docker pull`` prints without a terminal: per layer ``<id>: <state>`` lines. Each pull is recorded in
     ``pulls`` (one image per line); a second pull of an image finds it there, as Docker's image store would. A
-    reference Docker cannot parse (a repository name with capitals) fails as Docker fails it."""
+    reference Docker cannot parse (a repository name with capitals) fails as Docker fails it; a private one
+    without its credentials as the registry refuses it."""
     repository = image.split("@")[0].rsplit(":", 1)[0] if "/" not in image.rsplit(":", 1)[-1] else image
     if repository != repository.lower() or not image or any(c.isspace() for c in image):
         # Docker refuses the reference before it asks any registry.
         print(f"invalid reference format: repository name ({repository}) must be lowercase", file=sys.stderr)
+        return 1
+    refused = _registry_refuses(image, repository, config)
+    if refused:
+        print(refused, file=sys.stderr)
         return 1
     record = STATE / "pulls"
     pulled = record.read_text().splitlines() if record.exists() else []
@@ -166,6 +199,9 @@ def _pull(image: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    config = Path(os.environ.get("DOCKER_CONFIG") or Path(os.environ.get("HOME", "/root")) / ".docker")
+    if argv[:1] == ["--config"]:  # the client's own option, before the command
+        config, argv = Path(argv[1]), argv[2:]
     cmd, args = argv[0], argv[1:]
     if cmd == "run":
         return _run(args)
@@ -218,7 +254,7 @@ def main(argv: list[str]) -> int:
         spec = json.loads((_dir(name) / "spec.json").read_text())
         return subprocess.call(command, env=spec["env"], cwd=spec["cwd"])
     if cmd == "pull":
-        return _pull(args[-1])
+        return _pull(args[-1], config)
     if cmd == "info":
         return 0
     print(f"fake docker: {cmd} is not simulated", file=sys.stderr)

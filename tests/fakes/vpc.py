@@ -154,6 +154,11 @@ class SimulatedVPC:
         _ip("-n", self.netns, "addr", "add", f"{GCE_GATEWAY_ADDRESS}/32", "dev", "br0")
         _ip("-n", self.netns, "link", "set", "br0", "up")
 
+    @property
+    def registry(self) -> Path:
+        """The private repositories of the hosts' image registry (tests/fakes/fake_docker.py): a test writes it."""
+        return self.workdir / "registry.json"
+
     # --- hosts --------------------------------------------------------------------------------------
 
     def boot(self, name: str, address: str, user_data: str, admits: Optional[Sequence[Admit]] = None) -> SimHost:
@@ -180,7 +185,8 @@ class SimulatedVPC:
         for d in ("opt", "etc", "home", "bin", "containers"):
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
         docker = root / "bin" / "docker"
-        docker.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests/fakes/fake_docker.py'} \"$@\"\n")
+        docker.write_text(f"#!/bin/sh\nFAKE_REGISTRY={self.registry} exec {sys.executable} "
+                          f"{ROOT / 'tests/fakes/fake_docker.py'} \"$@\"\n")
         docker.chmod(0o755)
         # systemd's part that durastack uses over SSH: sshd's reload (sim_host reads its host keys again).
         systemctl = root / "bin" / "systemctl"
