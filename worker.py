@@ -52,6 +52,7 @@ from connect.codec import CodecKeyError
 from connect.connection import TemporalConfigError, client_options, connect_failure
 from connect.deployment import VersioningUnavailable, become_current, deployment_config
 from connect.installation import installation_id
+from connect.ssh_keys import SSHKeys, SSHKeysError
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget
@@ -181,7 +182,6 @@ def cloud_worker_activities(client: Client, settings: Settings, gateway: Gateway
 def _ssh_path(settings: Settings) -> dict:
     """Cloud replicas are reached over SSH with the home's keys (connect/ssh_keys.py), tunnels under the home."""
     from activities.ssh import SSHClient
-    from connect.ssh_keys import SSHKeys
 
     keys = SSHKeys.of_home(settings.home)
     return dict(ssh=SSHClient.from_keys(keys), ssh_keys=keys, home=settings.home)
@@ -266,6 +266,10 @@ async def main(argv: Optional[list[str]] = None) -> None:
         await asyncio.to_thread(clouds.ledger.store.open)
     except Exception as e:  # noqa: BLE001 — no ledger, no launches: stop, saying which database
         sys.exit(f"worker: store {clouds.ledger.store.where()}: {e}")
+    try:  # every worker holds them (_ssh_path): a Secret without them stops it here, saying so
+        SSHKeys.of_home(settings.home)
+    except SSHKeysError as e:
+        sys.exit(f"worker: {e}")
     try:
         client = await connect(settings)
     except (CodecKeyError, TemporalConfigError) as e:

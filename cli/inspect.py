@@ -250,9 +250,12 @@ def _cloud_replica(settings: Settings, name: str, replica: Optional[int], runnin
     if not (view.ssh_host and view.instance_key):
         raise user_error(f"replica {view.replica} on {view.backend} has no instance address yet")
     from activities.ssh import SSHClient, ssh_target
-    from connect.ssh_keys import SSHKeys
+    from connect.ssh_keys import SSHKeys, SSHKeysError
 
-    keys = SSHKeys.of_home(settings.home)
+    try:
+        keys = SSHKeys.of_home(settings.home)
+    except SSHKeysError as e:
+        raise user_error(str(e))
     return SSHClient.from_keys(keys), ssh_target(keys, view.ssh_host, view.instance_key, view.host_key_after_boot)
 
 

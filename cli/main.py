@@ -28,6 +28,7 @@ GROUPS = {
     "cli.server": ("server", "ui", "temporal-env"),
     "cli.codec_server": ("codec-server",),
     "cli.tokens": ("token",),
+    "cli.keys": ("ssh-keys",),
     "cli.db": ("db",),
 }
 

@@ -6,11 +6,13 @@ or run, except `docker compose config` and `kubectl kustomize` when those tools 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,6 +43,15 @@ def load_all(path: Path) -> list[Any]:
     return [d for d in YAML(typ="safe").load_all(path.read_text()) if d is not None]
 
 
+def load_k8s(path: Path) -> list[Any]:
+    """As kubectl reads a manifest: YAML 1.1, where a mode such as 0440 is octal. ruamel applies a version to the
+    first document of a stream only, so each document is loaded on its own."""
+    yaml = YAML(typ="safe")
+    yaml.version = (1, 1)
+    docs = (yaml.load(text) for text in re.split(r"^---[ \t]*$", path.read_text(), flags=re.M))
+    return [d for d in docs if d is not None]
+
+
 def shipped_sources() -> list[Path]:
     """The Python files the image installs: pyproject's packages and py-modules."""
     setup = PYPROJECT["tool"]["setuptools"]
@@ -53,7 +64,7 @@ def shipped_sources() -> list[Path]:
 SOURCE_TEXT = "\n".join(p.read_text() for p in shipped_sources())
 COMPOSE = YAML(typ="safe").load((INFRA / "compose.yaml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
-K8S = [doc for path in K8S_FILES if path.name != "kustomization.yaml" for doc in load_all(path)]
+K8S = [doc for path in K8S_FILES if path.name != "kustomization.yaml" for doc in load_k8s(path)]
 HELM = YAML(typ="safe").load((INFRA / "helm" / "temporal-values.yaml").read_text())
 
 
@@ -80,18 +91,50 @@ def deployment(name: str) -> dict:
     return found
 
 
+def gateway_pod() -> tuple[dict, dict]:
+    """(the gateway's pod spec, its gateway container)."""
+    pod = deployment("durastack-gateway")["spec"]["template"]["spec"]
+    (gateway,) = [c for c in pod["containers"] if c["command"][:3] == GATEWAY]
+    return pod, gateway
+
+
+SSH_SECRET_COMMANDS = ("durastack ssh-keys ./durastack-ssh",
+                       "kubectl -n durastack create secret generic durastack-ssh --from-file=./durastack-ssh")
+
+
+@functools.cache
+def ssh_secret_keys() -> frozenset[str]:
+    """The keys of durastack-ssh, made as secret.example.yaml says (SSH_SECRET_COMMANDS): one per file of the
+    directory that `durastack ssh-keys` fills."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    with tempfile.TemporaryDirectory() as tmp:
+        made = Path(tmp) / SSH_SECRET_COMMANDS[0].split()[-1]
+        assert CliRunner().invoke(app, ["ssh-keys", str(made)]).exit_code == 0
+        return frozenset(p.name for p in made.iterdir() if p.is_file())  # what --from-file=DIR takes
+
+
 def secret_keys() -> dict[str, set[str]]:
-    """Secret name -> its keys, from the template."""
-    return {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
-            for d in load_all(INFRA / "k8s" / "secret.example.yaml")}
+    """Secret name -> its keys, from the template, and durastack-ssh's from the files it is made of."""
+    template = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
+                for d in load_k8s(INFRA / "k8s" / "secret.example.yaml")}
+    return {**template, "durastack-ssh": set(ssh_secret_keys())}
+
+
+def mounted_volumes(container: dict, pod_spec: dict) -> dict[str, dict]:
+    """A container's mount path -> the pod volume mounted there."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    return {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
 
 
 def secret_refs(container: dict, pod_spec: dict) -> set[str]:
-    """The Secrets a container reads: whole (envFrom), one key (env valueFrom), or mounted in its pod."""
+    """The Secrets a container reads: whole (envFrom), one key (env valueFrom), or mounted (not its pod's others)."""
     refs = {s["secretRef"]["name"] for s in container.get("envFrom", []) if "secretRef" in s}
     refs |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
              if "secretKeyRef" in e.get("valueFrom", {})}
-    return refs | {v["secret"]["secretName"] for v in pod_spec.get("volumes", []) if "secret" in v}
+    return refs | {v["secret"]["secretName"] for v in mounted_volumes(container, pod_spec).values() if "secret" in v}
 
 
 def secret_env(container: dict) -> set[str]:
@@ -499,7 +542,7 @@ def service_ports(svc: dict) -> dict[str, int]:
 
 def test_k8s_gateway_has_a_traffic_service_and_an_in_cluster_control_service(tmp_path):
     gw = deployment("durastack-gateway")
-    (c,) = gw["spec"]["template"]["spec"]["containers"]
+    _, c = gateway_pod()
     port, control = int(flag(c["command"], "--port")), int(flag(c["command"], "--control-port"))
     assert {p["containerPort"] for p in c["ports"]} == {port, control}
     env = container_env(c)
@@ -528,8 +571,8 @@ def test_k8s_main_workers_scale_and_reach_the_control_service_by_url():
     settings = Settings.from_env(container_env(c))
     url = urlsplit(settings.gateway_control_url)
     (svc,) = [s for s in k8s("Service") if s["metadata"]["name"] == url.hostname]
-    gateway = deployment("durastack-gateway")["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert service_ports(svc).get(url.port) == int(flag(gateway, "--control-port"))
+    _, gateway = gateway_pod()
+    assert service_ports(svc).get(url.port) == int(flag(gateway["command"], "--control-port"))
     assert CONTROL_TOKEN in secret_env(c)
     # Scalable: more than one, rolled, no volume claimed by one pod.
     assert worker["spec"]["replicas"] >= 2 and worker["spec"]["strategy"]["type"] == "RollingUpdate"
@@ -538,18 +581,75 @@ def test_k8s_main_workers_scale_and_reach_the_control_service_by_url():
             worker["spec"]["selector"]["matchLabels"]]
 
 
+def test_k8s_cloud_workers_share_their_keys_and_their_tunnels_with_the_gateway():
+    """The compose rule (above) in a cluster, where a volume is one pod's: the cloud workers are containers of the
+    gateway's pod, with one emptyDir for the tunnels at the gateway's $DURASTACK_HOME/tunnels; every worker reads
+    the key pair and host-key seed from one Secret at DURASTACK_SSH_DIR, readable by the user the pods run as."""
+    from activities.ssh import tunnel_socket
+    from connect.ssh_keys import CLIENT_KEY, HOST_SEED, ssh_dir
+
+    image_uid = int(re.search(r"--uid (\d+) ", (INFRA / "Dockerfile").read_text())[1])
+    pod, gateway = gateway_pod()
+    gateway_home = Path(flag(gateway["command"], "--runtime-dir")).parent
+    tunnels = mounted_volumes(gateway, pod).get(str(gateway_home / "tunnels"))
+    assert tunnels and "emptyDir" in tunnels, "the gateway mounts the pod's tunnels volume in its home"
+    clouds, key_secrets = {}, []
+    for name, template in workloads():
+        spec = template["spec"]
+        for c in spec["containers"]:
+            if c["command"] != WORKER:
+                continue
+            env, mounts = container_env(c), mounted_volumes(c, spec)
+            with mock.patch.dict(os.environ, {"DURASTACK_SSH_DIR": env.get("DURASTACK_SSH_DIR", "")}):
+                keys = ssh_dir(Path(env["DURASTACK_HOME"]))  # as the worker finds them
+            assert "DURASTACK_SSH_DIR" in env and "secret" in mounts.get(str(keys), {}), f"{name}/{c['name']}"
+            assert next(m for m in c["volumeMounts"] if m["mountPath"] == str(keys)).get("readOnly") is True
+            key_secrets.append(mounts[str(keys)]["secret"])
+            identity = {spec["securityContext"][k] for k in ("runAsUser", "runAsGroup", "fsGroup")}
+            assert identity == {image_uid}, f"{name}: the image's user, in the group the kubelet gives the keys"
+            backends = env["DURASTACK_WORKER_BACKENDS"]
+            if backends in CLOUDS:
+                clouds[backends] = f"{name}/{c['name']}"
+                socket = tunnel_socket(Path(env["DURASTACK_HOME"]), "svc/group/r0-s0")
+                assert socket.parent == gateway_home / "tunnels", f"{c['name']}: tunnels where the gateway looks"
+                assert mounts.get(str(socket.parent)) is tunnels, f"{c['name']}: the gateway's tunnels volume"
+    assert sorted(clouds) == sorted(CLOUDS), clouds
+    assert len(key_secrets) == 3  # the main workers and one container per cloud
+    # One Secret holding the two files connect/ssh_keys.py reads. The kubelet makes each file root's, with the
+    # group fsGroup and the group's read bit whatever the mode: say that mode, and none for others.
+    assert {s["secretName"] for s in key_secrets} == {"durastack-ssh"}
+    assert secret_keys()["durastack-ssh"] == {CLIENT_KEY, HOST_SEED}
+    for where in (INFRA / "k8s" / "secret.example.yaml", INFRA / "README.md"):  # how to make it, said the same
+        assert all(command in where.read_text() for command in SSH_SECRET_COMMANDS), where
+    assert {s["defaultMode"] for s in key_secrets} == {0o440}
+    # The gateway, internet-facing, holds neither the keys nor any cloud's credentials.
+    assert not secret_refs(gateway, pod) & {"durastack-ssh", "durastack-aws", "durastack-gcp"}
+    # A cloud worker restarting must not take the one gateway out of its Services (a pod is ready only while all
+    # its containers are), and a disruption budget on a one-pod Deployment would block every node drain.
+    labels = deployment("durastack-gateway")["spec"]["template"]["metadata"]["labels"]
+    selecting = [svc for svc in k8s("Service") if svc["spec"]["selector"].items() <= labels.items()]
+    assert {svc["metadata"]["name"] for svc in selecting} >= {"durastack-gateway", "durastack-gateway-control"}
+    assert all(svc["spec"].get("publishNotReadyAddresses") is True for svc in selecting)
+    assert not [b for b in k8s("PodDisruptionBudget") if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+
+
 def test_k8s_every_worker_serves_metrics_on_its_pod_ip():
     cm = config_map()
-    settings = Settings.from_env(cm)
-    assert settings.bind_host not in ("127.0.0.1", "localhost", "::1")
-    scraped = {int(s["metadata"]["annotations"]["prometheus.io/port"]): s for s in k8s("Service")
+    assert Settings.from_env(cm).bind_host not in ("127.0.0.1", "localhost", "::1")
+    scraped = {s["metadata"]["name"]: s for s in k8s("Service")
                if s["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"}
     for name, pod in workloads():
+        ports = [p for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+        # One network namespace per pod: each port, and each port's name, once in it.
+        assert len({p["name"] for p in ports}) == len({p["containerPort"] for p in ports}) == len(ports), name
         for c in pod["spec"]["containers"]:
             if c["command"] == WORKER:
-                assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": settings.worker_metrics_port}
-                assert any(c["ports"][0]["containerPort"] in service_ports(s).values()
-                           for s in scraped.values()), f"{name}: no scraped Service reaches its metrics"
+                port = Settings.from_env(container_env(c)).worker_metrics_port
+                assert [p["containerPort"] for p in c["ports"]] == [port], f"{name}/{c['name']}: its own port only"
+                assert f"127.0.0.1:{port}/metrics" in c["livenessProbe"]["exec"]["command"][2]
+                assert [s for s in scraped.values() if port in service_ports(s).values()
+                        and int(s["metadata"]["annotations"]["prometheus.io/port"]) == port], \
+                    f"{name}/{c['name']}: no scraped Service reaches its metrics"
     # Secrets never sit in the ConfigMap.
     assert not [k for k in cm if re.search(r"KEY|PASSWORD|DATABASE_URL|TOKEN", k)]
 
@@ -622,3 +722,6 @@ def test_kustomize_renders_the_manifests_with_namespace_and_image():
     images = {c["image"] for d in rendered if d["kind"] in ("Deployment", "Job")
               for c in pod_containers(d["spec"]["template"]["spec"])}
     assert not any(i.startswith(OUR_IMAGE) for i in images) and "registry.example.com/durastack:0.1.0" in images
+    modes = lambda docs: sorted(v["secret"]["defaultMode"] for d in docs if d["kind"] == "Deployment"  # noqa: E731
+                                for v in d["spec"]["template"]["spec"]["volumes"] if "secret" in v)
+    assert modes(rendered) == modes(K8S) == [0o440] * 3, "kubectl reads 0440 as octal, as load_k8s does"
