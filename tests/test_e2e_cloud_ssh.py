@@ -374,3 +374,45 @@ def test_aws_private_data_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc
     assert [i for r in live["Reservations"] for i in r["Instances"]] == []
     groups = ec2.describe_security_groups()["SecurityGroups"]
     assert [g["GroupName"] for g in groups if g["GroupName"].startswith("durastack")] == []
+
+
+
+def test_aws_public_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
+    """The README's default: `public_ip: true`, no `gateway_cidrs`, the gateway on the internet. Its worker reaches
+    instances only at their public addresses (a private one is not routed there, as on the internet), SSH is open
+    to 0.0.0.0/0 (key-only, host key pinned) and nothing else from outside; the replica serves through its tunnel."""
+    from activities.ssh import netns_socket_factory
+
+    fake_ec2.seed_amis("us-east-1")
+    monkeypatch.setenv("DURASTACK_SSH_NETNS", vpc.internet())
+    stack = _stack(tmp_path, monkeypatch, vpc, "backends:\n  aws:\n    regions: [us-east-1]\n    ami_owners: [self]\n",
+                   inside=True)
+    service = tmp_path / "cloudsvc.yml"
+    service.write_text(PRIVATE_SERVICE.format(secret=SECRET, app=textwrap.indent(APP, " " * 10)))
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    reach = netns_socket_factory(vpc.internet())
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        try:
+            _apply(stack, service)
+            until(lambda: len(_replicas(stack)) == 1, 120, 0.5, "ready over the public path")
+            assert set(_requests(stack, 10)) == {200}
+            (host,) = vpc.hosts.values()
+            (raw,) = [i for r in ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["running"]}])
+                      ["Reservations"] for i in r["Instances"]]
+            assert host.public == raw["PublicIpAddress"] and host.address == raw["PrivateIpAddress"]
+            (group,) = [g for g in ec2.describe_security_groups()["SecurityGroups"]
+                        if g["GroupName"].startswith("durastack")]
+            outside = [(p.get("FromPort"), [r["CidrIp"] for r in p["IpRanges"]]) for p in group["IpPermissions"]
+                       if p["IpRanges"]]
+            assert outside == [(22, ["0.0.0.0/0"])]
+            # The fake is the internet: the public address answers SSH, the private one is not even routed.
+            asyncio.run(reach(host.public, 22)).close()
+            with pytest.raises(OSError):
+                asyncio.run(reach(host.address, 22)).close()
+            result = stack.cli("stop", "cloudsvc", "-y", timeout=300)
+            assert result.returncode == 0, result.stdout + result.stderr
+        finally:
+            stack.stop()
+    assert not booter.errors, booter.errors
+    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    assert [i for r in live["Reservations"] for i in r["Instances"]] == []

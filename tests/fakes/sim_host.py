@@ -7,7 +7,7 @@ the instance: by bash, with ``docker`` the stand-in of tests/fakes/fake_docker.p
 host's state dir. Only direct TCP forwarding to the host's loopback is allowed (sshd's
 ``AllowTcpForwarding local`` and the container published on 127.0.0.1).
 
-``python -m tests.fakes.sim_host --root DIR --listen IP`` (prints ``ready`` once listening).
+``python -m tests.fakes.sim_host --root DIR --listen IP [--listen IP…]`` (prints ``ready`` once listening).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def host_keys(root: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True, help="the host's files: etc/, home/, opt/, bin/docker")
-    parser.add_argument("--listen", required=True)
+    parser.add_argument("--listen", required=True, action="append", help="an address of the host's (repeatable)")
     parser.add_argument("--port", type=int, default=22)
     args = parser.parse_args()
     root = Path(args.root)

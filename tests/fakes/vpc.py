@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BRIDGE_ADDRESS = "172.31.255.254"  # the VPC's own (the gateway's side); hosts get /32 routes, whatever range
 LINK_ADDRESS = "172.31.255.253"  # this machine's side of ``link_machine()``: a control plane inside the VPC
 GCE_GATEWAY_ADDRESS = "10.255.255.254"  # the gateway's address towards hosts in 10.0.0.0/8
+INTERNET_ADDRESS = "198.51.100.7"  # a gateway on the internet (``internet()``): where it connects from
 _ADMIT_PREFS = (100, 899)  # the host's routing rules that admit; 900, 901 drop the rest of TCP and UDP
 
 
@@ -109,6 +110,7 @@ class SimHost:
     address: str
     root: Path
     server: subprocess.Popen
+    public: Optional[str] = None  # its public address, if the cloud gave it one
 
     def boot_again(self) -> None:
         """The boot script once more, as GCP's agent runs it at every boot, then sshd restarted (read again)."""
@@ -142,6 +144,7 @@ class SimulatedVPC:
     admitted: dict[str, tuple[Admit, ...]] = field(default_factory=dict)  # host → what its firewall takes
     _ns: list[str] = field(default_factory=list)
     _link: Optional[str] = None
+    _internet: Optional[tuple[str, str]] = None  # (namespace, its link's name there)
     _booted: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # hosts ever booted: unique names
 
     def __post_init__(self) -> None:
@@ -161,9 +164,11 @@ class SimulatedVPC:
 
     # --- hosts --------------------------------------------------------------------------------------
 
-    def boot(self, name: str, address: str, user_data: str, admits: Optional[Sequence[Admit]] = None) -> SimHost:
+    def boot(self, name: str, address: str, user_data: str, admits: Optional[Sequence[Admit]] = None,
+             public: Optional[str] = None) -> SimHost:
         """Boot a host for instance ``name`` at its private ``address`` from its user data; with ``admits``, behind
-        that firewall from the start (without, open: the bare host of tests/test_ssh_path.py)."""
+        that firewall from the start (without, open: the bare host of tests/test_ssh_path.py); with a ``public``
+        address, reached at it from the internet (``internet()``)."""
         if name in self.hosts:
             return self.hosts[name]
         n = next(self._booted)
@@ -181,6 +186,8 @@ class SimulatedVPC:
             self._firewall(netns, name, admits)
         if self._link:
             _ip("route", "add", f"{address}/32", "dev", self._link)
+        if public:
+            self._publish(netns, public)
         root = self.workdir / name
         for d in ("opt", "etc", "home", "bin", "containers"):
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -202,13 +209,13 @@ class SimulatedVPC:
             _guest_agent_host_keys(root / "etc" / "ssh")
         server = subprocess.Popen(
             ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.fakes.sim_host", "--root", str(root),
-             "--listen", address], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+             "--listen", address, *(["--listen", public] if public else [])], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE, stderr=open(root / "sshd.log", "ab"), text=True)
         line = server.stdout.readline()  # "ready" once listening; EOF if it died
         if line.strip() != "ready":
             server.kill()
             raise RuntimeError(f"simulated host {name} did not start: {(root / 'sshd.log').read_text()[-2000:]}")
-        host = SimHost(name=name, netns=netns, veth=veth, address=address, root=root, server=server)
+        host = SimHost(name=name, netns=netns, veth=veth, address=address, root=root, server=server, public=public)
         self.hosts[name] = host
         return host
 
@@ -260,6 +267,11 @@ class SimulatedVPC:
         if self._link:
             subprocess.run(["ip", "route", "del", f"{host.address}/32", "dev", self._link], capture_output=True,
                            timeout=30)
+        if host.public:
+            subprocess.run(["ip", "-n", self.netns, "route", "del", f"{host.public}/32"], capture_output=True, timeout=30)
+            if self._internet:
+                subprocess.run(["ip", "-n", self._internet[0], "route", "del", f"{host.public}/32"],
+                               capture_output=True, timeout=30)
 
     # --- the gateway's side -------------------------------------------------------------------------
 
@@ -284,6 +296,38 @@ class SimulatedVPC:
             for host in self.hosts.values():
                 _ip("route", "add", f"{host.address}/32", "dev", mine)
         return f"{LINK_ADDRESS}/32"
+
+    def internet(self) -> str:
+        """A namespace outside the VPC, as the internet is, for a gateway there (``DURASTACK_SSH_NETNS``): it connects
+        from ``INTERNET_ADDRESS`` and reaches the hosts' public addresses only, through the VPC's namespace (its
+        internet gateway), never a private one. A host has its public address on its interface (a real one sees
+        its private address, the cloud translating; the same to sshd). Returns the namespace's name."""
+        if self._internet is None:
+            netns, mine, theirs = f"dsnet-{self.tag}", f"ni{self.tag}"[:15], f"ng{self.tag}"[:15]
+            _ip("netns", "add", netns)
+            self._ns.append(netns)
+            _ip("-n", netns, "link", "set", "lo", "up")
+            _ip("-n", self.netns, "link", "add", theirs, "type", "veth", "peer", "name", mine, "netns", netns)
+            _ip("-n", netns, "addr", "add", f"{INTERNET_ADDRESS}/32", "dev", mine)
+            _ip("-n", netns, "link", "set", mine, "up")
+            _ip("-n", self.netns, "link", "set", theirs, "up")
+            _ip("-n", self.netns, "route", "add", f"{INTERNET_ADDRESS}/32", "dev", theirs)
+            sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.br0.proxy_arp=1", f"net.ipv4.conf.{theirs}.proxy_arp=1",
+                       "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.br0.rp_filter=0",
+                       f"net.ipv4.conf.{theirs}.rp_filter=0"]
+            subprocess.run(["ip", "netns", "exec", self.netns, "sysctl", "-q", "-w", *sysctls], check=True,
+                           capture_output=True, timeout=30)
+            self._internet = (netns, mine)
+            for host in self.hosts.values():
+                if host.public:
+                    _ip("-n", netns, "route", "add", f"{host.public}/32", "dev", mine)
+        return self._internet[0]
+
+    def _publish(self, netns: str, public: str) -> None:
+        _ip("-n", netns, "addr", "add", f"{public}/32", "dev", "eth0")
+        _ip("-n", self.netns, "route", "add", f"{public}/32", "dev", "br0")
+        if self._internet:
+            _ip("-n", self._internet[0], "route", "add", f"{public}/32", "dev", self._internet[1])
 
     def connect(self, host: str, port: int, timeout: float = 5.0) -> socket.socket:
         """A blocking TCP connection to ``host:port`` made inside the VPC."""
@@ -322,9 +366,9 @@ def _ports(proto: Optional[str], first, last) -> Optional[tuple[int, int]]:
     return int(first), int(last)
 
 
-def moto_instances(region: str = "us-east-1") -> list[tuple[str, str, str, list[Admit]]]:
-    """(id, private IP, user data, what its security groups admit) of every running instance moto has (AWS env
-    pointed at it). A group's rule from a group admits the private IPs of that group's instances."""
+def moto_instances(region: str = "us-east-1") -> list[tuple[str, str, str, list[Admit], Optional[str]]]:
+    """(id, private IP, user data, what its security groups admit, public IP) of every running instance moto has
+    (AWS env pointed at it). A group's rule from a group admits the private IPs of that group's instances."""
     import boto3
 
     ec2 = boto3.client("ec2", region_name=region)
@@ -350,7 +394,8 @@ def moto_instances(region: str = "us-east-1") -> list[tuple[str, str, str, list[
                 for pair in perm.get("UserIdGroupPairs", []):
                     cidrs += [f"{o['PrivateIpAddress']}/32" for o in raws if pair["GroupId"] in groups_of[o["InstanceId"]]]
                 admits += [Admit(cidr, proto, ports) for cidr in cidrs]
-        found.append((raw["InstanceId"], raw["PrivateIpAddress"], base64.b64decode(value).decode(), admits))
+        found.append((raw["InstanceId"], raw["PrivateIpAddress"], base64.b64decode(value).decode(), admits,
+                      raw.get("PublicIpAddress")))
     return found
 
 
@@ -410,11 +455,12 @@ class Booter:
                 running = self.list_instances()
                 for name in set(self.vpc.hosts) - {name for name, *_ in running}:
                     self.vpc.power_off(name)  # terminated or stopped: it no longer answers
-                for name, address, user_data, *admits in running:
-                    admits = admits[0] if admits else None  # without: an open host
+                for name, address, user_data, *rest in running:
+                    admits = rest[0] if rest else None  # without: an open host
+                    public = rest[1] if len(rest) > 1 else None
                     if name not in self.vpc.hosts:
                         self.user_data[name] = user_data
-                        self.vpc.boot(name, address, user_data, admits)
+                        self.vpc.boot(name, address, user_data, admits, public)
                     elif admits is not None:
                         self.vpc.firewall(name, admits)  # the rules changed, or its peers did
             except Exception as e:  # noqa: BLE001 — reported by the test, never swallowed silently
