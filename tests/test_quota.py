@@ -3,11 +3,12 @@
 The rule alone; its per-region cache (TTL, a failed read said once); then against moto (Service Quotas, behind the
 fault middleware, which answers EC2's vCPU quotas as AWS does) and the fake Compute server (regions.get): a
 zero-quota class is skipped without a launch call while other offers launch; an unreadable quota API blocks
-nothing.
+nothing; and ``durastack offers`` shows the mark.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import boto3
@@ -15,11 +16,13 @@ import pytest
 from botocore.exceptions import ClientError
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
+from typer.testing import CliRunner
 
 from activities.aws import AWSBackend
 from activities.cloud import NoCapacity, provision_cloud
 from activities.gcp import GCPBackend
 from activities.quota import QUOTA_TTL, RegionQuotas, aws_vcpu_quota, gcp_gpu_quota, verdict
+from cli.main import app
 from models.backends import AWSConfig, GCPConfig
 from models.offers import InstanceOffer
 from models.replica import JobSpec
@@ -293,3 +296,50 @@ def test_gcp_regions_get_refused_blocks_nothing(gcp, ledger, gce):
     chosen, _ = provision_cloud(job(), GPU, [G2], backends={"gcp": gcp}, ledger=ledger)
     assert chosen.region == "us-central1" and inserted(gce) == ["us-central1-a"]
     assert "compute.regions.get" in gcp.quotas.failure("us-central1")
+
+
+# --- durastack offers ------------------------------------------------------------------------------------------
+
+def offers_cli(home, *args: str):
+    return CliRunner().invoke(app, ["offers", "--gpu", "A10G", "--backend", "aws", "--region", "us-east-1",
+                                    "--region", "us-west-2", "--limit", "0", *args],
+                              env={"COLUMNS": "220", "DURASTACK_HOME": str(home)})
+
+
+@pytest.fixture
+def aws_home(tmp_path, fake_ec2):
+    (tmp_path / "config.yml").write_text("backends:\n  aws:\n    regions: [us-east-1, us-west-2]\n")
+    return tmp_path
+
+
+def test_offers_marks_those_without_quota(aws_home, fake_ec2):
+    fake_ec2.set_quota("us-east-1", G_ON_DEMAND, 0.0)
+    result = offers_cli(aws_home)
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stdout.splitlines() if " g5." in line]
+    assert "QUOTA" in result.stdout and rows
+    east = [row for row in rows if row[2] == "us-east-1"]
+    west = [row for row in rows if row[2] == "us-west-2"]
+    assert east and all(row[-2:] == ["no", "quota"] for row in east)
+    assert west and all(row[-1] == "ok" for row in west)
+    assert "no quota: Running On-Demand G and VT instances (L-DB2E81BA) is 0 vCPUs in us-east-1; g5.xlarge " \
+           "needs 4" in result.stdout
+    data = json.loads(offers_cli(aws_home, "--json").stdout)
+    [group] = data["groups"]
+    marks = {(o["region"], o["instance_type"]): m["status"] for o, m in zip(group["offers"], group["quota"])}
+    assert marks[("us-east-1", "g5.xlarge")] == "no quota" and marks[("us-west-2", "g5.xlarge")] == "ok"
+    assert data["quota_notes"] == []
+
+
+def test_offers_says_once_that_quotas_could_not_be_read(aws_home, fake_ec2):
+    fake_ec2.deny_quotas()
+    result = offers_cli(aws_home)
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stdout.splitlines() if line.startswith("quota: ")]
+    assert len(notes) == 1 and "AccessDeniedException" in notes[0] and "tried" in notes[0]
+    assert "no quota" not in result.stdout and " unknown" in result.stdout
+
+
+def test_offers_without_a_configured_cloud_reads_no_quota(tmp_path, fake_ec2):
+    result = offers_cli(tmp_path)
+    assert result.exit_code == 0 and "QUOTA" not in result.stdout and fake_ec2.quota_reads == []
