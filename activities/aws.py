@@ -4,7 +4,7 @@ Exactly once: RunInstances carries ``ClientToken=key`` (``models.backends.provis
 after a lost response returns the instance the first call made. botocore's own retries are off for
 RunInstances (``total_max_attempts: 1``): capacity errors come back as HTTP 500 and must reach the offer
 walker at once, and every other retry belongs to Temporal. Credentials come from the standard chain; the
-endpoint from ``AWS_ENDPOINT_URL_EC2`` when set (tests point it at moto).
+endpoints from ``AWS_ENDPOINT_URL_EC2`` and ``AWS_ENDPOINT_URL_SERVICE_QUOTAS`` when set (tests point them at moto).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
                                  PartialCredentialsError, ProfileNotFound)
 
 from activities.cloud_errors import AWS_HINTS, CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
+from activities.quota import AWS_VCPU_QUOTAS, RegionQuotas
 from activities.userdata import BootKeys, cloud_init
 from connect.ssh_keys import SSHKeys
 from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
@@ -30,6 +31,7 @@ from models.replica import JobSpec
 
 TAGS = TAG_NAMES["aws"]
 log = logging.getLogger(__name__)
+QUOTA_CLIENT = Config(retries={"mode": "standard", "total_max_attempts": 2}, connect_timeout=5, read_timeout=10)
 AMI_TTL = 600.0  # dstack caches AMI lookups for 10 minutes too
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 _STATES = {"pending": "pending", "running": "running", "stopping": "stopping", "shutting-down": "stopping",
@@ -73,22 +75,40 @@ class AWSBackend:
         self.regions = list(config.regions or regions or [])
         self._session = session
         self._lock = threading.Lock()  # boto3 sessions are not thread-safe; the clients they make are
-        self._clients: dict[tuple[str, bool], Any] = {}
+        self._clients: dict[tuple[str, bool, str], Any] = {}
         self._amis: dict[tuple[str, str], tuple[float, dict]] = {}
         self._groups: dict[tuple, str] = {}
         self._vpcs: dict[str, dict] = {}
+        self.quotas = RegionQuotas("aws", self.quota_limits)
 
     # --- clients, AMIs, security groups -----------------------------------------------------------
 
-    def _client(self, region: str, run: bool = False):
+    def _client(self, region: str, run: bool = False, service: str = "ec2"):
         with self._lock:
-            if (region, run) not in self._clients:
+            if (region, run, service) not in self._clients:
                 if self._session is None:
                     self._session = boto3.session.Session(profile_name=self.config.profile)
                 retries = {"total_max_attempts": 1} if run else {"mode": "standard", "total_max_attempts": 3}
-                config = Config(retries=retries, connect_timeout=10, read_timeout=60)
-                self._clients[(region, run)] = self._session.client("ec2", region_name=region, config=config)
-            return self._clients[(region, run)]
+                config = Config(retries=retries, connect_timeout=10, read_timeout=60) if service == "ec2" else \
+                    QUOTA_CLIENT  # a quota read that hangs would only delay the launch it cannot block
+                self._clients[(region, run, service)] = self._session.client(service, region_name=region,
+                                                                             config=config)
+            return self._clients[(region, run, service)]
+
+    def quota_limits(self, region: str) -> dict[str, float]:
+        """The region's EC2 vCPU quotas (activities/quota.py), by quota code; a code Service Quotas does not know
+        there is left out (unknown). Needs ``servicequotas:GetServiceQuota``; the caller treats any error as
+        unknown."""
+        quotas = self._client(region, service="service-quotas")
+        limits = {}
+        for code, _ in AWS_VCPU_QUOTAS.values():
+            try:
+                with _errors(f"GetServiceQuota {code} in {region}"):
+                    limits[code] = float(quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
+            except CloudError as e:
+                if e.code != "NoSuchResourceException":
+                    raise
+        return limits
 
     def _ami(self, region: str, offer: InstanceOffer) -> dict:
         """The configured AMI, or the newest available one whose name matches the pattern for the offer."""

@@ -4,8 +4,9 @@ Order of work in ``provision_cloud`` (blocking; the activity calls it via ``asyn
 1. adopt: an instance of this replica submission already tagged in the cloud (an earlier attempt whose
    response was lost, on any offer) is returned as is — so a re-walk never launches a second one;
 2. keys whose launch went out but whose outcome the ledger never got are retried first, with the same key;
-3. the other offers, cheapest first, up to ``max_offers``: capacity → next offer; quota → skip the
-   offer's region and quota class; transient or fatal → raise (Temporal retries the former).
+3. the other offers, cheapest first, up to ``max_offers`` tried: one the account's quota cannot launch
+   (activities/quota.py) is skipped without a call and without using up an attempt; capacity → next offer;
+   quota error → skip the offer's region and quota class; transient or fatal → raise (Temporal retries the former).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, Optional, Protocol
 from activities.cloud_errors import CloudError, ErrorKind, QuotaScope
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
+from activities.quota import no_quota
 from models.backends import BackendsConfig, CloudInstance, provisioning_key
 from models.failures import ALL_OFFERS_FAILED, NO_OFFERS
 from models.offers import InstanceOffer, match_offers
@@ -111,11 +113,14 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     """Launch ``job`` on the first offer that works (see the module doc). ``offers`` should already be
     filtered by the replica's spot policy, max price, backends and regions; ``progress`` is called before each
     cloud call (pass a heartbeat). Raises NoCapacity, or CloudError (TRANSIENT: retry; FATAL: fail)."""
-    candidates = cloud_offers(offers, resources, backends)[:max_offers]
-    if not candidates:
+    found = cloud_offers(offers, resources, backends)
+    if not found:
         why = (f"none of the {len(offers)} offers is on a configured cloud backend "
                f"({', '.join(sorted(backends)) or 'none configured'})")
         raise NoCapacity(f"{NO_OFFERS}: {why}", reasons=[why])
+    progress("reading the quotas of the offers' regions")
+    lacking = _lacking_quota(found, backends, max_offers)
+    candidates = found[:len(lacking)]
     progress("looking for an instance of an earlier attempt")
     adopted = _adoptable(backends, job, candidates)
     if adopted:
@@ -128,6 +133,10 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     blocked: list[QuotaScope] = []
     for offer in ordered:
         key = keys[id(offer)]
+        # A launch whose outcome never came back is called again (same key), whatever the quota says now.
+        if lacking[id(offer)] and key not in unresolved:
+            reasons.append(f"{_where(offer)}: skipped, no quota: {lacking[id(offer)]}")
+            continue
         scope = next((s for s in blocked if s.covers(offer)), None)
         if scope is not None:
             reasons.append(f"{_where(offer)}: skipped, {scope.cause} for {scope}")
@@ -156,6 +165,20 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     if len(text) > MAX_REASONS_CHARS:
         text = text[:MAX_REASONS_CHARS - 1] + "…"
     raise NoCapacity(f"{ALL_OFFERS_FAILED}: {text}", tried=True, reasons=reasons)
+
+
+def _lacking_quota(offers: list[InstanceOffer], backends: dict[str, CloudBackend], max_offers: int
+                   ) -> dict[int, Optional[str]]:
+    """The cheapest offers, up to ``max_offers`` the quotas allow, each (by id) with why its quota rules it out
+    (None: to be tried): an offer that cannot launch does not use up an attempt."""
+    lacking: dict[int, Optional[str]] = {}
+    tried = 0
+    for offer in offers:
+        if tried >= max_offers:
+            break
+        lacking[id(offer)] = why = no_quota(backends[offer.backend], offer)
+        tried += why is None
+    return lacking
 
 
 def _ledger_data(job: JobSpec, offer: InstanceOffer, instance: Optional[CloudInstance] = None,

@@ -27,6 +27,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, classify_gcp
+from activities.quota import RegionQuotas
 from activities.userdata import BootKeys, startup_script
 from connect.ssh_keys import SSHKeys
 from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPConfig, belongs, replica_label, slug
@@ -110,6 +111,8 @@ class GCPBackend:
         self._operations: Optional[compute_v1.ZoneOperationsClient] = None
         self._firewalls: Optional[compute_v1.FirewallsClient] = None
         self._global_operations: Optional[compute_v1.GlobalOperationsClient] = None
+        self._regions: Optional[compute_v1.RegionsClient] = None
+        self.quotas = RegionQuotas("gcp", self.quota_limits)
 
     def _clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
         with self._lock:
@@ -128,7 +131,16 @@ class GCPBackend:
                                                                  client_options=opts)
                     self._global_operations = compute_v1.GlobalOperationsClient(
                         credentials=creds, transport="rest", client_options=opts)
+                    self._regions = compute_v1.RegionsClient(credentials=creds, transport="rest", client_options=opts)
             return self._instances, self._operations
+
+    def quota_limits(self, region: str) -> dict[str, float]:
+        """The region's quota limits by metric (regions.get's ``quotas``; activities/quota.py). Needs
+        ``compute.regions.get``; the caller treats any error as unknown."""
+        self._clients()
+        with _errors(f"get region {region}"):
+            raw = self._regions.get(project=self.project, region=region, retry=_READ_RETRY)
+        return {q.metric: q.limit for q in raw.quotas}
 
     # --- the firewall rule for durastack's network tag ------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 Either resources from flags (``--gpu A100:80GB:2 --cpu 8..``), or a service file with one table per replica group.
 Candidates are the shipped catalog (AWS, GCP) plus this machine (``local``); the output first says which backends
-``$DURASTACK_HOME/config.yml`` configures (only those are used by services).
+``$DURASTACK_HOME/config.yml`` configures (only those are used by services). Offers shown on a configured cloud
+are checked against the account's quotas (activities/quota.py): a QUOTA column says "no quota" for one a launch
+would skip, and a note says once when a cloud's quotas could not be read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rich.table import Table
 
 from activities.catalog import catalog_as_of
 from activities.catalog.plan import GroupQuery, candidate_offers, group_queries, match_query
+from activities.quota import Verdict, mark_offers
 from models.backends import BackendsConfig, load_backends_config
 from models.offers import InstanceOffer
 from models.resources import ResourcesSpec
@@ -74,16 +77,26 @@ def _price(value: float) -> str:
     return "$" + f"{value:.4f}".rstrip("0").rstrip(".")
 
 
-def _table(title: Optional[str], offers: list[InstanceOffer], total: int) -> Table:
+def _table(title: Optional[str], offers: list[InstanceOffer], total: int, marks: list[Optional[Verdict]]) -> Table:
     table = Table(title=title, title_justify="left", box=None, header_style="bold",
                   caption=f"{len(offers)} of {total} offers; catalog prices as of {catalog_as_of()} (approximate)",
                   caption_justify="left")
-    for column in ("#", "BACKEND", "REGION", "INSTANCE", "RESOURCES", "SPOT", "PRICE"):
+    checked = any(marks)  # the QUOTA column only where a configured cloud's offer is shown
+    columns = ("#", "BACKEND", "REGION", "INSTANCE", "RESOURCES", "SPOT", "PRICE") + (("QUOTA",) if checked else ())
+    for column in columns:
         table.add_column(column, no_wrap=column != "RESOURCES", justify="right" if column == "PRICE" else "left")
-    for i, o in enumerate(offers, start=1):
+    for i, (o, mark) in enumerate(zip(offers, marks), start=1):
         table.add_row(str(i), o.backend, o.region, o.instance_type, o.resources_summary(),
-                      "yes" if o.spot else "no", _price(o.price))
+                      "yes" if o.spot else "no", _price(o.price), *([mark.status if mark else ""] if checked else []))
     return table
+
+
+def _clouds(config: BackendsConfig) -> dict:
+    """The configured clouds' backends, whose quotas mark the offers shown (no cloud call until then)."""
+    if not (config.aws or config.gcp):
+        return {}
+    from activities.cloud import make_backends
+    return make_backends(config)
 
 
 def offers(
@@ -121,26 +134,36 @@ def offers(
     summary, config = _configured()
     # The same candidates `apply` plans from: a configured cloud only in its configured regions.
     candidates = candidate_offers(config)
-    groups = []
+    clouds = _clouds(config)
+    groups, notes = [], []
     for q in queries:
         found, reason = match_query(candidates, q)
-        groups.append((q, found[:limit] if limit else found, len(found), reason))
+        shown = found[:limit] if limit else found
+        marks, said = mark_offers(clouds, shown)
+        notes += [n for n in said if n not in notes]
+        groups.append((q, shown, len(found), reason, marks))
 
     if as_json:
-        typer.echo(json.dumps({"backends": config.configured(), "groups": [
-            {"name": q.name, "offers": [o.model_dump(mode="json") for o in shown], "total": total, "reason": reason}
-            for q, shown, total, reason in groups]}, indent=2))
+        typer.echo(json.dumps({"backends": config.configured(), "quota_notes": notes, "groups": [
+            {"name": q.name, "offers": [o.model_dump(mode="json") for o in shown], "total": total, "reason": reason,
+             "quota": [m._asdict() if m else None for m in marks]}
+            for q, shown, total, reason, marks in groups]}, indent=2))
         return
     console = Console()
     console.print(summary, highlight=False, markup=False)
-    for q, shown, total, reason in groups:
+    for q, shown, total, reason, marks in groups:
         title = f"group {q.name}" if file is not None else None
         if not shown:
             console.print(f"{title + ': ' if title else ''}No offers fit ({q.resources.summary()}): {reason}.",
                           highlight=False, markup=False)
         else:
-            console.print(_table(title, shown, total))
+            console.print(_table(title, shown, total, marks))
+            lacking = dict.fromkeys(m.reason for m in marks if m and m.status == "no quota")
+            for why in lacking:  # a launch skips these offers until the quota is raised
+                console.print(f"no quota: {why}", highlight=False, markup=False, soft_wrap=True)
         console.print()
+    for note in notes:
+        console.print(f"quota: {note}", highlight=False, markup=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -212,12 +212,13 @@ def test_progress_heartbeats_from_the_worker_thread(ledger):
         await asyncio.to_thread(provision_cloud, JOB, ANY, [offer("a", 1)], backends={"aws": FakeBackend("aws")},
                                 ledger=ledger, progress=progress)
         for _ in range(100):  # the callbacks run on this loop; give them their turns (bounded)
-            if len(beats) >= 2:
+            if len(beats) >= 3:
                 break
             await asyncio.sleep(0)
 
     asyncio.run(env.run(activity_body))
-    assert beats == [("looking for an instance of an earlier attempt",), ("trying aws a in us-east-1 ($1/h)",)]
+    assert beats == [("reading the quotas of the offers' regions",), ("looking for an instance of an earlier attempt",),
+                     ("trying aws a in us-east-1 ($1/h)",)]
 
 
 def test_terminate_cloud_and_placement(ledger):

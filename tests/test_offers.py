@@ -451,7 +451,7 @@ def test_cli_says_why_nothing_fits():
     assert result.exit_code == 0
     assert "No offers fit" in result.stdout and "no offer has a GPU named X100" in result.stdout
     assert run_json("--gpu", "X100")["groups"][0] == {
-        "name": "-", "offers": [], "total": 0, "reason": "no offer has a GPU named X100"}
+        "name": "-", "offers": [], "total": 0, "reason": "no offer has a GPU named X100", "quota": []}
 
 
 @pytest.mark.parametrize("option,value", [("--gpu", "A100:foo:bar"), ("--cpu", "arm:4:8"), ("--memory", "lots"),

@@ -8,7 +8,11 @@
   a group an instance still holds gets DependencyViolation, as from EC2 (moto would launch into an empty group of
   that name, and delete a group in use); the two are served one after the other, so a launch and the deletion
   of its group never interleave;
-* a log of RunInstances requests, so tests can count what reached EC2.
+* a log of RunInstances requests, so tests can count what reached EC2;
+* Service Quotas' GetServiceQuota for EC2's vCPU quotas, which moto answers for ``vpc`` only
+  (NoSuchResourceException for ``ec2``): each region's six codes answer a settable value (``set_quota``; a generous
+  2048 vCPUs otherwise), in AWS's response shape, and ``deny_quotas`` answers AccessDeniedException as for a
+  policy without ``servicequotas:GetServiceQuota``.
 
 Served by werkzeug on 127.0.0.1:<ephemeral> in a thread; ``ec2_server`` (session) and ``fake_ec2`` (per test:
 reset + env) are the fixtures. Import both into a test module to use them.
@@ -17,6 +21,7 @@ reset + env) are the fixtures. Import both into a test module to use them.
 from __future__ import annotations
 
 import io
+import json
 import re
 import threading
 import urllib.request
@@ -36,7 +41,20 @@ GPU_AMI = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20250101"
 CPU_AMI = "ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-20250101"
 _STATUS = {"InsufficientInstanceCapacity": 500, "InternalError": 500, "ServiceUnavailable": 503,
            "RequestLimitExceeded": 503}
-_REGION = re.compile(r"Credential=[^/]+/\d+/([a-z0-9-]+)/ec2/")
+_REGION = re.compile(r"Credential=[^/]+/\d+/([a-z0-9-]+)/[a-z0-9-]+/aws4_request")
+ACCOUNT = "123456789012"  # moto's default account
+QUOTAS_TARGET = "ServiceQuotasV20190624."
+DEFAULT_VCPU_QUOTA = 2048.0
+# EC2's vCPU quotas as the Service Quotas console and AWS's EC2 documentation name them: code → (name, the usage
+# metric's Class dimension).
+EC2_VCPU_QUOTAS = {
+    "L-1216C47A": ("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "Standard/OnDemand"),
+    "L-DB2E81BA": ("Running On-Demand G and VT instances", "G/OnDemand"),
+    "L-417A185B": ("Running On-Demand P instances", "P/OnDemand"),
+    "L-34B43A08": ("All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "Standard/Spot"),
+    "L-3819A6DF": ("All G and VT Spot Instance Requests", "G/Spot"),
+    "L-7212CCBC": ("All P Spot Instance Requests", "P/Spot"),
+}
 _GROUP_PARAM = re.compile(r"(NetworkInterface\.\d+\.)?SecurityGroupId\.\d+")
 
 
@@ -70,6 +88,14 @@ def _error(code: str, message: str, status: Optional[int] = None) -> tuple[int, 
     return status or _STATUS.get(code, 400), [("Content-Type", "text/xml")], body
 
 
+def _json_headers() -> list:
+    return [("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-RequestId", str(uuid.uuid4()))]
+
+
+def _json_error(kind: str, message: str) -> tuple[int, list, bytes]:
+    return 400, _json_headers(), json.dumps({"__type": kind, "Message": message}).encode()
+
+
 class EC2FaultMiddleware:
     def __init__(self, app):
         self.app = app
@@ -82,6 +108,9 @@ class EC2FaultMiddleware:
         self.requests: list[dict] = []  # RunInstances params
         self.actions: list[str] = []  # every EC2 Action, in order
         self.lose = 0
+        self.quotas: dict[tuple[str, str], float] = {}  # (region, quota code) → value, over DEFAULT_VCPU_QUOTA
+        self.quota_reads: list[tuple[str, str]] = []  # (region, quota code) of each GetServiceQuota
+        self.deny_quotas = False
 
     def __call__(self, environ, start_response):
         body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
@@ -90,11 +119,17 @@ class EC2FaultMiddleware:
             with self.lock:
                 self.reset_state()
             return self.app(environ, start_response)
+        m = _REGION.search(environ.get("HTTP_AUTHORIZATION", ""))
+        region = m.group(1) if m else "us-east-1"
+        target = environ.get("HTTP_X_AMZ_TARGET", "")
+        if target == QUOTAS_TARGET + "GetServiceQuota" and json.loads(body or b"{}").get("ServiceCode") == "ec2":
+            with self.lock:
+                status, headers, out = self._get_service_quota(json.loads(body), region)
+            start_response(f"{status} {'OK' if status == 200 else 'ERROR'}", headers)
+            return [out]
         params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True).items()}
         with self.lock:
             self.actions.append(params.get("Action", ""))
-        m = _REGION.search(environ.get("HTTP_AUTHORIZATION", ""))
-        region = m.group(1) if m else "us-east-1"
         if params.get("Action") not in ("RunInstances", "DeleteSecurityGroup"):
             return self.app(environ, start_response)
         with self.lock:  # one after the other, as EC2 orders a launch into a group and that group's deletion
@@ -136,6 +171,28 @@ class EC2FaultMiddleware:
                 self.launches[cache_key] = _Launch(fingerprint, out, headers, [i.decode() for i in ids])
             return self._maybe_lose(200, headers, out)
         return status, headers, out
+
+    def _get_service_quota(self, params: dict, region: str) -> tuple[int, list, bytes]:
+        """As Service Quotas answers GetServiceQuota for EC2 (JSON 1.1 protocol, errors by ``__type``)."""
+        code = params.get("QuotaCode", "")
+        self.quota_reads.append((region, code))
+        arn = f"arn:aws:servicequotas:{region}:{ACCOUNT}:ec2/{code}"
+        if self.deny_quotas:
+            return _json_error("AccessDeniedException", f"User: arn:aws:iam::{ACCOUNT}:user/durastack is not "
+                               f"authorized to perform: servicequotas:GetServiceQuota on resource: {arn} because no "
+                               "identity-based policy allows the servicequotas:GetServiceQuota action")
+        if code not in EC2_VCPU_QUOTAS:
+            return _json_error("NoSuchResourceException", "The request failed because the specified quota does "
+                                                          "not exist.")
+        name, cls = EC2_VCPU_QUOTAS[code]
+        quota = {"ServiceCode": "ec2", "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)", "QuotaArn": arn,
+                 "QuotaCode": code, "QuotaName": name, "Value": self.quotas.get((region, code), DEFAULT_VCPU_QUOTA),
+                 "Unit": "None", "Adjustable": True, "GlobalQuota": False,
+                 "UsageMetric": {"MetricNamespace": "AWS/Usage", "MetricName": "ResourceCount",
+                                 "MetricDimensions": {"Class": cls, "Resource": "vCPU", "Service": "EC2",
+                                                      "Type": "Resource"},
+                                 "MetricStatisticRecommendation": "Maximum"}}
+        return 200, _json_headers(), json.dumps({"Quota": quota}).encode()
 
     def _delete_group(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
         if _group_in_use(region, params.get("GroupId", "")):
@@ -212,6 +269,21 @@ class EC2FaultServer(ServedInThread):
         with self.middleware.lock:
             self.middleware.lose = n
 
+    def set_quota(self, region: str, code: str, value: float) -> None:
+        """The value GetServiceQuota answers for an EC2 vCPU quota code in ``region``."""
+        with self.middleware.lock:
+            self.middleware.quotas[(region, code)] = value
+
+    def deny_quotas(self) -> None:
+        """Answer GetServiceQuota with AccessDeniedException (a policy without servicequotas:GetServiceQuota)."""
+        with self.middleware.lock:
+            self.middleware.deny_quotas = True
+
+    @property
+    def quota_reads(self) -> list[tuple[str, str]]:
+        with self.middleware.lock:
+            return list(self.middleware.quota_reads)
+
     def count(self, action: str) -> int:
         with self.middleware.lock:
             return self.middleware.actions.count(action)
@@ -241,7 +313,8 @@ def fake_ec2(ec2_server, monkeypatch, tmp_path):
     """The shared server, reset, with this process's AWS env pointed at it (dummy credentials)."""
     import moto.settings
 
-    env = {"AWS_ENDPOINT_URL_EC2": ec2_server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+    env = {"AWS_ENDPOINT_URL_EC2": ec2_server.url, "AWS_ENDPOINT_URL_SERVICE_QUOTAS": ec2_server.url,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
            "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),

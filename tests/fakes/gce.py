@@ -4,8 +4,9 @@ instances insert / get / list (label and status filter) / delete / aggregatedLis
 wait; firewall rules and their global operations; unknown zones, and machine or accelerator types a zone does
 not have (per tests/fakes/gce_zones.py, written from Google's documentation, not from the shipped catalog), refused
 as Compute refuses them (400 invalid), and an accelerator the machine type cannot take (400 badRequest); requestId
-dedupe; 409 on a duplicate name in a zone; faults: capacity and quota in the operation,
-synchronous quota (403) or any HTTP error, and "lost responses" (created, then answered 503). A stdlib
+dedupe; 409 on a duplicate name in a zone; regions.get with the region's ``quotas`` list (metric, limit, usage;
+``set_quota``, or ``refuse_regions`` for a caller without compute.regions.get); faults: capacity and quota in the
+operation, synchronous quota (403) or any HTTP error, and "lost responses" (created, then answered 503). A stdlib
 ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it into a test module).
 """
 
@@ -28,6 +29,7 @@ _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/
                         r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
 _GLOBAL_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/global/(?P<kind>firewalls|operations)"
                           r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
+_REGION_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/regions/(?P<r>[^/]+)$")
 _AGGREGATED = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/aggregated/instances$")
 _TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name)\s*(=|!=)\s*"?([^")\s]*)"?\s*\)?')
 _REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "alreadyExists",
@@ -48,6 +50,16 @@ class GCEFault:
         """A quota fault of a PREEMPTIBLE_* quota counts spot VMs only, as Compute's quotas do."""
         return (self.times is None or self.times > 0) and self.zone in (None, zone) and \
             self.machine_type in (None, machine_type) and (spot or "'PREEMPTIBLE_" not in self.message)
+
+
+def default_quotas() -> dict[str, tuple[float, float]]:
+    """metric → (limit, usage) of a project granted GPU quota: generous standard limits, and preemptible quotas at 0
+    as in a project that never asked for them (its spot VMs draw on the standard quotas)."""
+    gpus = ("T4", "V100", "P100", "L4", "A100", "A100_80GB", "H100")
+    return {"CPUS": (2400.0, 0.0), "N2_CPUS": (2400.0, 0.0), "A2_CPUS": (2400.0, 0.0), "C2_CPUS": (600.0, 0.0),
+            "PREEMPTIBLE_CPUS": (0.0, 0.0), "INSTANCES": (6000.0, 0.0), "DISKS_TOTAL_GB": (409600.0, 0.0),
+            "SSD_TOTAL_GB": (81920.0, 0.0), "IN_USE_ADDRESSES": (575.0, 0.0)} | \
+        {f"NVIDIA_{g}_GPUS": (64.0, 0.0) for g in gpus} | {f"PREEMPTIBLE_NVIDIA_{g}_GPUS": (0.0, 0.0) for g in gpus}
 
 
 def _http_error(status: int, message: str, reason: str = "") -> tuple[int, dict]:
@@ -115,6 +127,8 @@ class FakeGCE(ServedInThread):
             # What Compute has in each zone, per Google's documentation; a test may narrow or widen a zone.
             self.machine_types = {z: set(gce_zones.machine_types(z)) for z in gce_zones.ZONES}
             self.accelerator_types = {z: set(gce_zones.accelerator_types(z)) for z in gce_zones.ZONES}
+            self.quotas = {r: default_quotas() for r in gce_zones.REGIONS}  # region → metric → (limit, usage)
+            self.region_refusal: Optional[tuple[int, str]] = None  # (status, reason) regions.get answers
 
     # --- test controls ----------------------------------------------------------------------------
 
@@ -122,6 +136,23 @@ class FakeGCE(ServedInThread):
              times: Optional[int] = None, status: int = 503, reason: str = "", message: str = "") -> None:
         with self.lock:
             self.faults.append(GCEFault(kind, zone, machine_type, times, status, reason, message))
+
+    def set_quota(self, region: str, metric: str, limit: Optional[float], usage: float = 0.0) -> None:
+        """The region's quota of ``metric`` as regions.get lists it; ``limit`` None drops it from the list."""
+        with self.lock:
+            if limit is None:
+                self.quotas[region].pop(metric, None)
+            else:
+                self.quotas[region][metric] = (limit, usage)
+
+    def refuse_regions(self, status: int = 403, reason: str = "forbidden") -> None:
+        """regions.get answers this error, e.g. 403 for a caller without compute.regions.get."""
+        with self.lock:
+            self.region_refusal = (status, reason)
+
+    def region_reads(self) -> list[str]:
+        with self.lock:
+            return [m["r"] for r in self.requests if r["method"] == "GET" and (m := _REGION_PATH.match(r["path"]))]
 
     def lose_responses(self, n: int) -> None:
         with self.lock:
@@ -145,6 +176,9 @@ class FakeGCE(ServedInThread):
         m = _GLOBAL_PATH.match(path)
         if m:
             return self._global(method, m["p"], m["kind"], m["name"], body)
+        m = _REGION_PATH.match(path)
+        if m and method == "GET":
+            return self._region(m["p"], m["r"])
         m = _AGGREGATED.match(path)
         if m and method == "GET":
             return self._aggregated(m["p"], query.get("filter", ""))
@@ -299,6 +333,20 @@ class FakeGCE(ServedInThread):
               "selfLink": f"{self.url}/compute/v1/projects/{p}/global/operations/{name}"}
         self.operations[(p, "global", name)] = op
         return op
+
+    def _region(self, p: str, r: str) -> tuple[int, dict]:
+        if self.region_refusal:
+            status, reason = self.region_refusal
+            return _http_error(status, f"Required 'compute.regions.get' permission for 'projects/{p}/regions/{r}'",
+                               reason)
+        if r not in self.quotas:
+            return _http_error(404, f"The resource 'projects/{p}/regions/{r}' was not found")
+        base = f"{self.url}/compute/v1/projects/{p}"
+        return 200, {"kind": "compute#region", "id": str(1000 + sorted(self.quotas).index(r)),
+                     "creationTimestamp": "1969-12-31T16:00:00.000-08:00", "name": r, "description": r,
+                     "status": "UP", "zones": [f"{base}/zones/{z}" for z in gce_zones.ZONES if z.startswith(r + "-")],
+                     "quotas": [{"metric": k, "limit": v[0], "usage": v[1]} for k, v in self.quotas[r].items()],
+                     "selfLink": f"{base}/regions/{r}", "supportsPzs": False}
 
     def _list(self, p: str, z: str, flt: str) -> tuple[int, dict]:
         try:
