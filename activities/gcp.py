@@ -389,9 +389,11 @@ class GCPBackend:
         host = keys.host_key(key)
         boot_keys = BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
                              authorized_key=keys.client_public())
-        # No env and no command in metadata: they arrive over SSH after boot.
+        # No env and no command in metadata: they arrive over SSH after boot. Root logs in with the installation's
+        # key alone: no project keys, and no OS Login, whose guest agent would rewrite sshd's configuration.
         metadata = [compute_v1.Items(key="startup-script", value=startup_script(job, gpu=gpu, keys=boot_keys)),
-                    compute_v1.Items(key="block-project-ssh-keys", value="true")]
+                    compute_v1.Items(key="block-project-ssh-keys", value="true"),
+                    compute_v1.Items(key="enable-oslogin", value="FALSE")]
         if gpu:
             metadata.append(compute_v1.Items(key="install-nvidia-driver", value="True"))  # Deep Learning VM images
         nic = compute_v1.NetworkInterface(network=self.config.network)

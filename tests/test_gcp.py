@@ -102,7 +102,7 @@ def test_gpu_group_comes_up_with_accelerators_spot_labels_and_startup_script(gcp
     host = keys.host_key(key)
     boot = BootKeys(host.private_openssh, host.public_openssh, keys.client_public())
     assert items == {"startup-script": startup_script(job(), gpu=True, keys=boot), "install-nvidia-driver": "True",
-                     "block-project-ssh-keys": "true"}
+                     "block-project-ssh-keys": "true", "enable-oslogin": "FALSE"}
     # Metadata carries the host key and the installation's key, never env or commands (they come over SSH).
     for value in job().env.values():
         assert value not in json.dumps(body)
@@ -136,7 +136,8 @@ def test_cpu_instance_uses_the_cpu_image_and_may_migrate(gcp, gce):
     body = gce.inserts()[-1]["body"]
     assert "ubuntu-os-cloud" in body["disks"][0]["initializeParams"]["sourceImage"]
     assert body["scheduling"]["onHostMaintenance"] == "MIGRATE"
-    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script", "block-project-ssh-keys"]
+    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script", "block-project-ssh-keys",
+                                                             "enable-oslogin"]
 
 
 # --- exactly once -----------------------------------------------------------------------------------
