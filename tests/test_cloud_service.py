@@ -652,7 +652,14 @@ def test_offers_command_says_which_backends_are_configured(home):
     assert result.exit_code == 0 and result.stdout.startswith("backends: local only")
     (home / "config.yml").write_text(AWS)
     result = CliRunner().invoke(app, ["offers", "--cpu", "2"], env=env)
-    assert result.stdout.startswith("backends: aws (us-east-1), local")
+    assert result.stdout.startswith("backends: aws (us-east-1), local\n  aws GPU instances boot the newest AMI named "
+                                    "'Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *'")
+    (home / "config.yml").write_text(GCP.format(url="http://127.0.0.1:9"))
+    result = CliRunner().invoke(app, ["offers", "--cpu", "2"], env=env)
+    assert result.stdout.splitlines()[1] == (
+        "  gcp GPU instances boot the newest image of family common-cu129-ubuntu-2404-nvidia-580 of project "
+        "deeplearning-platform-release (NVIDIA driver R580)")
+    (home / "config.yml").write_text(AWS)
     result = CliRunner().invoke(app, ["offers", "--cpu", "2", "--json"], env=env)
     import json
     assert json.loads(result.stdout)["backends"] == ["aws", "local"]

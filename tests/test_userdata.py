@@ -226,11 +226,11 @@ printf 'hostkey %s\n' ${keys:-/etc/ssh/ssh_host_ecdsa_key /etc/ssh/ssh_host_ed25
 UBUNTU_SSHD_CONFIG = "Include /etc/ssh/sshd_config.d/*.conf\n#HostKey /etc/ssh/ssh_host_ed25519_key\nUsePAM yes\n"
 
 
-def _boot_root(tmp_path: Path, sshd_config: str) -> tuple[Path, dict, SSHKeys]:
+def _boot_root(tmp_path: Path, sshd_config: str, gpu: bool = False) -> tuple[Path, dict, SSHKeys]:
     """A scratch root with an image's sshd_config and `sshd` (the stub) on PATH; the boot script at boot.sh."""
     ssh = SSHKeys.of_home(tmp_path)
     host = ssh.host_key("ds-some-key")
-    (tmp_path / "boot.sh").write_text(startup_script(job(), gpu=False, keys=BootKeys(
+    (tmp_path / "boot.sh").write_text(startup_script(job(), gpu=gpu, keys=BootKeys(
         host.private_openssh, host.public_openssh, ssh.client_public())))
     root, bin_dir = tmp_path / "root", tmp_path / "bin"
     (root / "etc/ssh").mkdir(parents=True)
@@ -271,6 +271,18 @@ def test_a_boot_whose_sshd_would_serve_another_key_first_stops_saying_so(tmp_pat
     assert ran.returncode != 0 and not (root / "opt/ready").exists()
     assert "durastack: sshd would serve /etc/ssh/ssh_host_ed25519_key, not /etc/ssh/durastack_host_ed25519_key" in \
         (root / "opt/boot.log").read_text()
+
+
+def test_a_gpu_boot_records_the_nvidia_driver_it_found(tmp_path):
+    root, env, _ = _boot_root(tmp_path, UBUNTU_SSHD_CONFIG, gpu=True)
+    subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, check=True, timeout=30)
+    assert (root / "opt/nvidia-driver").read_text() == "none (nvidia-smi did not answer)\n"
+    smi = tmp_path / "bin/nvidia-smi"  # answers as nvidia-smi 595 does
+    smi.write_text('#!/bin/sh\nif [ "$1" = --query-gpu=driver_version ]; then echo 595.91.07; exit; fi\n'
+                   'echo "| NVIDIA-SMI 595.91.07    Driver Version: 595.91.07    CUDA Version: 13.2     |"\n')
+    smi.chmod(0o755)
+    subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, check=True, timeout=30)
+    assert (root / "opt/nvidia-driver").read_text() == "595.91.07, CUDA 13.2\n"
 
 
 DOCKER_STUB = """#!/bin/bash
