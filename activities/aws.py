@@ -130,7 +130,8 @@ class AWSBackend:
         if not images:
             raise CloudError(ErrorKind.FATAL, f"no AMI {cache_key!r} in {region} (owners {', '.join(c.ami_owners)}); "
                              "set backends.aws.ami_id or the AMI name patterns", code="NoAMI")
-        image = max(images, key=lambda i: (i.get("CreationDate", ""), i["ImageId"]))
+        # Newest first; AMIs registered in the same second go by name, whose DLAMI releases end in their date.
+        image = max(images, key=lambda i: (i.get("CreationDate", ""), i.get("Name", ""), i["ImageId"]))
         self._amis[(region, cache_key)] = (time.monotonic() + AMI_TTL, image)
         return image
 
@@ -339,7 +340,7 @@ class AWSBackend:
     def _create_in(self, job: JobSpec, offer: InstanceOffer, key: str, image: dict, group_id: str,
                    zone: Optional[str], subnet: Optional[str]) -> CloudInstance:
         region = offer.region
-        tags = [{"Key": k, "Value": v} for k, v in self._tags(job, key).items()]
+        tags = [{"Key": k, "Value": v} for k, v in self._tags(job, key, image["ImageId"]).items()]
         # The root volume is at least the AMI's own snapshot (a smaller one is refused).
         root = image.get("RootDeviceName") or "/dev/sda1"
         snapshot = next((m.get("Ebs", {}).get("VolumeSize") or 0 for m in image.get("BlockDeviceMappings", [])
@@ -438,11 +439,11 @@ class AWSBackend:
         return BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
                         authorized_key=keys.client_public())
 
-    def _tags(self, job: JobSpec, key: str) -> dict[str, str]:
+    def _tags(self, job: JobSpec, key: str, image_id: str) -> dict[str, str]:
         return {"Name": f"durastack-{job.service}-{job.group}-r{job.replica_num}-s{job.submission_num}",
                 TAGS["service"]: job.service, TAGS["group"]: job.group,
                 TAGS["replica"]: replica_label(job.replica_num, job.submission_num), TAGS["key"]: key,
-                TAGS["port"]: str(job.port), TAGS["host_key"]: HOST_KEY_AFTER_BOOT} | \
+                TAGS["port"]: str(job.port), TAGS["host_key"]: HOST_KEY_AFTER_BOOT, TAGS["image"]: image_id} | \
             ({TAGS["installation"]: self.installation} if self.installation else {})
 
     def _describe(self, region: str, filters: list[dict]) -> list[CloudInstance]:

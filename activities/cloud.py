@@ -211,9 +211,12 @@ def terminate_replica(job: JobSpec, *, backends: dict[str, CloudBackend], ledger
     return len(found)
 
 
-def list_tagged_all(backends: dict[str, CloudBackend], *, service: Optional[str] = None) -> list[CloudInstance]:
-    """Every durastack-tagged instance (of ``service`` if given) in every configured region of every backend."""
-    return [i for backend in backends.values() for i in backend.list_tagged(service=service)]
+def list_tagged_all(backends: dict[str, CloudBackend], *, service: Optional[str] = None,
+                    regions: Optional[dict[str, list[str]]] = None) -> list[CloudInstance]:
+    """Every durastack-tagged instance (of ``service`` if given) of every backend, in its ``regions`` (default: each
+    backend's configured ones)."""
+    return [i for name, backend in backends.items()
+            for i in backend.list_tagged((regions or {}).get(name), service=service)]
 
 
 def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger: Optional[StoreLedger] = None) -> int:

@@ -30,13 +30,15 @@ from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, classify_
 from activities.quota import RegionQuotas
 from activities.userdata import BootKeys, startup_script
 from connect.ssh_keys import SSHKeys
-from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPConfig, belongs, replica_label, slug
+from models.backends import (HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPConfig, belongs, image_ref,
+                             replica_label, slug)
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 
 LABELS = TAG_NAMES["gcp"]
 log = logging.getLogger(__name__)
 REQUEST_NS = uuid.UUID("5b0c8a52-8a5e-4d0e-9a3c-6f1f1d2c7a10")  # durastack's uuid5 namespace for requestIds
+IMAGE_TTL = 600.0  # a family's newest image is looked up again after this long (the AMI lookup's 10 minutes)
 # N1 takes attachable GPUs; A2, A3 and G2 machine types come with theirs.
 ACCELERATORS = {"t4": "nvidia-tesla-t4", "v100": "nvidia-tesla-v100", "p100": "nvidia-tesla-p100",
                 "p4": "nvidia-tesla-p4", "k80": "nvidia-tesla-k80"}
@@ -113,6 +115,8 @@ class GCPBackend:
         self._global_operations: Optional[compute_v1.GlobalOperationsClient] = None
         self._regions: Optional[compute_v1.RegionsClient] = None
         self.quotas = RegionQuotas("gcp", self.quota_limits)
+        self._images: Optional[compute_v1.ImagesClient] = None
+        self._boot_images: dict[str, tuple[float, str]] = {}  # configured image → (until, the image it names)
 
     def _clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
         with self._lock:
@@ -132,6 +136,7 @@ class GCPBackend:
                     self._global_operations = compute_v1.GlobalOperationsClient(
                         credentials=creds, transport="rest", client_options=opts)
                     self._regions = compute_v1.RegionsClient(credentials=creds, transport="rest", client_options=opts)
+                    self._images = compute_v1.ImagesClient(credentials=creds, transport="rest", client_options=opts)
             return self._instances, self._operations
 
     def quota_limits(self, region: str) -> dict[str, float]:
@@ -141,6 +146,36 @@ class GCPBackend:
         with _errors(f"get region {region}"):
             raw = self._regions.get(project=self.project, region=region, retry=_READ_RETRY)
         return {q.metric: q.limit for q in raw.quotas}
+
+    def _boot_image(self, gpu: bool) -> str:
+        """``projects/P/global/images/NAME``: the image ``gpu_image`` (or ``cpu_image``) names now, a family's newest
+        one that is not deprecated. One that does not exist (a retired family) is FATAL and names the setting: every
+        launch would fail alike, and only a new setting mends it."""
+        setting = "gpu_image" if gpu else "cpu_image"
+        value = getattr(self.config, setting)
+        hit = self._boot_images.get(value)
+        if hit and hit[0] > time.monotonic():
+            return hit[1]
+        project, family, name = image_ref(value, self.project)
+        self._clients()
+        try:
+            with _errors(f"image {value}"):
+                image = self._images.get_from_family(project=project, family=family, retry=_READ_RETRY) if family \
+                    else self._images.get(project=project, image=name, retry=_READ_RETRY)
+        except CloudError as e:
+            if e.code != "notFound":
+                raise
+            image = None
+        state = image.deprecated.state if image is not None and "deprecated" in image else ""
+        if image is None or state in ("OBSOLETE", "DELETED"):
+            what = f"image family {family}" if family else (f"image {name}" + (f" ({state.lower()})" if state else ""))
+            raise CloudError(ErrorKind.FATAL, f"backends.gcp.{setting}: no {what} in project {project} (retired?): "
+                             f"set backends.gcp.{setting} to a current one", code="NoImage")
+        if state:
+            log.warning("GCP: backends.gcp.%s is %s (%s)", setting, state.lower(), image.name)
+        path = f"projects/{project}/global/images/{image.name}"
+        self._boot_images[value] = (time.monotonic() + IMAGE_TTL, path)
+        return path
 
     # --- the firewall rule for durastack's network tag ------------------------------------------------
 
@@ -401,21 +436,25 @@ class GCPBackend:
         host = keys.host_key(key)
         boot_keys = BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
                              authorized_key=keys.client_public())
-        # No env and no command in metadata: they arrive over SSH after boot.
+        # No env and no command in metadata: they arrive over SSH after boot. Root logs in with the installation's
+        # key alone: no project keys, and no OS Login, whose guest agent would rewrite sshd's configuration.
         metadata = [compute_v1.Items(key="startup-script", value=startup_script(job, gpu=gpu, keys=boot_keys)),
-                    compute_v1.Items(key="block-project-ssh-keys", value="true")]
+                    compute_v1.Items(key="block-project-ssh-keys", value="true"),
+                    compute_v1.Items(key="enable-oslogin", value="FALSE")]
         if gpu:
             metadata.append(compute_v1.Items(key="install-nvidia-driver", value="True"))  # Deep Learning VM images
         nic = compute_v1.NetworkInterface(network=self.config.network)
         if self.config.public_ip:
             nic.access_configs = [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
+        image = self._boot_image(gpu)
         labels = {"managed-by": "durastack", LABELS["service"]: slug(job.service), LABELS["group"]: slug(job.group),
                   LABELS["replica"]: replica_label(job.replica_num, job.submission_num), LABELS["key"]: key,
-                  LABELS["port"]: str(job.port), LABELS["host_key"]: HOST_KEY_AFTER_BOOT}
+                  LABELS["port"]: str(job.port), LABELS["host_key"]: HOST_KEY_AFTER_BOOT,
+                  LABELS["image"]: image.rsplit("/", 1)[-1]}
         if self.installation:
             labels[LABELS["installation"]] = self.installation
         boot = compute_v1.AttachedDiskInitializeParams(
-            source_image=self.config.gpu_image if gpu else self.config.cpu_image,
+            source_image=image,
             disk_size_gb=max(10, math.ceil(offer.disk_gb)), disk_type=f"zones/{zone}/diskTypes/pd-balanced")
         return compute_v1.Instance(
             name=key, machine_type=f"zones/{zone}/machineTypes/{offer.instance_type}", labels=labels,
@@ -487,4 +526,4 @@ class GCPBackend:
             launched_at=launched, tags=labels)
 
 
-__all__ = ["ACCELERATORS", "GCPBackend", "REQUEST_NS", "region_of"]
+__all__ = ["ACCELERATORS", "GCPBackend", "IMAGE_TTL", "REQUEST_NS", "region_of"]

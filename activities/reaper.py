@@ -7,6 +7,10 @@ whose outcome this host has not seen yet). Instances are listed *before* the wor
 then was launched by a replica that had started by then, so the workflow list that follows includes it if it
 still runs. A replica that cannot be queried owns every instance tagged for it: when unsure, keep.
 
+Each pass lists the regions the worker's backends started with and those ``$DURASTACK_HOME/config.yml`` configures
+now (read again when the file changed): an instance launched in a region added since, by a worker started later or
+by hand, is reaped without a restart of this one.
+
 Each termination is logged with its service, appended to the ledger, and sent to the service's
 workflow (signal ``record_event``) when it still runs, so that ``durastack events`` shows it.
 """
@@ -15,17 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.catalog import load_catalog
 from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
 from activities.cloud_errors import CloudError
-from models.backends import CloudInstance, owner
+from models.backends import CLOUDS, CloudInstance, config_path, load_backends_config, owner
 from models.reaper import ReapAction, ReapRequest, ReapResult, ReplicaReapResult
 from models.run import Event, Placement, StopRequest
 from store import INTENT, TERMINATED, StoreLedger
@@ -46,19 +52,63 @@ def parse_replica_workflow_id(workflow_id: str) -> Optional[tuple[str, str, int,
     return (m.group(1), m.group(2), int(m.group(3)), int(m.group(4))) if m else None
 
 
+class ConfiguredRegions:
+    """The regions config.yml configures for each cloud now (with the environment's overrides): read again when the
+    file changed, which a stat tells, so each pass costs one. A file that no longer loads keeps the regions read
+    last (and the worker's log says why)."""
+
+    def __init__(self, environ: Mapping[str, str] = os.environ):
+        self.environ = environ
+        self._stamp: Optional[tuple[int, int]] = None
+        self._regions: dict[str, Optional[list[str]]] = {}
+
+    def now(self) -> dict[str, Optional[list[str]]]:
+        """Cloud → its configured regions; an empty list: every catalog region; a cloud not configured is absent."""
+        path = config_path(self.environ)
+        try:
+            stat = path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+        except FileNotFoundError:
+            stamp = (0, -1)
+        if stamp != self._stamp:
+            try:
+                config = load_backends_config(self.environ, path)
+            except Exception as e:  # noqa: BLE001 — mid-edit or broken: the regions read last still hold
+                log.warning("reaper: %s does not load (%s); reaping the regions read before", path, e)
+            else:
+                self._regions = {c: list(getattr(config, c).regions) for c in CLOUDS if getattr(config, c)}
+            self._stamp = stamp
+        return self._regions
+
+
 class ReaperActivities:
     def __init__(self, client: Client, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
-                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc), gateway=None):
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc), gateway=None,
+                 configured: Optional[ConfiguredRegions] = None):
         """``client``: to list running replicas and query their placements (injected; tests pass their own).
-        ``gateway``: where the route of a service whose run is gone is removed with its replicas (None: left)."""
+        ``gateway``: where the route of a service whose run is gone is removed with its replicas (None: left).
+        ``configured``: the regions config.yml configures now (default: this process's home and environment)."""
         self.client, self.backends, self.ledger, self.now, self.gateway = client, backends, ledger, now, gateway
+        self.configured = configured or ConfiguredRegions()
+
+    def regions(self, backends: dict[str, CloudBackend]) -> dict[str, list[str]]:
+        """Where each backend's instances are looked for: the regions it started with, and those configured now."""
+        configured = self.configured.now()
+        out = {}
+        for name, backend in backends.items():
+            current = configured.get(name)
+            if current == []:  # every catalog region
+                current = [o.region for o in load_catalog() if o.backend == name]
+            out[name] = sorted(set(backend.regions) | set(current or []))
+        return out
 
     @activity.defn(name=names.REAP_ORPHANS)
     async def reap_orphans(self, req: ReapRequest) -> ReapResult:
         backends = {n: b for n, b in self.backends.items() if n in req.backends}
         result = ReapResult(task_queue=activity.info().task_queue)
         try:
-            instances = await asyncio.to_thread(list_tagged_all, backends)  # first: see the module doc
+            instances = await asyncio.to_thread(  # first: see the module doc
+                lambda: list_tagged_all(backends, regions=self.regions(backends)))
         except CloudError as e:
             raise activity_error(e) from e
         instances = [i for i in instances if i.state != "terminated"]
@@ -231,4 +281,4 @@ def _orphaned(instance: CloudInstance, owned: Owned) -> Optional[str]:
     return f"replica {'/'.join(instance.owner)} runs on {', '.join(sorted(ids))}, not on this instance"
 
 
-__all__ = ["RUNNING_REPLICAS", "ReaperActivities", "parse_replica_workflow_id"]
+__all__ = ["RUNNING_REPLICAS", "ConfiguredRegions", "ReaperActivities", "parse_replica_workflow_id"]

@@ -39,8 +39,10 @@ from activities.interface import no_capacity
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
+from activities.report import record_event
 from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
-    container_state, logs_command, replace_host_key, run, ssh_target, start_job, tunnel_socket, wait_booted
+    booted_driver, container_state, logs_command, replace_host_key, run, ssh_target, start_job, tunnel_socket, \
+    wait_booted
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
@@ -53,6 +55,13 @@ from store import StoreLedger
 log = logging.getLogger("durastack.replica_cloud")
 PROBE_SECONDS = 1.0  # between readiness probes of a booted instance
 DOWN = ("stopping", "stopped", "terminated")
+
+
+def booted(job: JobSpec, instance: CloudInstance, offer: InstanceOffer, driver: str) -> str:
+    """The launch's event of a booted instance: which image it booted, and on a GPU which NVIDIA driver it runs."""
+    said = f"replica {job.replica_num}: {instance.backend} {instance.instance_id} booted image " \
+           f"{instance.image or '(not tagged)'}"
+    return said + (f", NVIDIA driver {driver or '(not read)'}" if offer.gpu_count else "")
 
 
 class CloudReplicas:
@@ -132,8 +141,9 @@ class CloudReplicas:
         return CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}{state} after {self.boot_timeout:g}s "
                                                f"({detail})", code="BootTimeout")
 
-    async def _boot(self, inp: ReplicaInput, instance: CloudInstance) -> None:
-        """Wait (bounded) for the instance's SSH and its boot; then its sshd serves the key made after boot."""
+    async def _boot(self, inp: ReplicaInput, instance: CloudInstance) -> str:
+        """Wait (bounded) for the instance's SSH and its boot; then its sshd serves the key made after boot. Returns
+        the NVIDIA driver the boot found ('' without a GPU)."""
         target = self._target(instance, booting=True)
         deadline = time.monotonic() + self.boot_timeout
         said = ""
@@ -163,6 +173,7 @@ class CloudReplicas:
             if instance.host_key_after_boot:
                 after = self.ssh_keys.host_key(instance.key, after_boot=True)
                 await replace_host_key(conn, after.private_openssh, after.public_openssh)
+            return await booted_driver(conn)
         except RuntimeError as e:
             raise CloudError(ErrorKind.TRANSIENT, f"{instance.instance_id}: {e}", code="BootFailed") from e
         finally:
@@ -292,7 +303,8 @@ class CloudReplicas:
                 ledger=self.ledger, max_offers=self.config.max_offers, progress=heartbeat_from_thread())
             instance = await self._until_running(instance)
             if self.ssh is not None:
-                await self._boot(inp, instance)
+                said = booted(inp.job, instance, offer, await self._boot(inp, instance))
+                await record_event(inp.service_workflow_id, inp.job, "replica", said)
         except NoCapacity as e:
             raise no_capacity(NoCapacityDetails(backend=backend, tried=e.tried, reasons=e.reasons)) from e
         except CloudError as e:

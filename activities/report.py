@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional
 
 from temporalio import activity
@@ -21,7 +22,7 @@ from temporalio.service import RPCError
 
 from activities.liveness import progress
 from models.replica import JobSpec
-from models.run import Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
+from models.run import Event, Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
 
 if TYPE_CHECKING:
     from models.run import AddressAnswer
@@ -58,6 +59,18 @@ async def send_report(client, service_workflow_id: str, update: ReplicaUpdate) -
     from workflows.service import ServiceRunWorkflow
 
     await client.get_workflow_handle(service_workflow_id).signal(ServiceRunWorkflow.replica_changed, update)
+
+
+async def record_event(service_workflow_id: str, job: JobSpec, kind: str, message: str) -> None:
+    """Put ``message`` in the service's log (`durastack events`, the replica's group), from inside an activity; as a
+    report, never failing the work it tells of."""
+    from workflows.service import ServiceRunWorkflow  # here: see send_report
+
+    event = Event(at=datetime.now(timezone.utc), kind=kind, group=job.group, message=message)
+    try:
+        await activity.client().get_workflow_handle(service_workflow_id).signal(ServiceRunWorkflow.record_event, event)
+    except Exception as e:  # noqa: BLE001 — see the module doc
+        log.warning("%s: could not tell %s %r: %s", job.replica_id, service_workflow_id, message, e)
 
 
 async def report_placed(service_workflow_id: str, job: JobSpec, placement: Placement, instance: Instance, *,

@@ -20,6 +20,9 @@ from typing import Optional
 from activities.local_host import Account, probe_confinement, replica_account, replica_user, user_refusal
 from models.replica import JobSpec
 
+# CUDA 12.4 needs an NVIDIA driver of 550 or newer: the clouds' default GPU images run R580 or newer (which also serve
+# the CUDA 12.8, 12.9 and 13.0 images vLLM and SGLang ship), and most local GPU hosts have one. A job on a newer
+# CUDA names its image; docker refuses one whose CUDA the driver cannot serve, and the start step fails with its words.
 DEFAULT_IMAGE = "nvidia/cuda:12.4.1-runtime-ubuntu22.04"
 DEFAULT_DEVEL_IMAGE = "nvidia/cuda:12.4.1-devel-ubuntu22.04"  # nvcc: true
 DIND_IMAGE = "docker:27-dind"  # docker: true; its dockerd is started by the job wrapper

@@ -175,6 +175,16 @@ async def wait_booted(conn: asyncssh.SSHClientConnection) -> bool:
     return status == 0
 
 
+async def booted_driver(conn: asyncssh.SSHClientConnection) -> str:
+    """The NVIDIA driver (and newest CUDA) the boot found, as the boot script wrote it; '' without a GPU, or when
+    it cannot be read (it is told, never needed)."""
+    try:
+        status, out, _ = await run(conn, f"cat {REMOTE_DIR}/nvidia-driver", timeout=30.0)
+    except (OSError, asyncio.TimeoutError, asyncssh.Error):
+        return ""
+    return out.strip() if status == 0 else ""
+
+
 async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bool, replica_ip: str = "",
                     said: Callable[[str], None] = lambda text: None) -> bool:
     """Write the job's files (root's, mode 600: the env holds secrets), pull its image (telling ``said`` how far)
@@ -388,5 +398,5 @@ class Tunnel:
 
 
 __all__ = ["NETNS_ENV", "netns_socket_factory", "socket_factory_from_env", "NotReady", "PullDenied", "SSHClient",
-           "SSHTarget", "Tunnel", "container_state", "exec_command", "logs_command", "run", "start_job",
-           "tunnel_socket", "wait_booted"]
+           "SSHTarget", "Tunnel", "booted_driver", "container_state", "exec_command", "logs_command", "run",
+           "start_job", "tunnel_socket", "wait_booted"]

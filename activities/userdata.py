@@ -95,10 +95,11 @@ def boot_script(job: JobSpec, *, gpu: bool, keys: BootKeys, close_metadata: bool
     for line in (keys.host_key_public, keys.authorized_key):
         if not _KEY_LINE.match(line):
             raise ValueError(f"not a public key line: {line[:40]!r}")
-    gpu_setup = (TEMPLATES / "gpu_setup.sh.tmpl").read_text(encoding="utf-8").rstrip("\n") if gpu else ""
+    gpu_setup, gpu_driver = ((TEMPLATES / name).read_text(encoding="utf-8").rstrip("\n") if gpu else ""
+                             for name in ("gpu_setup.sh.tmpl", "gpu_driver.sh.tmpl"))
     return _render("boot.sh.tmpl", replica_id=job.replica_id, host_key=keys.host_key.strip("\n"),
                    host_key_public=keys.host_key_public, authorized_key=keys.authorized_key, gpu_setup=gpu_setup,
-                   close_metadata=CLOSE_METADATA if close_metadata else CLOSE_TO_CONTAINERS)
+                   gpu_driver=gpu_driver, close_metadata=CLOSE_METADATA if close_metadata else CLOSE_TO_CONTAINERS)
 
 
 def _yaml_block_safe(text: str) -> bool:

@@ -22,7 +22,7 @@ from rich.table import Table
 from activities.catalog import catalog_as_of
 from activities.catalog.plan import GroupQuery, candidate_offers, group_queries, match_query
 from activities.quota import Verdict, mark_offers
-from models.backends import BackendsConfig, load_backends_config
+from models.backends import BackendsConfig, gpu_image_lines, load_backends_config
 from models.offers import InstanceOffer
 from models.resources import ResourcesSpec
 
@@ -151,6 +151,8 @@ def offers(
         return
     console = Console()
     console.print(summary, highlight=False, markup=False)
+    for line in gpu_image_lines(config):  # which image, and so which NVIDIA driver, a GPU offer boots
+        console.print(f"  {line}", highlight=False, markup=False)
     for q, shown, total, reason, marks in groups:
         title = f"group {q.name}" if file is not None else None
         if not shown:

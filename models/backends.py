@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.offers import InstanceOffer
 
@@ -65,10 +65,13 @@ class AWSConfig(BaseModel):
     regions: list[str] = Field(default_factory=list, description="Regions to use; empty means every catalog region.")
     profile: Optional[str] = Field(None, description="AWS profile name; default is the standard credential chain.")
     ami_id: Optional[str] = Field(None, description="Use this AMI everywhere instead of looking one up by name.")
-    gpu_ami_name: str = Field("Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *",
-                              description="Name pattern of the AMI for x86 GPU instances (newest wins).")
-    gpu_arm_ami_name: str = Field("Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *",
-                                  description="Name pattern of the AMI for arm GPU instances.")
+    gpu_ami_name: str = Field("Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *", description=(
+        "Name pattern of the AMI for x86 GPU instances (newest wins). AWS's Deep Learning Base OSS AMIs carry the "
+        "NVIDIA driver, Docker and the NVIDIA Container Toolkit; the driver follows their releases (R580, then "
+        "R595 in 2026: CUDA 12.8, 12.9 and 13.x images run on either). Pin one with "
+        "`ami_id`; each cloud replica's events say which image it booted and which driver it runs."))
+    gpu_arm_ami_name: str = Field("Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *",
+                                  description="Name pattern of the AMI for arm GPU instances (as `gpu_ami_name`).")
     cpu_ami_name: str = Field("ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-*",
                               description="Name pattern of the AMI for x86 CPU instances.")
     cpu_arm_ami_name: str = Field("ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-arm64-server-*",
@@ -123,6 +126,21 @@ class AWSConfig(BaseModel):
         return self.vpc_id if self.vpc_id and region in self.regions else None
 
 
+# A Compute image as the API takes it: its URL, `projects/P/global/images/[family/]N`, or `global/images/…` (the
+# instance's own project).
+_IMAGE = re.compile(r"^(?:https://[a-z.]+/compute/v1/)?(?:projects/(?P<project>[a-z][-a-z0-9.:]*)/)?global/images/"
+                    r"(?P<family>family/)?(?P<name>[a-z](?:[-a-z0-9]*[a-z0-9])?)$")
+
+
+def image_ref(value: str, project: str) -> Optional[tuple[str, Optional[str], Optional[str]]]:
+    """(project, family, image) of a Compute image reference (one of family and image set); None: not one."""
+    m = _IMAGE.match(value)
+    if m is None:
+        return None
+    name = m.group("name")
+    return (m.group("project") or project, name if m.group("family") else None, None if m.group("family") else name)
+
+
 class GCPConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -130,10 +148,16 @@ class GCPConfig(BaseModel):
     regions: list[str] = Field(default_factory=list, description="Regions to use; empty means every catalog region.")
     endpoint: Optional[str] = Field(None, description=(
         "Compute API endpoint, e.g. http://127.0.0.1:PORT for a fake (DURASTACK_GCP_ENDPOINT); unset for Google."))
-    gpu_image: str = Field("projects/deeplearning-platform-release/global/images/family/common-cu124-ubuntu-2204-py310",
-                           description="Boot image of GPU instances (NVIDIA driver installed on first boot).")
+    gpu_image: str = Field(
+        "projects/deeplearning-platform-release/global/images/family/common-cu129-ubuntu-2404-nvidia-580", description=(
+            "Boot image of GPU instances: `projects/P/global/images/family/F` (the family's newest image that is "
+            "not deprecated, looked up before each launch) or `projects/P/global/images/NAME` (that image). "
+            "The default, a Deep Learning VM family, names its NVIDIA driver branch: R580, a long-term branch "
+            "supported until August 2028, which runs CUDA 12.x and 13.0 images. A family or image that does not "
+            "exist fails the launch naming this setting. Each cloud replica's events say which image it booted "
+            "and which driver it runs."))
     cpu_image: str = Field("projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts",
-                           description="Boot image of CPU instances.")
+                           description="Boot image of CPU instances (as `gpu_image`).")
     network: str = Field("global/networks/default", description="VPC network of the instances.")
     gateway_cidrs: list[str] = Field(default_factory=list, description=(
         "Where the gateway connects from: the firewall rule for durastack's network tag opens SSH (22) to these "
@@ -145,6 +169,14 @@ class GCPConfig(BaseModel):
     operation_timeout: float = Field(300.0, gt=0, description="Seconds to wait for an insert/delete operation.")
     # --- the private data path (a control plane inside the VPC) ---
     data_path: DataPath = Field("ssh", description=DATA_PATH_HELP)
+
+    @field_validator("gpu_image", "cpu_image")
+    @classmethod
+    def _an_image(cls, value: str, info) -> str:
+        if image_ref(value, "-") is None:
+            raise ValueError(f"backends.gcp.{info.field_name}: {value!r} names no Compute image: give "
+                             "projects/PROJECT/global/images/family/FAMILY or projects/PROJECT/global/images/NAME")
+        return value
 
     @model_validator(mode="after")
     def _private_path(self) -> "GCPConfig":
@@ -190,6 +222,22 @@ class BackendsConfig(BaseModel):
         if not parts:
             return "backends: local only (no aws or gcp in config.yml)"
         return "backends: " + ", ".join(parts + ["local"])
+
+
+def gpu_image_lines(config: BackendsConfig) -> list[str]:
+    """What each configured cloud's GPU instances boot, one line each (``durastack offers``)."""
+    lines = []
+    if config.aws:
+        a = config.aws
+        lines.append(f"aws GPU instances boot {a.ami_id}" if a.ami_id else
+                     f"aws GPU instances boot the newest AMI named {a.gpu_ami_name!r} (arm: {a.gpu_arm_ami_name!r}) "
+                     "with the NVIDIA driver its release ships")
+    if config.gcp:
+        project, family, name = image_ref(config.gcp.gpu_image, config.gcp.project_id) or ("", None, None)
+        branch = re.search(r"-nvidia-(\d+)", family or name or "")
+        lines.append(f"gcp GPU instances boot {'the newest image of family ' + family if family else name} of "
+                     f"project {project}" + (f" (NVIDIA driver R{branch.group(1)})" if branch else ""))
+    return lines
 
 
 def _csv(value: str) -> list[str]:
@@ -290,10 +338,10 @@ def replica_label(replica_num: int, submission_num: int) -> str:
 TAG_NAMES: dict[str, dict[str, str]] = {
     "aws": {"service": "durastack:service", "group": "durastack:group", "replica": "durastack:replica",
             "key": "durastack:key", "port": "durastack:port", "installation": "durastack:installation",
-            "host_key": "durastack:host-key"},
+            "host_key": "durastack:host-key", "image": "durastack:image"},
     "gcp": {"service": "durastack-service", "group": "durastack-group", "replica": "durastack-replica",
             "key": "durastack-key", "port": "durastack-port", "installation": "durastack-installation",
-            "host_key": "durastack-host-key"},
+            "host_key": "durastack-host-key", "image": "durastack-image"},
 }
 
 
@@ -345,6 +393,11 @@ class CloudInstance(BaseModel):
         return self.tags.get(TAG_NAMES[self.backend]["host_key"]) == HOST_KEY_AFTER_BOOT
 
     @property
+    def image(self) -> str:
+        """What it booted, as tagged at launch: the AMI id, or the GCE image's name; '' when made without it."""
+        return self.tags.get(TAG_NAMES[self.backend]["image"], "")
+
+    @property
     def owner(self) -> tuple[str, str, str]:
         """(service, group, ``r<N>-s<M>``) from the tags; compare with ``owner(...)``."""
         names = TAG_NAMES[self.backend]
@@ -353,4 +406,5 @@ class CloudInstance(BaseModel):
 
 
 __all__ = ["AWSConfig", "BackendsConfig", "CLOUDS", "CloudInstance", "GCPConfig", "HOST_KEY_AFTER_BOOT", "TAG_NAMES", "backends_config_from",
-           "config_path", "load_backends_config", "owner", "provisioning_key", "replica_label", "slug"]
+           "config_path", "gpu_image_lines", "image_ref", "load_backends_config", "owner", "provisioning_key",
+           "replica_label", "slug"]

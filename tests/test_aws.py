@@ -22,7 +22,7 @@ from activities.aws import AWSBackend
 from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_replica, terminate_service
 from activities.cloud_errors import CloudError, ErrorKind
 from activities.replica import ReplicaActivities
-from activities.replica_cloud import CloudReplicas
+from activities.replica_cloud import CloudReplicas, booted
 from activities.userdata import BootKeys, cloud_init
 from connect.ssh_keys import SSHKeys
 from models.backends import AWSConfig, BackendsConfig, provisioning_key
@@ -95,9 +95,9 @@ def test_gpu_group_comes_up_with_type_ami_tags_userdata_disk(aws, ledger, fake_e
     tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
     assert tags == {"Name": "durastack-svc-llm-r0-s0", "durastack:service": "svc", "durastack:group": "llm",
                     "durastack:replica": "r0-s0", "durastack:key": key, "durastack:port": "8000",
-                    "durastack:host-key": "after-boot"}
+                    "durastack:host-key": "after-boot", "durastack:image": raw["ImageId"]}
     image = ec2().describe_images(ImageIds=[raw["ImageId"]])["Images"][0]
-    assert image["Name"] == GPU_AMI
+    assert image["Name"] == GPU_AMI and inst.image == raw["ImageId"]
     user_data = ec2().describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")
     text = base64.b64decode(user_data["UserData"]["Value"]).decode()
     keys = SSHKeys.of_home(Path("/nonexistent"))  # DURASTACK_SSH_DIR (tests/conftest.py)
@@ -356,6 +356,26 @@ def test_ami_lookup_is_cached_and_overridable(aws, fake_ec2):
     custom = AWSBackend(AWSConfig(regions=["us-east-1"], ami_id=image_id))
     inst = custom.create(job(2), G5, provisioning_key("svc", "llm", 2, 0, G5))
     assert next(i for i in all_instances() if i["InstanceId"] == inst.instance_id)["ImageId"] == image_id
+
+
+def test_gpu_instances_get_the_newest_ubuntu_24_04_base_oss_ami_of_their_arch(aws, fake_ec2):
+    ids = {name: ec2().register_image(Name=name, Description=name)["ImageId"] for name in (
+        "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20260929",  # older, same line
+        "Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006",
+        "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20261110")}  # newer, the older Ubuntu
+    newest = ec2().describe_images(Owners=["self"], Filters=[{"Name": "name", "Values": [GPU_AMI]}])["Images"]
+    assert aws._ami("us-east-1", G5)["ImageId"] == newest[0]["ImageId"]  # GPU_AMI: 24.04, 20261006
+    arm = G5.model_copy(update={"instance_type": "g5g.xlarge", "cpu_arch": "arm"})
+    assert aws._ami("us-east-1", arm)["ImageId"] == \
+        ids["Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006"]
+    # A newer release of the line takes over once published (the lookup is cached for AMI_TTL).
+    newer = ec2().register_image(Name="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261201")
+    aws._amis.clear()
+    inst = aws.create(job(), G5, provisioning_key("svc", "llm", 0, 0, G5))
+    assert inst.image == newer["ImageId"] == all_instances()[0]["ImageId"]
+    # What the replica's events say once it booted (the driver as its boot script read it from nvidia-smi).
+    assert booted(job(), aws.get(inst), G5, "595.91.07, CUDA 13.2") == \
+        f"replica 0: aws {inst.instance_id} booted image {newer['ImageId']}, NVIDIA driver 595.91.07, CUDA 13.2"
 
 
 def test_missing_ami_is_fatal_with_a_clear_message(fake_ec2):

@@ -539,6 +539,38 @@ async def test_reaper_terminates_orphans_and_spares_owned_young_and_in_flight(de
         assert {i["InstanceId"] for i in live_instances()} == {in_flight, untagged, theirs}
 
 
+@aio
+async def test_an_instance_in_a_region_added_to_the_config_after_the_worker_started_is_reaped(dev_env, home,
+                                                                                          fake_ec2):
+    fake_ec2.seed_amis("us-east-1", "us-west-2")
+    (home / "config.yml").write_text(AWS)  # us-east-1 alone, as the worker starts
+    settings = Settings.from_env({"DURASTACK_HOME": str(home), "DURASTACK_TASK_QUEUE": f"tq-{uuid.uuid4()}"})
+    clouds = worker_module.load_clouds(settings)
+    assert clouds.backends["aws"].regions == ["us-east-1"]
+    reaper = ReaperActivities(dev_env.client, clouds.backends, clouds.ledger)
+    west = boto3.client("ec2", region_name="us-west-2")
+    image = west.describe_images(Owners=["self"])["Images"][0]["ImageId"]
+    names_ = TAG_NAMES["aws"]
+    left = west.run_instances(ImageId=image, InstanceType="t3.micro", MinCount=1, MaxCount=1, TagSpecifications=[
+        {"ResourceType": "instance", "Tags": [{"Key": names_["service"], "Value": "gone"},
+                                              {"Key": names_["group"], "Value": "llm"},
+                                              {"Key": names_["replica"], "Value": "r0-s0"},
+                                              {"Key": names_["key"], "Value": "ds-west-1"}]}])["Instances"][0]
+
+    async def reap():
+        return await ActivityEnvironment().run(reaper.reap_orphans, ReapRequest(backends=["aws"], grace_seconds=0))
+
+    assert (await reap()).checked == 0  # not a region of this control plane: not looked at
+    (home / "config.yml").write_text(AWS.replace("[us-east-1]", "[us-east-1, us-west-2]"))
+    result = await reap()  # the same worker, not restarted: config.yml is read again
+    assert [(a.instance_id, a.region) for a in result.terminated] == [(left["InstanceId"], "us-west-2")]
+    state = west.describe_instances(InstanceIds=[left["InstanceId"]])["Reservations"][0]["Instances"][0]["State"]
+    assert state["Name"] in ("shutting-down", "terminated")
+    # A file mid-edit does not load: the regions read last still hold.
+    (home / "config.yml").write_text("backends: {aws: {regions: [us-east-1, us-west-2]")
+    assert reaper.regions(clouds.backends) == {"aws": ["us-east-1", "us-west-2"]}
+
+
 # --- small pieces ------------------------------------------------------------------------------------
 
 def test_replica_workflow_ids_parse_back():
@@ -620,7 +652,14 @@ def test_offers_command_says_which_backends_are_configured(home):
     assert result.exit_code == 0 and result.stdout.startswith("backends: local only")
     (home / "config.yml").write_text(AWS)
     result = CliRunner().invoke(app, ["offers", "--cpu", "2"], env=env)
-    assert result.stdout.startswith("backends: aws (us-east-1), local")
+    assert result.stdout.startswith("backends: aws (us-east-1), local\n  aws GPU instances boot the newest AMI named "
+                                    "'Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *'")
+    (home / "config.yml").write_text(GCP.format(url="http://127.0.0.1:9"))
+    result = CliRunner().invoke(app, ["offers", "--cpu", "2"], env=env)
+    assert result.stdout.splitlines()[1] == (
+        "  gcp GPU instances boot the newest image of family common-cu129-ubuntu-2404-nvidia-580 of project "
+        "deeplearning-platform-release (NVIDIA driver R580)")
+    (home / "config.yml").write_text(AWS)
     result = CliRunner().invoke(app, ["offers", "--cpu", "2", "--json"], env=env)
     import json
     assert json.loads(result.stdout)["backends"] == ["aws", "local"]

@@ -93,6 +93,9 @@ async def _lifecycle(acts: ReplicaActivities, backend: str, vpc, booter) -> None
     inp = ReplicaInput(service_workflow_id="service/svc", job=job(), resources=CPU, backends=[backend])
     launched = await activity_env(client).run(acts.launch, LaunchInput(backend=backend, replica=inp))
     assert not booter.errors, booter.errors
+    # The service's log says what the instance booted (a CPU offer: no driver), from its tags or labels.
+    assert launched.instance.image and client.events() == [
+        f"replica 0: {backend} {launched.instance.instance_id} booted image {launched.instance.image}"]
     address = launched.placement.address
     assert address.startswith("unix:") and "/tunnels/" in address  # the tunnel's local end, as nginx's upstream
     assert gateway.routed == {job().replica_id: address}

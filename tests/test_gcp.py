@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = [sys.executable, "-m", "tests.fakes.provision_child"]
 GPU = ResourcesSpec.model_validate({"gpu": "1..", "disk": "200GB"})
 CENTRAL = ["us-central1-a", "us-central1-b", "us-central1-c"]
+NEWEST_DLVM = "common-cu129-ubuntu-2404-nvidia-580-v20261020"  # the default family's newest (tests/fakes/gce.py)
 
 
 def offer(instance_type: str, price: float, *, region="us-central1", zones=None, gpu=("T4", 16.0, 1),
@@ -93,16 +94,19 @@ def test_gpu_group_comes_up_with_accelerators_spot_labels_and_startup_script(gcp
                                   "automaticRestart": False, "instanceTerminationAction": "DELETE"}
     assert body["labels"] == {"managed-by": "durastack", "durastack-service": "svc-one", "durastack-group": "llm",
                               "durastack-replica": "r0-s0", "durastack-key": key, "durastack-port": "8000",
-                              "durastack-host-key": "after-boot"}
+                              "durastack-host-key": "after-boot", "durastack-image": NEWEST_DLVM}
+    assert inst.image == NEWEST_DLVM
     (disk,) = body["disks"]
     assert disk["boot"] and disk["autoDelete"] and disk["initializeParams"]["diskSizeGb"] == "200"
-    assert "deeplearning-platform-release" in disk["initializeParams"]["sourceImage"]
+    # The default family, resolved to its newest image: the boot disk names what the instance boots.
+    assert disk["initializeParams"]["sourceImage"] == \
+        f"projects/deeplearning-platform-release/global/images/{NEWEST_DLVM}"
     items = {i["key"]: i["value"] for i in body["metadata"]["items"]}
     keys = SSHKeys.of_home(Path("/nonexistent"))  # DURASTACK_SSH_DIR (tests/conftest.py)
     host = keys.host_key(key)
     boot = BootKeys(host.private_openssh, host.public_openssh, keys.client_public())
     assert items == {"startup-script": startup_script(job(), gpu=True, keys=boot), "install-nvidia-driver": "True",
-                     "block-project-ssh-keys": "true"}
+                     "block-project-ssh-keys": "true", "enable-oslogin": "FALSE"}
     # Metadata carries the host key and the installation's key, never env or commands (they come over SSH).
     for value in job().env.values():
         assert value not in json.dumps(body)
@@ -134,9 +138,63 @@ def test_cpu_instance_uses_the_cpu_image_and_may_migrate(gcp, gce):
     cpu = offer("n2-standard-4", 0.19, gpu=None)
     gcp.create(job(), cpu, provisioning_key("Svc.One", "llm", 0, 0, cpu))
     body = gce.inserts()[-1]["body"]
-    assert "ubuntu-os-cloud" in body["disks"][0]["initializeParams"]["sourceImage"]
+    assert body["disks"][0]["initializeParams"]["sourceImage"] == \
+        "projects/ubuntu-os-cloud/global/images/ubuntu-2204-jammy-v20261015"
     assert body["scheduling"]["onHostMaintenance"] == "MIGRATE"
-    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script", "block-project-ssh-keys"]
+    assert [i["key"] for i in body["metadata"]["items"]] == ["startup-script", "block-project-ssh-keys",
+                                                             "enable-oslogin"]
+
+
+# --- the boot image ----------------------------------------------------------------------------------
+
+def test_the_gpu_family_resolves_to_its_newest_image_once_per_ttl(gcp, gce):
+    gcp.create(job(), G2, provisioning_key("Svc.One", "llm", 0, 0, G2))
+    gce.add_image("deeplearning-platform-release", "common-cu129-ubuntu-2404-nvidia-580-v20261201",
+                  "common-cu129-ubuntu-2404-nvidia-580")
+    gcp.create(job(replica=1), G2, provisioning_key("Svc.One", "llm", 1, 0, G2))
+    lookups = [r["path"] for r in gce.requests if "/global/images/" in r["path"]]
+    assert lookups == ["/compute/v1/projects/deeplearning-platform-release/global/images/family/"
+                       "common-cu129-ubuntu-2404-nvidia-580"]  # cached: the second launch asked nothing
+    sources = [r["body"]["disks"][0]["initializeParams"]["sourceImage"] for r in gce.inserts()]
+    assert sources == [f"projects/deeplearning-platform-release/global/images/{NEWEST_DLVM}"] * 2
+    gcp._boot_images.clear()  # the TTL passed
+    inst = gcp.create(job(replica=2), G2, provisioning_key("Svc.One", "llm", 2, 0, G2))
+    assert inst.image == "common-cu129-ubuntu-2404-nvidia-580-v20261201"
+
+
+def test_a_retired_family_fails_the_launch_naming_the_setting(gce, ledger):
+    retired = "projects/deeplearning-platform-release/global/images/family/common-cu124-ubuntu-2204-py310"
+    old = GCPBackend(GCPConfig(project_id="proj", regions=["us-central1"], endpoint=gce.url, gpu_image=retired))
+    with pytest.raises(CloudError, match="backends.gcp.gpu_image: no image family common-cu124-ubuntu-2204-py310 "
+                                         "in project deeplearning-platform-release") as e:
+        walk(old, ledger, [N1_T4, G2])
+    assert e.value.kind is ErrorKind.FATAL and gce.inserts() == []  # one lookup, no offer walked
+    # Compute itself refuses the retired family in an insert, as the fake does: what a launch without the lookup met.
+    status, answer = gce.route("POST", "/compute/v1/projects/proj/zones/us-central1-a/instances", {}, {
+        "name": "x", "machineType": "zones/us-central1-a/machineTypes/g2-standard-4",
+        "disks": [{"boot": True, "initializeParams": {"sourceImage": retired}}]})
+    assert status == 400 and "The referenced image resource cannot be found" in answer["error"]["message"]
+
+
+def test_a_pinned_image_is_used_as_is_and_an_obsolete_one_is_refused(gce):
+    gce.add_image("proj", "my-cuda-image")
+    pinned = GCPBackend(GCPConfig(project_id="proj", regions=["us-central1"], endpoint=gce.url,
+                                  gpu_image="global/images/my-cuda-image"))
+    assert pinned.create(job(), G2, provisioning_key("Svc.One", "llm", 0, 0, G2)).image == "my-cuda-image"
+    assert gce.inserts()[-1]["body"]["disks"][0]["initializeParams"]["sourceImage"] == \
+        "projects/proj/global/images/my-cuda-image"
+    gce.add_image("proj", "my-old-image", deprecated="OBSOLETE")
+    old = GCPBackend(GCPConfig(project_id="proj", regions=["us-central1"], endpoint=gce.url,
+                               gpu_image="projects/proj/global/images/my-old-image"))
+    with pytest.raises(CloudError, match=r"no image my-old-image \(obsolete\) in project proj"):
+        old.create(job(), G2, provisioning_key("Svc.One", "llm", 0, 0, G2))
+
+
+@pytest.mark.parametrize("value", ["common-cu129-ubuntu-2404-nvidia-580", "projects/p/images/x",
+                                   "projects/p/global/images/family/Bad_Name"])
+def test_an_image_setting_that_names_no_image_is_refused(value):
+    with pytest.raises(ValueError, match=f"backends.gcp.gpu_image: '{value}' names no Compute image"):
+        GCPConfig(project_id="proj", gpu_image=value)
 
 
 # --- exactly once -----------------------------------------------------------------------------------

@@ -210,6 +210,81 @@ def test_boot_script_installs_the_host_key_and_the_installation_key(tmp_path):
         assert out.split()[:2] == host.public_openssh.split()[:2]
 
 
+# `sshd -T` as far as host keys go, with sshd's own rules: the HostKey lines in the order it reads them, the drop-ins
+# read where sshd_config includes them (the real path mapped to the scratch root), and its default keys only when no
+# line names one.
+SSHD_STUB = r"""#!/bin/bash
+[ "$1" = -T ] && [ -f "$DURASTACK_ETC/ssh/sshd_config" ] || exit 1
+keys=$(while read -r word value; do
+  case "$word" in
+    Include) for f in $DURASTACK_ETC/ssh/sshd_config.d/*.conf; do awk '$1 == "HostKey" {print $2}' "$f"; done ;;
+    HostKey) echo "$value" ;;
+  esac
+done <"$DURASTACK_ETC/ssh/sshd_config")
+printf 'hostkey %s\n' ${keys:-/etc/ssh/ssh_host_ecdsa_key /etc/ssh/ssh_host_ed25519_key /etc/ssh/ssh_host_rsa_key}
+"""
+UBUNTU_SSHD_CONFIG = "Include /etc/ssh/sshd_config.d/*.conf\n#HostKey /etc/ssh/ssh_host_ed25519_key\nUsePAM yes\n"
+
+
+def _boot_root(tmp_path: Path, sshd_config: str, gpu: bool = False) -> tuple[Path, dict, SSHKeys]:
+    """A scratch root with an image's sshd_config and `sshd` (the stub) on PATH; the boot script at boot.sh."""
+    ssh = SSHKeys.of_home(tmp_path)
+    host = ssh.host_key("ds-some-key")
+    (tmp_path / "boot.sh").write_text(startup_script(job(), gpu=gpu, keys=BootKeys(
+        host.private_openssh, host.public_openssh, ssh.client_public())))
+    root, bin_dir = tmp_path / "root", tmp_path / "bin"
+    (root / "etc/ssh").mkdir(parents=True)
+    (root / "etc/ssh/sshd_config").write_text(sshd_config)
+    bin_dir.mkdir()
+    (bin_dir / "sshd").write_text(SSHD_STUB)
+    (bin_dir / "sshd").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "DURASTACK_DIR": str(root / "opt"), "DURASTACK_ETC": str(root / "etc"),
+           "DURASTACK_ROOT_HOME": str(root / "home"), "DURASTACK_SIMULATED": "1"}
+    return root, env, ssh
+
+
+def _sshd_keys(env: dict) -> list[str]:
+    out = subprocess.run(["sshd", "-T"], env=env, capture_output=True, text=True, check=True).stdout
+    return [line.split()[1] for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("sshd_config", [UBUNTU_SSHD_CONFIG, "#Include\nUsePAM yes\n"],
+                         ids=["ubuntu", "no-include"])
+def test_the_guest_agent_racing_the_first_boot_leaves_sshd_serving_durastacks_host_key(tmp_path, sshd_config):
+    root, env, ssh = _boot_root(tmp_path, sshd_config)
+    ours = (root / "etc/ssh/durastack_host_ed25519_key", ssh.host_key("ds-some-key").private_openssh)
+    subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, check=True, timeout=30)
+    # GCP's guest agent, after the script on this first boot: new keys in sshd's default files, sshd restarted; and
+    # at the next boot the agent's startup-script runner runs the script again.
+    for kind in ("ed25519", "ecdsa", "rsa"):
+        (root / f"etc/ssh/ssh_host_{kind}_key").write_text(f"the agent's {kind} key\n")
+    subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, check=True, timeout=30)
+    assert ours[0].read_text() == ours[1] and (root / "opt/ready").exists()
+    assert _sshd_keys(env) == ["/etc/ssh/durastack_host_ed25519_key"]  # as sshd reads it: ours alone
+    lines = (root / "etc/ssh/sshd_config").read_text().splitlines()
+    assert lines[0] == "Include /etc/ssh/sshd_config.d/*.conf" and lines.count(lines[0]) == 1  # added once if absent
+
+
+def test_a_boot_whose_sshd_would_serve_another_key_first_stops_saying_so(tmp_path):
+    root, env, _ = _boot_root(tmp_path, "HostKey /etc/ssh/ssh_host_ed25519_key\n" + UBUNTU_SSHD_CONFIG)
+    ran = subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, timeout=30)
+    assert ran.returncode != 0 and not (root / "opt/ready").exists()
+    assert "durastack: sshd would serve /etc/ssh/ssh_host_ed25519_key, not /etc/ssh/durastack_host_ed25519_key" in \
+        (root / "opt/boot.log").read_text()
+
+
+def test_a_gpu_boot_records_the_nvidia_driver_it_found(tmp_path):
+    root, env, _ = _boot_root(tmp_path, UBUNTU_SSHD_CONFIG, gpu=True)
+    subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, check=True, timeout=30)
+    assert (root / "opt/nvidia-driver").read_text() == "none (nvidia-smi did not answer)\n"
+    smi = tmp_path / "bin/nvidia-smi"  # answers as nvidia-smi 595 does
+    smi.write_text('#!/bin/sh\nif [ "$1" = --query-gpu=driver_version ]; then echo 595.91.07; exit; fi\n'
+                   'echo "| NVIDIA-SMI 595.91.07    Driver Version: 595.91.07    CUDA Version: 13.2     |"\n')
+    smi.chmod(0o755)
+    subprocess.run(["bash", str(tmp_path / "boot.sh")], env=env, check=True, timeout=30)
+    assert (root / "opt/nvidia-driver").read_text() == "595.91.07, CUDA 13.2\n"
+
+
 DOCKER_STUB = """#!/bin/bash
 # Records each docker call; for `run`, runs the mounted job the way the container would: env from --env-file.
 printf '%s\\n' "$*" >> "$DIR_OUT/docker.calls"

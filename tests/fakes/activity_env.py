@@ -60,7 +60,11 @@ class FakeClient:
         return FakeHandle(self, workflow_id)
 
     def reports(self) -> list[tuple[int, str, bool, bool]]:
-        return [(u.seq, u.status, u.ready, u.registered) for _, _, u in self.signals]
+        return [(u.seq, u.status, u.ready, u.registered) for _, name, u in self.signals if name == "replica_changed"]
+
+    def events(self) -> list[str]:
+        """The messages sent to the services' logs (``record_event``)."""
+        return [e.message for _, name, e in self.signals if name == "record_event"]
 
 
 class FakeGateway:

@@ -37,7 +37,7 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoReque
 from werkzeug.serving import make_server
 from tests.fakes import ServedInThread
 
-GPU_AMI = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20250101"
+GPU_AMI = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006"
 CPU_AMI = "ubuntu/images/hvm-ssd/ubuntu-jammy-22.04-amd64-server-20250101"
 _STATUS = {"InsufficientInstanceCapacity": 500, "InternalError": 500, "ServiceUnavailable": 503,
            "RequestLimitExceeded": 503}

@@ -8,6 +8,9 @@ dedupe; 409 on a duplicate name in a zone; regions.get with the region's ``quota
 ``set_quota``, or ``refuse_regions`` for a caller without compute.regions.get); faults: capacity and quota in the
 operation, synchronous quota (403) or any HTTP error, and "lost responses" (created, then answered 503). A stdlib
 ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it into a test module).
+
+Images: get and getFromFamily, of ``PUBLIC_IMAGES`` and those a test adds; an insert whose boot image does not
+resolve (a retired family, an obsolete image) is refused as Compute refuses it (400 invalid).
 """
 
 from __future__ import annotations
@@ -30,6 +33,20 @@ _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/
 _GLOBAL_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/global/(?P<kind>firewalls|operations)"
                           r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
 _REGION_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/regions/(?P<r>[^/]+)$")
+_IMAGES = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/global/images/(?:family/(?P<family>[^/]+)|(?P<name>[^/]+))$")
+_SOURCE_IMAGE = re.compile(r"^(?:https?://[^/]+/compute/v1/)?(?:projects/(?P<p>[^/]+)/)?global/images/"
+                           r"(?:family/(?P<family>[^/]+)|(?P<name>[^/]+))$")
+# Public images as their projects publish them: (project, image, family, deprecation state). The Deep Learning VM
+# families name CUDA, OS and NVIDIA driver branch; the cu124 py310 family was retired (its images deprecated).
+_DLVM = "deeplearning-platform-release"
+PUBLIC_IMAGES = [(_DLVM, f"{family}-{version}", family, state) for family, version, state in (
+    ("common-cu129-ubuntu-2404-nvidia-580", "v20260626", ""),
+    ("common-cu129-ubuntu-2404-nvidia-580", "v20261020", ""),
+    ("common-cu129-ubuntu-2204-nvidia-580", "v20261020", ""),
+    ("common-cu128-ubuntu-2204-nvidia-570", "v20260301", ""),
+    ("common-cu124-ubuntu-2204-py310", "v20250325", "DEPRECATED"))] + [
+    ("ubuntu-os-cloud", "ubuntu-2204-jammy-v20261015", "ubuntu-2204-lts", ""),
+    ("ubuntu-os-cloud", "ubuntu-2404-noble-amd64-v20261015", "ubuntu-2404-lts-amd64", "")]
 _AGGREGATED = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/aggregated/instances$")
 _TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name)\s*(=|!=)\s*"?([^")\s]*)"?\s*\)?')
 _REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "alreadyExists",
@@ -124,6 +141,9 @@ class FakeGCE(ServedInThread):
             self.lose = 0
             self.op_polls = 1  # new operations report RUNNING for this many polls, then DONE
             self.firewalls: dict[tuple[str, str], dict] = {}
+            self.images: dict[tuple[str, str], dict] = {}
+            for project, name, family, state in PUBLIC_IMAGES:
+                self._add_image(project, name, family, state)
             # What Compute has in each zone, per Google's documentation; a test may narrow or widen a zone.
             self.machine_types = {z: set(gce_zones.machine_types(z)) for z in gce_zones.ZONES}
             self.accelerator_types = {z: set(gce_zones.accelerator_types(z)) for z in gce_zones.ZONES}
@@ -153,6 +173,42 @@ class FakeGCE(ServedInThread):
     def region_reads(self) -> list[str]:
         with self.lock:
             return [m["r"] for r in self.requests if r["method"] == "GET" and (m := _REGION_PATH.match(r["path"]))]
+    def add_image(self, project: str, name: str, family: str = "", deprecated: str = "") -> None:
+        """An image (of ``family``); ``deprecated``: DEPRECATED, OBSOLETE or DELETED. Added later is newer."""
+        with self.lock:
+            self._add_image(project, name, family, deprecated)
+
+    def _add_image(self, project: str, name: str, family: str, state: str) -> None:
+        n = next(self.ids)
+        self.images[(project, name)] = {
+            "kind": "compute#image", "id": str(n), "name": name, "status": "READY", "archiveSizeBytes": "0",
+            "creationTimestamp": f"2026-01-01T00:00:00.{n:06d}-00:00",
+            **({"family": family} if family else {}), **({"deprecated": {"state": state}} if state else {})}
+
+    def _newest_of(self, project: str, family: str) -> Optional[dict]:
+        """What getFromFamily answers: the family's newest image that is not deprecated."""
+        live = [i for (p, _), i in self.images.items() if p == project and i.get("family") == family
+                and "deprecated" not in i]
+        return max(live, key=lambda i: i["creationTimestamp"]) if live else None
+
+    def _image(self, p: str, family: Optional[str], name: Optional[str]) -> tuple[int, dict]:
+        found = self._newest_of(p, family) if family else self.images.get((p, name or ""))
+        if found is None:
+            what = f"family/{family}" if family else name
+            return _http_error(404, f"The resource 'projects/{p}/global/images/{what}' was not found")
+        return 200, {**found, "selfLink": f"{self.url}/compute/v1/projects/{p}/global/images/{found['name']}"}
+
+    def _boot_image_missing(self, p: str, body: dict) -> Optional[tuple[int, dict]]:
+        """Compute refuses an insert whose boot disk's image does not resolve (retired family, obsolete image)."""
+        for i, disk in enumerate(body.get("disks", [])):
+            source = disk.get("initializeParams", {}).get("sourceImage", "")
+            m = _SOURCE_IMAGE.match(source)
+            found = m and (self._newest_of(m["p"] or p, m["family"]) if m["family"] else
+                           self.images.get((m["p"] or p, m["name"])))
+            if source and (not found or found.get("deprecated", {}).get("state") in ("OBSOLETE", "DELETED")):
+                return _http_error(400, f"Invalid value for field 'resource.disks[{i}].initializeParams.sourceImage': "
+                                        f"'{source}'. The referenced image resource cannot be found.", "invalid")
+        return None
 
     def lose_responses(self, n: int) -> None:
         with self.lock:
@@ -173,6 +229,9 @@ class FakeGCE(ServedInThread):
             return list(self.firewalls.values())
 
     def route(self, method: str, path: str, query: dict, body: dict) -> tuple[int, dict]:
+        m = _IMAGES.match(path)
+        if m and method == "GET":
+            return self._image(m["p"], m["family"], m["name"])
         m = _GLOBAL_PATH.match(path)
         if m:
             return self._global(method, m["p"], m["kind"], m["name"], body)
@@ -217,6 +276,9 @@ class FakeGCE(ServedInThread):
         if (p, z, name) in self.instances:
             return _http_error(409, f"The resource 'projects/{p}/zones/{z}/instances/{name}' already exists")
         machine_type = body.get("machineType", "").rsplit("/", 1)[-1]
+        refused = self._boot_image_missing(p, body)
+        if refused:
+            return refused
         if machine_type not in self.machine_types.get(z, ()):
             return _http_error(400, f"Invalid value for field 'resource.machineType': '{body.get('machineType')}'. "
                                     f"Machine type with name '{machine_type}' does not exist in zone '{z}'.",

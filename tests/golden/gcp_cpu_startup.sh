@@ -10,8 +10,11 @@ ETC="${DURASTACK_ETC:-/etc}"
 mkdir -p "$DIR" && chmod 700 "$DIR"
 exec >>"$DIR/boot.log" 2>&1
 echo "durastack: booting for replica llm-svc/decode/r3-s1 at $(date -u +%FT%TZ)"
-# The host key durastack made for this instance: its first connection is verified against it. A file of its own,
-# not sshd's default key, which GCP's guest agent writes anew on an instance's first boot, racing this script.
+# The host key durastack made for this instance: its first connection is verified against it. It stays sshd's
+# key whatever GCP's guest agent does on the first boot, before or after this script: the agent writes new keys in
+# sshd's default files (ssh_host_*_key) and restarts sshd, but once a HostKey line names a key (ours, below) sshd
+# loads no default one, and the agent writes neither this file nor sshd_config.d (its one edit of sshd's
+# configuration, for OS Login, is off: the launch sets enable-oslogin=FALSE). Checked below, as sshd reads it.
 # That first connection puts another key in its place, which no boot data holds: kept when this script runs again.
 mkdir -p "$ETC/ssh/sshd_config.d"
 if [ ! -e "$DIR/host_key_after_boot" ]; then
@@ -33,6 +36,20 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 AllowTcpForwarding local
 DURASTACK_SSHD
+# sshd reads the drop-in where sshd_config includes it (first thing, in Ubuntu's and Debian's; an image that does not
+# gets the line), and takes the first value of each setting. sshd serves the first key of each type it names: ours,
+# or the boot stops here (boot.log says why), since the first connection could not verify another.
+if [ -f "$ETC/ssh/sshd_config" ] && \
+   ! grep -qE '^[[:space:]]*Include[[:space:]]+/etc/ssh/sshd_config\.d/\*\.conf' "$ETC/ssh/sshd_config"; then
+  sed -i '1i Include /etc/ssh/sshd_config.d/*.conf' "$ETC/ssh/sshd_config"
+fi
+if effective=$(sshd -T 2>/dev/null); then
+  served=$(printf '%s\n' "$effective" | awk '$1 == "hostkey" {print $2; exit}')
+  if [ "$served" != /etc/ssh/durastack_host_ed25519_key ]; then
+    echo "durastack: sshd would serve ${served:-no host key}, not /etc/ssh/durastack_host_ed25519_key"
+    exit 1
+  fi
+fi
 if [ -z "${DURASTACK_SIMULATED:-}" ]; then
   systemctl restart ssh 2>/dev/null || systemctl restart sshd
   if ! command -v docker >/dev/null 2>&1; then
