@@ -205,5 +205,14 @@ def mark_offers(backends: Mapping[str, object], offers: list[InstanceOffer]
     return marks, list(notes.values())
 
 
+def launchable(backends: Mapping[str, object], offers: list[InstanceOffer]) -> tuple[list[InstanceOffer], list[str]]:
+    """The offers a launch would try (all but those marked "no quota", as the walk skips them), and why each other
+    one is not."""
+    marks, _ = mark_offers(backends, offers)
+    short = [(o, m) for o, m in zip(offers, marks) if m is not None and m.status == "no quota"]
+    kept = [o for o, m in zip(offers, marks) if m is None or m.status != "no quota"]
+    return kept, [f"{o.backend} {o.instance_type} in {o.region}: {m.reason}" for o, m in short]
+
+
 __all__ = ["AWS_VCPU_QUOTAS", "QUOTA_TTL", "Need", "RegionQuotas", "Verdict", "aws_vcpu_quota", "gcp_gpu_quota",
-           "mark_offers", "needs", "no_quota", "quotas_of", "verdict"]
+           "launchable", "mark_offers", "needs", "no_quota", "quotas_of", "verdict"]

@@ -91,7 +91,7 @@ def _table(title: Optional[str], offers: list[InstanceOffer], total: int, marks:
     return table
 
 
-def _clouds(config: BackendsConfig) -> dict:
+def cloud_backends(config: BackendsConfig) -> dict:
     """The configured clouds' backends, whose quotas mark the offers shown (no cloud call until then)."""
     if not (config.aws or config.gcp):
         return {}
@@ -134,7 +134,7 @@ def offers(
     summary, config = _configured()
     # The same candidates `apply` plans from: a configured cloud only in its configured regions.
     candidates = candidate_offers(config)
-    clouds = _clouds(config)
+    clouds = cloud_backends(config)
     groups, notes = [], []
     for q in queries:
         found, reason = match_query(candidates, q)

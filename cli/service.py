@@ -68,6 +68,8 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
     Planned from the offers ``durastack offers -f`` lists (activities/catalog/plan.py), on the backends
     config.yml configures: a GPU service can be submitted to a cloud from a machine without a GPU."""
     from activities.catalog.plan import candidate_offers, group_queries, one_place, plan_query
+    from activities.quota import launchable
+    from cli.offers import cloud_backends
     from activities.runtime import group_runtime_fields, local_limits
     from models.backends import load_backends_config
     from workflows.addresses import one_place as reach_each_other
@@ -79,8 +81,12 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
     except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         raise user_error(f"config.yml: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     candidates, problems, offers = candidate_offers(backends), [], {}
+    clouds = cloud_backends(backends)
     for i, (g, q) in enumerate(zip(config.replica_groups, group_queries(config))):
         found, reason = plan_query(candidates, q, backends)
+        found, short = launchable(clouds, found)  # as the launch skips them: never planned on
+        if not found and short:
+            reason = "no quota for any: " + "; ".join(short[:3]) + (f"; {len(short) - 3} more" if len(short) > 3 else "")
         # This machine runs commands without containers: what it cannot honour is said now, by field path.
         cannot, notes = local_limits(group_runtime_fields(config, i))
         if any(o.backend == "local" for o in found):

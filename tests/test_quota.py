@@ -343,3 +343,21 @@ def test_offers_says_once_that_quotas_could_not_be_read(aws_home, fake_ec2):
 def test_offers_without_a_configured_cloud_reads_no_quota(tmp_path, fake_ec2):
     result = offers_cli(tmp_path)
     assert result.exit_code == 0 and "QUOTA" not in result.stdout and fake_ec2.quota_reads == []
+
+
+def test_apply_plans_on_the_offers_a_launch_would_try(aws_home, fake_ec2, tmp_path):
+    """The plan's offer is one the walk would try: us-east-1's G quota is 0, so the plan names us-west-2; with no
+    G quota anywhere nothing is submitted, and the plan says why."""
+    service = tmp_path / "svc.yml"
+    service.write_text("type: service\nname: svc\nport: 8000\nimage: vllm/vllm-openai\nbackends: [aws]\n"
+                       "resources:\n  gpu: A10G\n")
+    env = {"COLUMNS": "220", "DURASTACK_HOME": str(aws_home), "DURASTACK_TEMPORAL_ADDRESS": "127.0.0.1:9"}
+    fake_ec2.set_quota("us-east-1", G_ON_DEMAND, 0.0)
+    result = CliRunner().invoke(app, ["apply", "-f", str(service), "-y"], env=env)
+    (plan,) = [line for line in result.stdout.splitlines() if "group=0" in line]
+    assert "(us-west-2)" in plan, result.stdout
+    fake_ec2.set_quota("us-west-2", G_ON_DEMAND, 0.0)
+    result = CliRunner().invoke(app, ["apply", "-f", str(service), "-y"], env=env)
+    assert result.exit_code != 0
+    said = " ".join((result.stdout + result.stderr).split())
+    assert "nothing was submitted: group 0: no offers (no quota for any: aws g5.xlarge in us-" in said, said
