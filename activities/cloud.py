@@ -70,7 +70,8 @@ def make_backends(config: BackendsConfig, catalog: Optional[list[InstanceOffer]]
 
 def _where(offer: InstanceOffer) -> str:
     spot = " spot" if offer.spot else ""
-    return f"{offer.backend} {offer.instance_type}{spot} in {offer.region} (${offer.price:g}/h)"
+    reserved = f", reservation {offer.reservation}" if offer.reservation else ""
+    return f"{offer.backend} {offer.instance_type}{spot} in {offer.region} (${offer.price:g}/h{reserved})"
 
 
 def _key(job: JobSpec, offer: InstanceOffer, backend: CloudBackend) -> str:

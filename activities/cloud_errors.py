@@ -29,7 +29,9 @@ AWS_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unfulfi
                 "InvalidInstanceType.NotFound",
                 "InsufficientFreeAddressesInSubnet",  # the zone's subnet is full: the next zone's may not be
                 # The launch under this key ran before and its instance is gone: that offer is spent.
-                "IdempotentInstanceTerminated"}
+                "IdempotentInstanceTerminated",
+                # The targeted reservation is full, expired, cancelled or gone: that offer cannot be placed now.
+                "ReservationCapacityExceeded", "InvalidCapacityReservationId.NotFound"}
 AWS_QUOTA = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
 AWS_REGION = {"OptInRequired", "PendingVerification"}
 AWS_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
@@ -65,6 +67,9 @@ AWS_HINTS = {
                            "region is skipped until then",
     "InsufficientFreeAddressesInSubnet": "the zone's subnet has no free address (free some, or give the VPC "
                                          "larger subnets in `subnet_ids`); the next zone is tried",
+    "ReservationCapacityExceeded": "the capacity reservation (`reservation`) has no free instance of this type in "
+                                   "this zone: it is full, expired or cancelled",
+    "InvalidCapacityReservationId.NotFound": "the capacity reservation (`reservation`) is not in this region",
 }
 
 

@@ -282,7 +282,10 @@ def test_provisioning_key_changes_with_every_input_but_not_the_attempt():
     ("RequestLimitExceeded", 503, ErrorKind.TRANSIENT), ("InternalError", 500, ErrorKind.TRANSIENT),
     ("SomethingNew", 502, ErrorKind.TRANSIENT), ("AuthFailure", 401, ErrorKind.FATAL),
     ("UnauthorizedOperation", 403, ErrorKind.FATAL), ("InvalidAMIID.NotFound", 400, ErrorKind.FATAL),
-    ("IdempotentParameterMismatch", 400, ErrorKind.FATAL), ("IdempotentInstanceTerminated", 400, ErrorKind.CAPACITY)])
+    ("IdempotentParameterMismatch", 400, ErrorKind.FATAL), ("IdempotentInstanceTerminated", 400, ErrorKind.CAPACITY),
+    ("ReservationCapacityExceeded", 400, ErrorKind.CAPACITY),
+    ("InvalidCapacityReservationId.NotFound", 400, ErrorKind.CAPACITY),
+    ("InvalidCapacityReservationId.Malformed", 400, ErrorKind.FATAL)])
 def test_classify_aws(code, status, kind):
     assert classify_aws(code, status) is kind
 
