@@ -299,6 +299,19 @@ def test_classify_gcp(codes, status, kind):
     assert classify_gcp(codes, status) is kind
 
 
+@pytest.mark.parametrize("message,kind", [
+    ("Specified reservation 'r1' does not have available resources for the request.", ErrorKind.CAPACITY),
+    ("Specified reservation 'r1' does not exist.", ErrorKind.CAPACITY),
+    ("No available resources in specified reservations 'r1'", ErrorKind.CAPACITY),
+    ("Cannot insert instance to a reservation with status: CREATING, as it requires reservation to be in READY "
+     "state.", ErrorKind.CAPACITY),
+    # The same code for an organisation policy: no other zone or offer can help.
+    ("Instance 'x' creation failed: Constraint constraints/compute.vmExternalIpAccess violated for project 1.",
+     ErrorKind.FATAL)])
+def test_classify_gcp_tells_a_reservations_refusal_from_another_unmet_condition(message, kind):
+    assert classify_gcp(["CONDITION_NOT_MET"], 412, (message,)) is kind
+
+
 def test_aws_quota_classes():
     assert [aws_quota_class(offer(t, 1)) for t in ("p5.48xlarge", "g6e.xlarge", "m5.large")] == \
         ["on-demand:P", "on-demand:G", "on-demand:standard"]
