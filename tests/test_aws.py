@@ -793,3 +793,46 @@ def test_the_fake_refuses_what_ec2_refuses_for_a_reservation(aws, fake_ec2):
     active = ec2().describe_capacity_reservations(Filters=[{"Name": "state", "Values": ["active"]}])
     assert [r["CapacityReservationId"] for r in active["CapacityReservations"]] == [rid]
     assert all_instances() == [] and free_in(rid) == 1
+
+
+async def test_launch_into_a_reservation_places_there_and_one_no_cloud_has_is_no_capacity(aws, ledger, fake_ec2):
+    server, address = await app_server()
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1b")
+    acts = _replica_activities(aws, ledger, FakeGateway(), address, catalog=(G4, G5_ZONES))
+    inp = _launch_input()
+    inp.replica.reservation = rid
+    async with server:
+        launched = await activity_env(FakeClient()).run(acts.launch, inp)
+    assert (launched.placement.instance_type, launched.instance.zone) == ("g5.xlarge", "us-east-1b")
+    assert all_instances()[0]["CapacityReservationId"] == rid
+
+    inp = _launch_input(job(replica=1))
+    inp.replica.reservation = "cr-0123456789abcdef0"
+    with pytest.raises(ApplicationError) as failed:
+        await activity_env(FakeClient()).run(acts.launch, inp)
+    details = no_capacity_of(failed.value)
+    assert not details.tried and details.reasons == [
+        "no offer has reservation cr-0123456789abcdef0 (aws: not found in us-east-1, us-west-2)"]
+
+
+def test_offers_with_a_reservation_flag_or_file_look_it_up_in_the_configured_cloud(fake_ec2, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1c", count=2)
+    (tmp_path / "config.yml").write_text("backends:\n  aws:\n    regions: [us-east-1]\n")
+    env = {"DURASTACK_HOME": str(tmp_path), "COLUMNS": "200"}
+    result = CliRunner().invoke(app, ["offers", "--gpu", "1..", "--reservation", rid, "--json", "--limit", "0"],
+                                env=env)
+    assert result.exit_code == 0, result.output
+    (group,) = json.loads(result.stdout)["groups"]
+    assert [(o["instance_type"], o["zones"], o["reservation"], o["spot"]) for o in group["offers"]] == \
+        [("g5.xlarge", ["us-east-1c"], rid, False)]
+    assert group["reservation"]["found"][0]["zone"] == "us-east-1c"
+
+    service = tmp_path / "svc.yml"
+    service.write_text(f"type: service\nname: svc\nport: 8000\nbackends: [aws]\nreservation: {rid}\n"
+                       "commands: [x]\nresources:\n  gpu: A10G\n")
+    plan = CliRunner().invoke(app, ["offers", "-f", str(service)], env=env)
+    assert plan.exit_code == 0 and f"reservation {rid}: g5.xlarge in us-east-1c, 2 of 2 free" in plan.stdout

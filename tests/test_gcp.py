@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 
 from activities.catalog import load_catalog
 from activities.cloud import NoCapacity, make_backends, provision_cloud, terminate_cloud, terminate_service
@@ -29,7 +30,7 @@ from models.replica import JobSpec
 from models.resources import ResourcesSpec
 from models.run import LaunchInput, ReplicaInput, TeardownInput
 from store import Store, StoreLedger
-from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -506,3 +507,25 @@ def test_the_fake_refuses_what_compute_refuses_for_a_reservation(gcp, ledger, gc
     assert automatic.code == "invalid" and "[projects/proj/reservations/automatic] can not be targeted" in \
         automatic.message
     assert gce.all_instances() == []
+
+
+async def test_launch_into_a_reservation_on_gcp_and_one_no_project_has(gcp, ledger, gce):
+    server, address = await app_server()
+    gce.add_reservation("proj", "us-central1-c", "l4", "g2-standard-4")
+    config = BackendsConfig(gcp=GCPConfig(project_id="proj", regions=gcp.regions, endpoint=gce.url))
+    cloud = CloudReplicas(config, {"gcp": gcp}, ledger, catalog=[N1_T4, G2], address=lambda _: address,
+                          poll_seconds=0.1)
+    acts = ReplicaActivities(None, FakeGateway(), cloud=cloud, quick_seconds=0)
+
+    def launch(j: JobSpec, reservation: str) -> LaunchInput:
+        return LaunchInput(backend="gcp", replica=ReplicaInput(
+            service_workflow_id="service/Svc.One", job=j, resources=GPU, backends=["gcp"], reservation=reservation,
+            regions=["us-central1"]))
+
+    async with server:
+        launched = await activity_env(FakeClient()).run(acts.launch, launch(job(), "l4"))
+    assert (launched.placement.instance_type, launched.instance.zone) == ("g2-standard-4", "us-central1-c")
+    with pytest.raises(ApplicationError) as failed:
+        await activity_env(FakeClient()).run(acts.launch, launch(job(replica=1), "nowhere"))
+    assert no_capacity_of(failed.value).reasons == [
+        "no offer has reservation nowhere (gcp: no reservation nowhere in project proj (us-central1))"]

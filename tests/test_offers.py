@@ -601,3 +601,14 @@ def test_a_gcp_reservation_of_an_n1_machine_takes_only_the_gpu_it_reserves():
 def test_a_reservation_in_several_zones_keeps_those_that_can_launch_now():
     found = lookup(reservation(zone="us-east-1a", state="cancelled"), reservation(zone="us-east-1c"))
     assert [o.zones for o in match_offers(CATALOG, res(gpu="A10G"), reservation=found)] == [["us-east-1c"]]
+
+
+def test_cli_reservation_looked_up_nowhere_says_where_and_a_malformed_one_exits_1(tmp_path):
+    result = CliRunner().invoke(_app(), ["offers", "--gpu", "A10G", "--reservation", "cr-0123456789abcdef0"],
+                                env={"COLUMNS": "200", "DURASTACK_HOME": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    assert "reservation cr-0123456789abcdef0: aws: not configured in config.yml; gcp: not configured in " \
+           "config.yml" in result.stdout
+    assert "No offers fit" in result.stdout
+    bad = run("--gpu", "A10G", "--reservation", "CR_1")
+    assert bad.exit_code == 1 and "invalid --reservation" in bad.stderr and "'CR_1'" in bad.stderr
