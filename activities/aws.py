@@ -28,6 +28,7 @@ from connect.ssh_keys import SSHKeys
 from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
 from models.offers import InstanceOffer
 from models.replica import JobSpec
+from models.reservations import AWS_ID, Reservation, ReservationLookup
 
 TAGS = TAG_NAMES["aws"]
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ _STATES = {"pending": "pending", "running": "running", "stopping": "stopping", "
            "stopped": "stopped", "terminated": "terminated"}
 _FATAL_BOTO = (NoCredentialsError, PartialCredentialsError, ProfileNotFound, NoRegionError)
 _GONE = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+_NO_RESERVATION = {"InvalidCapacityReservationId.NotFound", "InvalidCapacityReservationId.Malformed"}
+_RESERVATION_KINDS = {"default": "capacity-reservation", "capacity-block": "capacity-block"}
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -279,6 +282,37 @@ class AWSBackend:
                                                        {"Name": "vpc-id", "Values": [vpc_id]}])["SecurityGroups"]
         return groups[0]["GroupId"] if groups else None
 
+    # --- capacity reservations -------------------------------------------------------------------
+
+    def find_reservation(self, value: str, regions: Optional[list[str]] = None) -> ReservationLookup:
+        """The Capacity Reservation or Capacity Block ``value`` (``cr-…``), looked for in ``regions`` (default:
+        configured), whatever its state: the matching says why one cannot be used."""
+        regions = list(regions or self.regions)
+        if not AWS_ID.match(value):
+            return ReservationLookup(name=value, notes=["aws: not an EC2 Capacity Reservation id (cr-…)"])
+        found = [r for r in (self.reservation(region, value) for region in regions) if r is not None]
+        return ReservationLookup(name=value, found=found,
+                                 notes=[] if found else [f"aws: not found in {', '.join(regions) or 'any region'}"])
+
+    def reservation(self, region: str, reservation_id: str) -> Optional[Reservation]:
+        """The reservation as EC2 describes it now; None if ``region`` has none of that id."""
+        try:
+            with _errors(f"DescribeCapacityReservations {reservation_id} in {region}"):
+                raws = self._client(region).describe_capacity_reservations(
+                    CapacityReservationIds=[reservation_id])["CapacityReservations"]
+        except CloudError as e:
+            if e.code in _NO_RESERVATION:
+                return None
+            raise
+        if not raws:
+            return None
+        raw = raws[0]
+        total, free = raw.get("TotalInstanceCount", 0), raw.get("AvailableInstanceCount", 0)
+        return Reservation(backend="aws", name=reservation_id, region=region, zone=raw["AvailabilityZone"],
+                           instance_type=raw["InstanceType"], tenancy=raw.get("Tenancy") or "default",
+                           kind=_RESERVATION_KINDS.get(raw.get("ReservationType") or "default", "capacity-reservation"),
+                           state=raw["State"], total=total, in_use=max(total - free, 0))
+
     # --- the backend interface ------------------------------------------------------------------
 
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
@@ -288,14 +322,15 @@ class AWSBackend:
         One key in every zone is safe: RunInstances' idempotency is zonal when a zone is given, and a retry walks
         the zones in the same order, so it meets the zone whose launch it repeats before any other."""
         region = offer.region
+        reserved = self._reserved(offer)
         image = self._ami(region, offer)
         vpc = self._vpc(region)
         group_id = self._security_group(region, vpc, job)
-        zones = self._subnets(region, vpc, offer.zones)
+        zones = self._subnets(region, vpc, [reserved.zone] if reserved else offer.zones)
         exhausted = []
         for zone, subnet in zones or [(None, None)]:
             try:
-                return self._create_in(job, offer, key, image, group_id, zone, subnet)
+                return self._create_in(job, offer, key, image, group_id, zone, subnet, reserved)
             except CloudError as e:
                 if e.kind is not ErrorKind.CAPACITY or e.code == "IdempotentInstanceTerminated":
                     raise
@@ -305,6 +340,17 @@ class AWSBackend:
         raise CloudError(ErrorKind.CAPACITY, _short(f"no capacity for {offer.instance_type} in any zone of {region} "
                                                     f"({'; '.join(exhausted)})"),
                          code=exhausted[-1].split(": ", 1)[-1] if exhausted else "NoZones")
+
+    def _reserved(self, offer: InstanceOffer) -> Optional[Reservation]:
+        """The offer's reservation as EC2 describes it now: its zone, its kind and its tenancy decide the launch.
+        Gone meanwhile: CAPACITY, with EC2's code (the walk moves on, and ends saying so)."""
+        if not offer.reservation:
+            return None
+        found = self.reservation(offer.region, offer.reservation)
+        if found is None:
+            raise CloudError(ErrorKind.CAPACITY, f"capacity reservation {offer.reservation} not found in "
+                             f"{offer.region}", code="InvalidCapacityReservationId.NotFound")
+        return found
 
     def _subnets(self, region: str, vpc: dict, zones: list[str]) -> list[tuple[str, str]]:
         """(zone, subnet) to try, one subnet per zone (RunInstances' idempotency is zonal), in the offer's zone
@@ -338,7 +384,8 @@ class AWSBackend:
         return found
 
     def _create_in(self, job: JobSpec, offer: InstanceOffer, key: str, image: dict, group_id: str,
-                   zone: Optional[str], subnet: Optional[str]) -> CloudInstance:
+                   zone: Optional[str], subnet: Optional[str], reserved: Optional[Reservation] = None
+                   ) -> CloudInstance:
         region = offer.region
         tags = [{"Key": k, "Value": v} for k, v in self._tags(job, key, image["ImageId"]).items()]
         # The root volume is at least the AMI's own snapshot (a smaller one is refused).
@@ -367,6 +414,8 @@ class AWSBackend:
         if offer.spot:
             params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        if reserved is not None:
+            params.update(_reservation_params(reserved, params.get("Placement", {})))
         try:
             with _errors(f"RunInstances {offer.instance_type} in {zone or region}"):
                 raw = self._client(region, run=True).run_instances(**params)["Instances"][0]
@@ -468,6 +517,18 @@ class AWSBackend:
             spot=raw.get("InstanceLifecycle") == "spot", price=price,
             address=f"{ip}:{port}" if ip and port else "", private_ip=private, public_ip=public,
             launched_at=raw.get("LaunchTime"), tags=tags)
+
+
+def _reservation_params(reserved: Reservation, placement: dict) -> dict[str, Any]:
+    """Into that reservation only (EC2 refuses the launch if it cannot take it, rather than launching elsewhere); a
+    Capacity Block with its own market type; the reservation's tenancy, which its instances must have."""
+    params: dict[str, Any] = {"CapacityReservationSpecification": {
+        "CapacityReservationTarget": {"CapacityReservationId": reserved.name}}}
+    if reserved.kind == "capacity-block":
+        params["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+    if reserved.tenancy != "default":
+        params["Placement"] = {**placement, "Tenancy": reserved.tenancy}
+    return params
 
 
 def _home():

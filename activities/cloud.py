@@ -22,6 +22,7 @@ from models.backends import BackendsConfig, CloudInstance, provisioning_key
 from models.failures import ALL_OFFERS_FAILED, NO_OFFERS
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
+from models.reservations import ReservationLookup
 from models.resources import ResourcesSpec
 from models.run import Placement
 from store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
@@ -38,6 +39,7 @@ class CloudBackend(Protocol):
     installation: Optional[str]  # this control plane's id: tagged on its instances, the only ones it lists
 
     def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance: ...
+    def find_reservation(self, value: str, regions: Optional[list[str]] = None) -> ReservationLookup: ...
     def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]: ...
     def list_tagged(self, regions: Optional[list[str]] = None, *,
                     service: Optional[str] = None) -> list[CloudInstance]: ...
@@ -70,9 +72,18 @@ def make_backends(config: BackendsConfig, catalog: Optional[list[InstanceOffer]]
     return backends
 
 
+def reservation_in(cloud: CloudBackend, value: str, regions: Optional[list[str]] = None) -> ReservationLookup:
+    """What ``cloud`` says of the reservation ``value`` in its regions that ``regions`` allows (all when None)."""
+    allowed = [r for r in cloud.regions if not regions or r in regions]
+    if not allowed:
+        return ReservationLookup(name=value, notes=[f"{cloud.name}: none of the service's regions"])
+    return cloud.find_reservation(value, allowed)
+
+
 def _where(offer: InstanceOffer) -> str:
     spot = " spot" if offer.spot else ""
-    return f"{offer.backend} {offer.instance_type}{spot} in {offer.region} (${offer.price:g}/h)"
+    reserved = f", reservation {offer.reservation}" if offer.reservation else ""
+    return f"{offer.backend} {offer.instance_type}{spot} in {offer.region} (${offer.price:g}/h{reserved})"
 
 
 def _key(job: JobSpec, offer: InstanceOffer, backend: CloudBackend) -> str:
@@ -268,5 +279,5 @@ def heartbeat_from_thread() -> Callable[[str], None]:
 
 
 __all__ = ["CloudBackend", "NoCapacity", "activity_error", "cloud_offers", "heartbeat_from_thread", "list_tagged_all",
-           "make_backends", "placement_of", "provision_cloud", "terminate_cloud", "terminate_replica",
-           "terminate_service"]
+           "make_backends", "placement_of", "provision_cloud", "reservation_in", "terminate_cloud",
+           "terminate_replica", "terminate_service"]

@@ -29,7 +29,9 @@ AWS_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unfulfi
                 "InvalidInstanceType.NotFound",
                 "InsufficientFreeAddressesInSubnet",  # the zone's subnet is full: the next zone's may not be
                 # The launch under this key ran before and its instance is gone: that offer is spent.
-                "IdempotentInstanceTerminated"}
+                "IdempotentInstanceTerminated",
+                # The targeted reservation is full, expired, cancelled or gone: that offer cannot be placed now.
+                "ReservationCapacityExceeded", "InvalidCapacityReservationId.NotFound"}
 AWS_QUOTA = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
 AWS_REGION = {"OptInRequired", "PendingVerification"}
 AWS_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
@@ -53,6 +55,10 @@ GCP_CAPACITY = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WI
                 "REGION_RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT", "insufficientCapacity", "UNSUPPORTED_OPERATION",
                 "RESOURCE_NOT_READY", "resourceNotReady"}
 GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
+# CONDITION_NOT_MET also says an organisation policy forbids the instance (fatal); these messages say the specific
+# reservation it targets is gone, not READY, full or holds other VMs: that offer cannot be placed in that zone now.
+GCP_RESERVATION = ("Specified reservation", "No available resources in specified reservations",
+                   "requires reservation to be in READY state")
 GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
                  "internalError"}
 
@@ -65,12 +71,16 @@ AWS_HINTS = {
                            "region is skipped until then",
     "InsufficientFreeAddressesInSubnet": "the zone's subnet has no free address (free some, or give the VPC "
                                          "larger subnets in `subnet_ids`); the next zone is tried",
+    "ReservationCapacityExceeded": "the capacity reservation (`reservation`) has no free instance of this type in "
+                                   "this zone: it is full, expired or cancelled",
+    "InvalidCapacityReservationId.NotFound": "the capacity reservation (`reservation`) is not in this region",
 }
 
 
-def classify_gcp(codes: list[str], http_status: int) -> ErrorKind:
-    """GCE error codes/reasons (by string, not exception class) → kind; then the HTTP status decides."""
-    if any(c in GCP_CAPACITY for c in codes):
+def classify_gcp(codes: list[str], http_status: int, messages: tuple[str, ...] = ()) -> ErrorKind:
+    """GCE error codes/reasons (by string, not exception class) → kind; then the HTTP status decides. ``messages``:
+    the errors' own, which alone tell a specific reservation's refusal from another unmet condition."""
+    if any(c in GCP_CAPACITY for c in codes) or any(r in m for m in messages for r in GCP_RESERVATION):
         return ErrorKind.CAPACITY
     if any(c in GCP_QUOTA for c in codes):
         return ErrorKind.QUOTA

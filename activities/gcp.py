@@ -26,7 +26,7 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, classify_gcp
+from activities.cloud_errors import GCP_RESERVATION, CloudError, ErrorKind, QuotaScope, classify_gcp
 from activities.quota import RegionQuotas
 from activities.userdata import BootKeys, startup_script
 from connect.ssh_keys import SSHKeys
@@ -34,14 +34,14 @@ from models.backends import (HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPC
                              replica_label, slug)
 from models.offers import InstanceOffer
 from models.replica import JobSpec
+from models.reservations import N1_ACCELERATORS as ACCELERATORS
+from models.reservations import Reservation, ReservationLookup, gcp_reservation
 
 LABELS = TAG_NAMES["gcp"]
 log = logging.getLogger(__name__)
 REQUEST_NS = uuid.UUID("5b0c8a52-8a5e-4d0e-9a3c-6f1f1d2c7a10")  # durastack's uuid5 namespace for requestIds
 IMAGE_TTL = 600.0  # a family's newest image is looked up again after this long (the AMI lookup's 10 minutes)
-# N1 takes attachable GPUs; A2, A3 and G2 machine types come with theirs.
-ACCELERATORS = {"t4": "nvidia-tesla-t4", "v100": "nvidia-tesla-v100", "p100": "nvidia-tesla-p100",
-                "p4": "nvidia-tesla-p4", "k80": "nvidia-tesla-k80"}
+RESERVATION_KEY = "compute.googleapis.com/reservation-name"  # how an instance targets a specific reservation
 _STATES = {"PROVISIONING": "pending", "STAGING": "pending", "RUNNING": "running", "REPAIRING": "running",
            "STOPPING": "stopping", "SUSPENDING": "stopping", "STOPPED": "stopped", "SUSPENDED": "stopped",
            "TERMINATED": "stopped"}  # GCE's TERMINATED is a stopped VM (its disk still bills)
@@ -68,7 +68,8 @@ def _errors(what: str) -> Iterator[None]:
         # The REST transport prefixes the message with the method and URL; the error's own message is enough.
         message = next((err.get("message") for err in (e.errors or []) if isinstance(err, dict) and err.get("message")),
                        e.message)
-        raise CloudError(classify_gcp(reasons, status), _short(f"{what}: {code}: {message}"), code=code) from e
+        raise CloudError(classify_gcp(reasons, status, (message,)), _short(f"{what}: {code}: {message}"),
+                         code=code) from e
     except (auth_exc.DefaultCredentialsError, auth_exc.RefreshError) as e:
         raise CloudError(ErrorKind.FATAL, f"{what}: GCP credentials: {e}", code=type(e).__name__) from e
     except (gexc.RetryError, requests.exceptions.RequestException, auth_exc.TransportError) as e:
@@ -81,6 +82,14 @@ def _zone_lacks_it(e: CloudError) -> bool:
     return (e.code == "invalid" and ("Unknown zone" in e.message or "does not exist in zone" in e.message
                                      or "only allows resource creation in location" in e.message)) or \
         (e.code == "notFound" and "/zones/" in e.message)
+
+
+def _zone_failure(e: CloudError) -> str:
+    """What the walk says of a zone: the code, or for a reservation's refusal (whose codes other failures share)
+    Compute's message."""
+    if any(r in e.message for r in GCP_RESERVATION):
+        return e.message.split(": ", 1)[-1]
+    return e.code + (" (not in this zone)" if _zone_lacks_it(e) else "")
 
 
 def _home():
@@ -117,6 +126,7 @@ class GCPBackend:
         self.quotas = RegionQuotas("gcp", self.quota_limits)
         self._images: Optional[compute_v1.ImagesClient] = None
         self._boot_images: dict[str, tuple[float, str]] = {}  # configured image → (until, the image it names)
+        self._reservations: Optional[compute_v1.ReservationsClient] = None
 
     def _clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
         with self._lock:
@@ -137,6 +147,8 @@ class GCPBackend:
                         credentials=creds, transport="rest", client_options=opts)
                     self._regions = compute_v1.RegionsClient(credentials=creds, transport="rest", client_options=opts)
                     self._images = compute_v1.ImagesClient(credentials=creds, transport="rest", client_options=opts)
+                    self._reservations = compute_v1.ReservationsClient(credentials=creds, transport="rest",
+                                                                       client_options=opts)
             return self._instances, self._operations
 
     def quota_limits(self, region: str) -> dict[str, float]:
@@ -339,7 +351,7 @@ class GCPBackend:
 
     def _insert_in_a_zone(self, job: JobSpec, offer: InstanceOffer, key: str, nvcc: bool) -> CloudInstance:
         zones = offer.zones or [f"{offer.region}-{z}" for z in "abc"]
-        exhausted = []
+        exhausted, code = [], "NoZones"
         for zone in zones:
             try:
                 return self._create_in_zone(job, offer, key, zone, nvcc)
@@ -347,7 +359,8 @@ class GCPBackend:
                 if e.kind is ErrorKind.CAPACITY or _zone_lacks_it(e):
                     # No capacity there, or the zone does not exist or lacks the machine/accelerator type (the
                     # catalog can be out of date): the next zone, then the next offer, may have it.
-                    exhausted.append(f"{zone}: {e.code}" + (" (not in this zone)" if _zone_lacks_it(e) else ""))
+                    exhausted.append(f"{zone}: {_zone_failure(e)}")
+                    code = e.code
                     continue
                 if e.kind is ErrorKind.QUOTA:
                     # GPUS_ALL_REGIONS is project-wide: no other region can help either.
@@ -356,8 +369,7 @@ class GCPBackend:
                                          spot_only="'PREEMPTIBLE_" in e.message)
                 raise
         raise CloudError(ErrorKind.CAPACITY, _short(f"no capacity for {offer.instance_type} in any zone of "
-                                                    f"{offer.region} ({'; '.join(exhausted)})"),
-                         code=exhausted[-1].split(": ", 1)[-1] if exhausted else "NoZones")
+                                                    f"{offer.region} ({'; '.join(exhausted)})"), code=code)
 
     def _create_in_zone(self, job: JobSpec, offer: InstanceOffer, key: str, zone: str, nvcc: bool) -> CloudInstance:
         instances, _ = self._clients()
@@ -386,6 +398,37 @@ class GCPBackend:
             raise CloudError(ErrorKind.FATAL, f"instance name {key} in {zone} is taken by an instance durastack "
                              "did not label", code="NameTaken")
         return found.model_copy(update={"price": offer.price})
+
+    def find_reservation(self, value: str, regions: Optional[list[str]] = None) -> ReservationLookup:
+        """Every zone's reservation named by ``value`` (``NAME`` in this project, or ``projects/P/reservations/NAME``)
+        in ``regions`` (default: configured), whatever its state: the matching says why one cannot be used."""
+        parsed = gcp_reservation(value, self.project)
+        if parsed is None:
+            return ReservationLookup(name=value, notes=["gcp: not a GCP reservation name"])
+        project, name = parsed
+        self._clients()
+        wanted = set(regions or self.regions)
+        request = compute_v1.AggregatedListReservationsRequest(project=project, filter=f'(name = "{name}")')
+        found = []
+        with _errors(f"aggregatedList reservations of {project}"):
+            for scope, scoped in self._reservations.aggregated_list(request=request, retry=_READ_RETRY):
+                zone = scope.rsplit("/", 1)[-1]
+                if not wanted or region_of(zone) in wanted:
+                    found += [self._reservation(value, raw, zone) for raw in scoped.reservations if raw.name == name]
+        where = ", ".join(sorted(wanted)) or "any region"
+        return ReservationLookup(name=value, found=found,
+                                 notes=[] if found else [f"gcp: no reservation {name} in project {project} ({where})"])
+
+    @staticmethod
+    def _reservation(value: str, raw: compute_v1.Reservation, zone: str) -> Reservation:
+        specific = raw.specific_reservation
+        properties = specific.instance_properties
+        return Reservation(
+            backend="gcp", name=value, region=region_of(zone), zone=zone, instance_type=properties.machine_type,
+            accelerators={a.accelerator_type.rsplit("/", 1)[-1]: a.accelerator_count
+                          for a in properties.guest_accelerators},
+            kind="reservation", state=raw.status, specific=raw.specific_reservation_required,
+            total=specific.count, in_use=specific.in_use_count)
 
     def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]:
         """Instances of this replica submission (any offer, any zone) in ``regions`` (default: configured)."""
@@ -462,7 +505,17 @@ class GCPBackend:
             metadata=compute_v1.Metadata(items=metadata),
             # Network tags ≤ 63: the SSH rule targets the first, the service's own rule the second.
             tags=compute_v1.Tags(items=[self.network_tag, self.service_tag(job.service)]),
-            disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=boot)])
+            disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=boot)],
+            reservation_affinity=self._affinity(offer))
+
+    def _affinity(self, offer: InstanceOffer) -> Optional[compute_v1.ReservationAffinity]:
+        """Into the offer's reservation only (GCE refuses the insert if it is gone, full or holds other VMs), named
+        with its project: the form that also reaches one shared from another project."""
+        parsed = gcp_reservation(offer.reservation, self.project) if offer.reservation else None
+        if parsed is None:
+            return None
+        return compute_v1.ReservationAffinity(consume_reservation_type="SPECIFIC_RESERVATION", key=RESERVATION_KEY,
+                                              values=[f"projects/{parsed[0]}/reservations/{parsed[1]}"])
 
     def _wait(self, zone: str, op: compute_v1.Operation, what: str) -> None:
         """Poll our own operations client until DONE (bounded); raise the operation's error, classified."""
@@ -478,8 +531,8 @@ class GCPBackend:
         if op.error and op.error.errors:
             codes = [e.code for e in op.error.errors]
             message = "; ".join(f"{e.code}: {e.message}" for e in op.error.errors)
-            raise CloudError(classify_gcp(codes, op.http_error_status_code or 500), _short(f"{what}: {message}"),
-                             code=codes[0])
+            kind = classify_gcp(codes, op.http_error_status_code or 500, tuple(e.message for e in op.error.errors))
+            raise CloudError(kind, _short(f"{what}: {message}"), code=codes[0])
 
     def _get(self, zone: str, name: str) -> Optional[CloudInstance]:
         instances, _ = self._clients()

@@ -49,6 +49,7 @@ from models.backends import CLOUDS
 from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_output
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
+from models.reservations import ReservationLookup
 from models.run import (READY_ATTEMPT_SECONDS, Down, FleetInput, Instance, Launched, LaunchInput, LaunchStep,
                         MonitorInput, NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
 from models.service import ProbeSpec
@@ -114,7 +115,9 @@ class LocalReplicas:
         # The local machine has no spot market: the spot policy does not apply to it.
         offers = [local_offer()]
         filters = dict(spot_policy="auto", max_price=inp.max_price, backends=["local"], regions=inp.regions,
-                       instance_types=inp.instance_types, zones=inp.zones)
+                       instance_types=inp.instance_types, zones=inp.zones,
+                       reservation=ReservationLookup(name=inp.reservation, notes=["this machine has no reservations"])
+                       if inp.reservation else None)
         if not match_offers(offers, inp.resources, **filters):
             provisioning_failed("local", "no_offers")
             why = describe_mismatch(offers, inp.resources, **filters)

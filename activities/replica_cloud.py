@@ -33,7 +33,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.catalog import load_catalog
 from activities.cloud import (CloudBackend, NoCapacity, activity_error, heartbeat_from_thread, placement_of,
-                              provision_cloud, terminate_cloud, terminate_replica)
+                              provision_cloud, reservation_in, terminate_cloud, terminate_replica)
 from activities.cloud_errors import CloudError, ErrorKind
 from activities.interface import no_capacity
 from activities.liveness import progress
@@ -47,6 +47,7 @@ from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
+from models.reservations import ReservationLookup
 from models.run import NoCapacity as NoCapacityDetails
 from models.run import Placement, ReplicaInput
 from models.service import ProbeSpec
@@ -291,7 +292,8 @@ class CloudReplicas:
                 f"backend {backend} is not configured on this worker ($DURASTACK_HOME/config.yml)"]))
         pool = [o for o in (self._catalog or load_catalog()) if o.backend == backend and self.config.allows(o)]
         filters = dict(spot_policy=inp.spot_policy, max_price=inp.max_price, regions=inp.regions,
-                       instance_types=inp.instance_types, zones=inp.zones)
+                       instance_types=inp.instance_types, zones=inp.zones,
+                       reservation=await self._reservation(inp, backend))
         offers = match_offers(pool, inp.resources, **filters)
         if not offers:
             provisioning_failed(backend, "no_offers")
@@ -313,6 +315,15 @@ class CloudReplicas:
         log.info("%s: provisioned %s %s in %s", inp.job.replica_id, instance.backend, instance.instance_id,
                  instance.zone or instance.region)
         return placement, instance
+
+    async def _reservation(self, inp: ReplicaInput, backend: str) -> Optional[ReservationLookup]:
+        """What ``backend`` says now of the replica's reservation, in the regions it may use there."""
+        if not inp.reservation:
+            return None
+        try:
+            return await asyncio.to_thread(reservation_in, self.backends[backend], inp.reservation, inp.regions)
+        except CloudError as e:
+            raise activity_error(e) from e
 
     async def start(self, inp: ReplicaInput, instance: CloudInstance) -> None:
         """Start the job on the running instance, over SSH (without SSH, its user data started it at boot)."""

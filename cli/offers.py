@@ -20,10 +20,11 @@ from rich.console import Console
 from rich.table import Table
 
 from activities.catalog import catalog_as_of
-from activities.catalog.plan import GroupQuery, candidate_offers, group_queries, match_query
+from activities.catalog.plan import GroupQuery, candidate_offers, group_queries, look_up_reservations, match_query
 from activities.quota import Verdict, mark_offers
 from models.backends import BackendsConfig, gpu_image_lines, load_backends_config
 from models.offers import InstanceOffer
+from models.reservations import ReservationLookup, format_error
 from models.resources import ResourcesSpec
 
 BACKENDS = ("aws", "gcp", "local")
@@ -47,7 +48,8 @@ def _resources(flags: dict[str, str]) -> ResourcesSpec:
 
 
 def _queries_from_file(path: Path, spot_policy: Optional[str], max_price: Optional[float],
-                       backends: Optional[list[str]], regions: Optional[list[str]]) -> list[GroupQuery]:
+                       backends: Optional[list[str]], regions: Optional[list[str]],
+                       reservation: Optional[str]) -> list[GroupQuery]:
     if not path.is_file():
         _fail(f"{path}: no such file")
     try:
@@ -60,7 +62,7 @@ def _queries_from_file(path: Path, spot_policy: Optional[str], max_price: Option
             typer.echo(str(err), err=True)
         raise typer.Exit(1)
     # Command-line filters win over the file's; a group's spot_policy wins over the service's.
-    return group_queries(result.config, spot_policy, max_price, backends, regions)
+    return group_queries(result.config, spot_policy, max_price, backends, regions, reservation)
 
 
 def _configured() -> tuple[str, BackendsConfig]:
@@ -112,6 +114,9 @@ def offers(
     on_demand: Annotated[bool, typer.Option("--on-demand", help="On-demand offers only (the default).")] = False,
     spot_auto: Annotated[bool, typer.Option("--spot-auto", help="Spot and on-demand offers.")] = False,
     max_price: Annotated[Optional[float], typer.Option(min=0, help="Maximum USD per hour.")] = None,
+    reservation: Annotated[Optional[str], typer.Option(
+        help="Only what this capacity reservation takes (cr-… on AWS; a GCP reservation name), looked up in the "
+             "configured clouds.", show_default=False)] = None,
     limit: Annotated[int, typer.Option(min=0, help="Offers to show per table; 0 shows all.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
@@ -122,16 +127,20 @@ def offers(
     unknown = sorted(set(backend or ()) - set(BACKENDS))
     if unknown:
         _fail(f"invalid --backend {', '.join(unknown)}: choose from {', '.join(BACKENDS)}")
+    if reservation is not None and format_error(reservation):
+        _fail(f"invalid --reservation: {format_error(reservation)}")
     flags = {k: v for k, v in (("gpu", gpu), ("cpu", cpu), ("memory", memory), ("disk", disk)) if v is not None}
     policy = policies[0] if policies else None
     if file is not None:
         if flags:
             _fail("give either -f FILE or --gpu/--cpu/--memory/--disk, not both")
-        queries = _queries_from_file(file, policy, max_price, backend, region)
+        queries = _queries_from_file(file, policy, max_price, backend, region, reservation)
     else:
-        queries = [GroupQuery("-", _resources(flags), policy or "on-demand", max_price, backend, region)]
+        queries = [GroupQuery("-", _resources(flags), policy or "on-demand", max_price, backend, region,
+                              reservation=ReservationLookup(name=reservation) if reservation else None)]
 
     summary, config = _configured()
+    queries = look_up_reservations(queries, config)
     # The same candidates `apply` plans from: a configured cloud only in its configured regions.
     candidates = candidate_offers(config)
     clouds = cloud_backends(config)
@@ -147,12 +156,15 @@ def offers(
         typer.echo(json.dumps({"backends": config.configured(), "quota_notes": notes, "groups": [
             {"name": q.name, "offers": [o.model_dump(mode="json") for o in shown], "total": total, "reason": reason,
              "quota": [m._asdict() if m else None for m in marks]}
+            | ({"reservation": q.reservation.model_dump(mode="json")} if q.reservation else {})
             for q, shown, total, reason, marks in groups]}, indent=2))
         return
     console = Console()
     console.print(summary, highlight=False, markup=False)
     for line in gpu_image_lines(config):  # which image, and so which NVIDIA driver, a GPU offer boots
         console.print(f"  {line}", highlight=False, markup=False)
+    for lookup in {q.reservation.name: q.reservation for q in queries if q.reservation}.values():
+        console.print(f"reservation {lookup.name}: {lookup.describe()}", highlight=False, markup=False)
     for q, shown, total, reason, marks in groups:
         title = f"group {q.name}" if file is not None else None
         if not shown:

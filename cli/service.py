@@ -67,7 +67,7 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
 
     Planned from the offers ``durastack offers -f`` lists (activities/catalog/plan.py), on the backends
     config.yml configures: a GPU service can be submitted to a cloud from a machine without a GPU."""
-    from activities.catalog.plan import candidate_offers, group_queries, one_place, plan_query
+    from activities.catalog.plan import candidate_offers, group_queries, look_up_reservations, one_place, plan_query
     from activities.quota import launchable
     from cli.offers import cloud_backends
     from activities.runtime import group_runtime_fields, local_limits
@@ -82,7 +82,8 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
         raise user_error(f"config.yml: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     candidates, problems, offers = candidate_offers(backends), [], {}
     clouds = cloud_backends(backends)
-    for i, (g, q) in enumerate(zip(config.replica_groups, group_queries(config))):
+    queries = look_up_reservations(group_queries(config), backends)
+    for i, (g, q) in enumerate(zip(config.replica_groups, queries)):
         found, reason = plan_query(candidates, q, backends)
         found, short = launchable(clouds, found)  # as the launch skips them: never planned on
         if not found and short:
@@ -107,13 +108,26 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
             backend, region = places[0].split("/", 1)
             out.print(f"  place: {backend}{'' if region == backend else ' ' + region}  (one place for all groups: their replicas reach "
                       f"each other{f'; {len(places) - 1} other place(s) can hold it' if len(places) > 1 else ''})")
-    for g in config.replica_groups:
+    for g, q in zip(config.replica_groups, queries):
         found = [o for o in offers[g.name or ""] if not places or f"{o.backend}/{o.region}" == places[0]]
         best = (f"{found[0].backend} {found[0].instance_type} ({found[0].region}) ${found[0].price:g}/h" if found
                 else "[red]no offers[/red]")
         scaling = f", {g.scaling.metric} target {g.scaling.target:g}" if g.scaling else ""
         out.print(f"  group={g.name} replicas={g.count}{scaling}  {g.resources.summary()}  → {best}")
+        if found and found[0].reservation:
+            _print_reservation(q.reservation, found[0])
     return problems, places
+
+
+def _print_reservation(lookup, offer) -> None:
+    """Which reservation the group's replicas go into; a warning when it has no free instance now (the launch will
+    find it full: the replica fails for no capacity, and is retried if `retry` says so)."""
+    taking = [r for r in lookup.taking(offer) if r.zone in offer.zones]
+    out.print(f"    in reservation {lookup.name}: " + "; ".join(r.summary() for r in taking), markup=False,
+              highlight=False)
+    if not any(r.free for r in taking):
+        err.print(f"[yellow]warning:[/yellow] reservation {lookup.name} has no free instance now: a replica "
+                  "placed in it fails for no capacity until one is freed", markup=True, highlight=False)
 
 
 def _all_ready(status: ServiceStatus) -> bool:

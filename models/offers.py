@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Literal, Optional
 from pydantic import Field
 
 from models.common import Model, Range
+from models.reservations import ReservationLookup
 from models.resources import GPUSpec, ResourcesSpec
 
 Backend = Literal["aws", "gcp", "local"]
@@ -42,6 +43,8 @@ class InstanceOffer(Model):
     gpu_count: int = Field(0, ge=0, description="Number of GPUs.")
     spot: bool = Field(False, description="True for a spot (preemptible) price.")
     price: float = Field(ge=0, description="Price in USD per hour.")
+    reservation: Optional[str] = Field(None, description=(
+        "The capacity reservation (`reservation`) it is launched into, in its zones only; None for the catalog's."))
 
     def resources_summary(self) -> str:
         """``4xCPU, 16GB, 1xA10G (24GB), 100GB (disk)``."""
@@ -102,7 +105,8 @@ def _gpu_checks(gpu: Optional[GPUSpec]) -> list[Check]:
 
 def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[float],
             backends: Optional[list[str]], regions: Optional[list[str]],
-            instance_types: Optional[list[str]] = None, zones: Optional[list[str]] = None) -> list[Check]:
+            instance_types: Optional[list[str]] = None, zones: Optional[list[str]] = None,
+            reservation: Optional[ReservationLookup] = None) -> list[Check]:
     if spot_policy not in SPOT_POLICIES:
         raise ValueError(f"spot_policy must be one of {', '.join(SPOT_POLICIES)}, got {spot_policy!r}")
     checks: list[Check] = []
@@ -114,6 +118,8 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
         checks.append((f"zone {' or '.join(zones)}", lambda o: bool(_zones_of(o, zones))))
     if instance_types:
         checks.append((f"instance type {' or '.join(instance_types)}", lambda o: o.instance_type in instance_types))
+    if reservation is not None:
+        checks += _reservation_checks(reservation)
     if spot_policy == "spot":
         checks.append(("a spot price", lambda o: o.spot))
     elif spot_policy == "on-demand":
@@ -134,6 +140,31 @@ def _checks(resources: ResourcesSpec, spot_policy: str, max_price: Optional[floa
     if max_price is not None:  # last, so that describe_mismatch can name the cheapest offer that fits otherwise
         checks.append((f"a price of at most ${max_price:g}/h", lambda o: o.price <= max_price))
     return checks
+
+
+def _reservation_checks(reservation: ReservationLookup) -> list[Check]:
+    """Offers ``_reserved`` marked: those a reservation found takes, on demand, in one that can launch now."""
+    name = reservation.name
+    what = f"the instance type of reservation {name}" if reservation.found else f"reservation {name}"
+    problems = "; ".join(f"{r.zone}: {r.problem()}" for r in reservation.found if r.problem())
+    return [(f"{what} ({reservation.describe()})", lambda o: o.reservation == name),
+            ("an on-demand price", lambda o: not o.spot),  # a reservation takes no spot instance
+            (f"reservation {name} open to launches ({problems})",
+             lambda o: any(r.problem() is None for r in reservation.taking(o)))]
+
+
+def _reserved(offers: Iterable[InstanceOffer], reservation: Optional[ReservationLookup]) -> list[InstanceOffer]:
+    """Each offer a reservation found takes, marked with its name and placed in its zones (those of the
+    reservations that can launch now, if any), whatever zones the catalog lists; the other offers as they are."""
+    if reservation is None:
+        return list(offers)
+    marked = []
+    for o in offers:
+        taking = reservation.taking(o)
+        usable = [r for r in taking if r.problem() is None] or taking
+        marked.append(o.model_copy(update={"reservation": reservation.name, "zones": sorted({r.zone for r in usable})})
+                      if taking else o)
+    return marked
 
 
 def _zones_of(offer: InstanceOffer, zones: list[str]) -> list[str]:
@@ -167,14 +198,18 @@ def sort_key(offer: InstanceOffer) -> tuple:
 def match_offers(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, spot_policy: str = "on-demand",
                  max_price: Optional[float] = None, backends: Optional[list[str]] = None,
                  regions: Optional[list[str]] = None, instance_types: Optional[list[str]] = None,
-                 zones: Optional[list[str]] = None) -> list[InstanceOffer]:
+                 zones: Optional[list[str]] = None,
+                 reservation: Optional[ReservationLookup] = None) -> list[InstanceOffer]:
     """The offers that meet every requirement, cheapest first, with cloud disks sized from the requirement, and,
     with ``zones``, only those zones left in each (provisioning walks an offer's zones).
 
     ``spot_policy``: ``spot`` keeps only spot prices, ``on-demand`` only on-demand ones, ``auto`` both.
+    ``reservation``: the service asks for one, and this is what the clouds said of it: only the on-demand offers
+    of a reservation that can launch now are kept, marked with its name, in its zones only.
     """
-    checks = _checks(resources, spot_policy, max_price, backends, regions, instance_types, zones)
-    kept = [_sized_disk(o, resources.disk) for o in offers if all(test(o) for _, test in checks)]
+    checks = _checks(resources, spot_policy, max_price, backends, regions, instance_types, zones, reservation)
+    kept = [_sized_disk(o, resources.disk) for o in _reserved(offers, reservation)
+            if all(test(o) for _, test in checks)]
     if zones:
         kept = [o.model_copy(update={"zones": _zones_of(o, zones)}) for o in kept]
     return sorted(kept, key=sort_key)
@@ -183,18 +218,20 @@ def match_offers(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, s
 def describe_mismatch(offers: Iterable[InstanceOffer], resources: ResourcesSpec, *, spot_policy: str = "on-demand",
                       max_price: Optional[float] = None, backends: Optional[list[str]] = None,
                       regions: Optional[list[str]] = None, instance_types: Optional[list[str]] = None,
-                      zones: Optional[list[str]] = None) -> Optional[str]:
+                      zones: Optional[list[str]] = None,
+                      reservation: Optional[ReservationLookup] = None) -> Optional[str]:
     """Why ``match_offers`` finds nothing, e.g. ``no offer has a GPU named X100``; None if something matches.
 
     Checks are applied in order; the first one that leaves no offer is the reason. If some offer meets it on its
     own, the reason names the earlier requirements that narrowed the offers down. A too low max_price is
     explained with the cheapest offer that meets everything else.
     """
-    offers = list(offers)
+    offers = _reserved(offers, reservation)
     if not offers:
         return "there are no offers at all"
     remaining, narrowed_by = offers, []
-    for what, test in _checks(resources, spot_policy, max_price, backends, regions, instance_types, zones):
+    for what, test in _checks(resources, spot_policy, max_price, backends, regions, instance_types, zones,
+                              reservation):
         kept = [o for o in remaining if test(o)]
         if not kept and max_price is not None and what.startswith("a price"):
             cheapest = min(remaining, key=sort_key)

@@ -231,6 +231,8 @@ class ReplicaInput(BaseModel):
     regions: Optional[list[str]] = None
     instance_types: Optional[list[str]] = Field(None, description="Only these instance types (the service's).")
     zones: Optional[list[str]] = Field(None, description="Only these availability zones (the service's).")
+    reservation: Optional[str] = Field(None, description=(
+        "The capacity reservation it is launched into (its group's `reservation`, else the service's)."))
     spot_policy: str = "on-demand"
     max_price: Optional[float] = None
     stop_duration: int = 300

@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BeforeValidator, Field, FieldSerialization
 from models.common import Duration, IntRange, Model, Range, duration_or_off
 from models.failures import RETRY_EVENTS, RetryEvent
 from models.registry import RegistryAuth
+from models.reservations import RESERVATION_HELP
 from models.secrets import SECRETS_DESCRIPTION, dump_env, is_secret, unmark
 
 SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,40}$")
@@ -377,7 +378,8 @@ class ReplicaGroup(Model):
     docker: Optional[bool] = Field(None, description="Docker-in-Docker (implies privileged).")
     privileged: Optional[bool] = Field(None, description="Run the container privileged.")
     spot_policy: Optional[SpotPolicy] = Field(None, description="spot, on-demand or auto for this group.")
-    reservation: Optional[Line] = Field(None, description="Capacity reservation for this group.")
+    reservation: Optional[Line] = Field(None, description=(
+        "Capacity reservation of this group's replicas (else the service's): " + RESERVATION_HELP))
     router: Optional[RouterSpec] = Field(None, description="This group runs the in-service router.")
     startup_timeout: Optional[StartupTimeout] = Field(None, description=(
         "How long a replica of this group may take to become ready once its commands run; default the service's."))
@@ -441,7 +443,8 @@ class ServiceConfiguration(Model):
     instance_types: Optional[Annotated[list[Line], _bounded(MAX_LIST, "instance types")]] = Field(
         None, description="Instance types to use.")
     spot_policy: Optional[SpotPolicy] = Field(None, description="spot, on-demand (default) or auto.")
-    reservation: Optional[Line] = Field(None, description="Capacity reservation.")
+    reservation: Optional[Line] = Field(None, description=(
+        "Capacity reservation of every group's replicas (or set it per group): " + RESERVATION_HELP))
     max_price: Optional[float] = Field(None, gt=0, description="Highest hourly price of an offer, USD.")
     retry: Optional[Annotated[RetrySpec, BeforeValidator(_retry)]] = Field(None, description=(
         "Which replica failures are retried (`on_events`) and for how long (`duration`); any other failure "

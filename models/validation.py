@@ -18,6 +18,7 @@ from models.gateway import (MAX_RATE_LIMIT_BURST, MAX_RATE_LIMIT_RPS, RATE_LIMIT
                             RATE_LIMIT_PREFIX_PATTERN)
 from models.interpolation import find, group_name
 from models.registry import ENV_REF
+from models.reservations import format_error
 from models.resources import ResourcesSpec
 from models.service import (
     ENGINE_METRICS,
@@ -49,7 +50,7 @@ def _set(value: object) -> bool:
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
     rules = [_model_rules, _service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds,
-             _not_supported, _references, _registry_auth]
+             _not_supported, _reservations, _references, _registry_auth]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 
@@ -191,14 +192,33 @@ def _not_supported(cfg: ServiceConfiguration) -> Iterator[Issue]:
     if cfg.https is True:
         yield Issue(("https",), "`https: true` needs a TLS certificate, and the gateway has no certificate "
                                 "setting yet (it serves plain HTTP); use `https: false` or `auto`")
-    # The same: the replicas would be billed on demand while the reservation they were meant for sits unused.
-    why = ("is not supported yet: replicas are not placed in capacity reservations (AWS Capacity Reservations or "
-           "Blocks, GCP reservations); remove it to use the on-demand or spot offers")
+
+
+def _reservations(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    """A reservation is on AWS or GCP and holds on-demand instances: a value no cloud could have, spot-only
+    offers, or only the local backend would leave its replicas with no offer at all."""
     if cfg.reservation is not None:
-        yield Issue(("reservation",), f"`reservation` {why}")
+        yield from _reservation_rules(("reservation",), cfg.reservation, cfg.spot_policy, cfg)
     for i, group in enumerate(cfg.groups or []):
         if group.reservation is not None:
-            yield Issue(("groups", i, "reservation"), f"`reservation` {why}")
+            yield from _reservation_rules(("groups", i, "reservation"), group.reservation,
+                                          group.spot_policy or cfg.spot_policy, cfg)
+        elif cfg.reservation is not None and group.spot_policy == "spot":
+            yield Issue(("groups", i, "spot_policy"), f"`spot_policy: spot` in replica group '{group.name}': the "
+                                                      "service's `reservation` takes on-demand instances only",
+                        about=(("reservation",),))
+
+
+def _reservation_rules(at: Path, value: str, spot_policy, cfg: ServiceConfiguration) -> Iterator[Issue]:
+    why = format_error(value)
+    if why:
+        yield Issue(at, why)
+    if spot_policy == "spot":
+        yield Issue(at, "a reservation takes on-demand instances only, and `spot_policy: spot` keeps spot offers "
+                        "only; use `on-demand` or `auto`", about=(("spot_policy",),))
+    if cfg.backends is not None and not set(cfg.backends) & {"aws", "gcp"}:
+        yield Issue(at, f"reservations are on AWS or GCP, and `backends` names {', '.join(cfg.backends)} only",
+                    about=(("backends",),))
 
 
 def _secrets(cfg: ServiceConfiguration) -> Iterator[Issue]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AWSBackend
@@ -26,7 +27,7 @@ from activities.replica_cloud import CloudReplicas, booted
 from activities.userdata import BootKeys, cloud_init
 from connect.ssh_keys import SSHKeys
 from models.backends import AWSConfig, BackendsConfig, provisioning_key
-from models.offers import InstanceOffer
+from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
 from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
@@ -697,3 +698,161 @@ async def test_an_instance_terminated_outside_is_down_and_teardown_without_a_rec
         service_workflow_id="service/svc", job=job(replica=1), backend="aws", instance=None, reason="stopped"))
     assert all_instances() == [] and gateway.routed == {}
     assert [(u.seq, u.status) for _, _, u in client.signals[-2:]] == [(10, "terminating"), (11, "terminated")]
+
+
+# --- capacity reservations and Capacity Blocks ------------------------------------------------------
+
+G5_ZONES = G5.model_copy(update={"zones": ["us-east-1a", "us-east-1b", "us-east-1c"]})
+
+
+def reserved_walk(aws_backend, ledger, reservation_id: str, offers=(G4, G5_ZONES), j=None):
+    lookup = aws_backend.find_reservation(reservation_id)
+    return walk(aws_backend, ledger, match_offers(list(offers), GPU, reservation=lookup), j)
+
+
+def free_in(reservation_id: str) -> int:
+    (found,) = ec2().describe_capacity_reservations(CapacityReservationIds=[reservation_id])["CapacityReservations"]
+    return found["AvailableInstanceCount"]
+
+
+def test_a_capacity_reservation_takes_its_type_on_demand_in_its_zone_only(aws, ledger, fake_ec2):
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1b", count=2)
+    lookup = aws.find_reservation(rid)
+    (found,) = lookup.found
+    assert (found.region, found.zone, found.kind, found.state, found.free) == \
+        ("us-east-1", "us-east-1b", "capacity-reservation", "active", 2)
+    # The cheaper g4dn and the spot g5 are not what it holds; the g5 offer is narrowed to the reservation's zone.
+    spot = G5_ZONES.model_copy(update={"spot": True, "price": 0.4})
+    kept = match_offers([G4, G5_ZONES, spot], GPU, spot_policy="auto", reservation=lookup)
+    assert [(o.instance_type, o.spot, o.zones, o.reservation) for o in kept] == \
+        [("g5.xlarge", False, ["us-east-1b"], rid)]
+
+    chosen, inst = walk(aws, ledger, kept)
+    run = fake_ec2.run_requests[-1]
+    assert run["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == rid
+    assert run["Placement.AvailabilityZone"] == "us-east-1b" and "InstanceMarketOptions.MarketType" not in run
+    assert "Placement.Tenancy" not in run
+    (raw,) = all_instances()
+    assert raw["CapacityReservationId"] == rid and raw.get("InstanceLifecycle") is None and not inst.spot
+    assert inst.zone == "us-east-1b" and free_in(rid) == 1
+
+
+def test_a_capacity_block_launches_with_its_market_type_and_a_dedicated_tenancy_is_copied(aws, ledger, fake_ec2):
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1c", kind="capacity-block", tenancy="dedicated")
+    _, inst = reserved_walk(aws, ledger, rid)
+    run = fake_ec2.run_requests[-1]
+    assert run["InstanceMarketOptions.MarketType"] == "capacity-block" and run["Placement.Tenancy"] == "dedicated"
+    assert "InstanceMarketOptions.SpotOptions.SpotInstanceType" not in run
+    (raw,) = all_instances()
+    assert raw["InstanceLifecycle"] == "capacity-block" and raw["Placement"]["Tenancy"] == "dedicated"
+    assert raw["CapacityReservationId"] == rid and not inst.spot and inst.zone == "us-east-1c"
+
+
+def test_a_full_reservation_fails_the_walk_with_ec2s_code_and_says_what_it_means(aws, ledger, fake_ec2):
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1a")
+    reserved_walk(aws, ledger, rid)
+    with pytest.raises(NoCapacity) as full:
+        reserved_walk(aws, ledger, rid, j=job(replica=1))
+    (reason,) = full.value.reasons
+    assert f"reservation {rid}" in reason and "ReservationCapacityExceeded" in reason
+    assert "no free instance of this type in this zone" in reason  # the hint names the setting's meaning
+    assert full.value.tried and len(all_instances()) == 1
+
+    # Once its instance is gone, the place is free again.
+    ec2().terminate_instances(InstanceIds=[all_instances()[0]["InstanceId"]])
+    assert free_in(rid) == 1
+    reserved_walk(aws, ledger, rid, j=job(replica=2))
+    assert free_in(rid) == 0
+
+
+@pytest.mark.parametrize("state", ["expired", "cancelled"])
+def test_an_ended_reservation_leaves_no_offer_and_says_why(aws, ledger, fake_ec2, state):
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1a")
+    fake_ec2.set_reservation_state(rid, state)
+    lookup = aws.find_reservation(rid)
+    assert not match_offers([G4, G5_ZONES], GPU, reservation=lookup)
+    assert describe_mismatch([G4, G5_ZONES], GPU, reservation=lookup) == \
+        f"no offer has reservation {rid} open to launches (us-east-1a: it is {state})"
+    # Ended between the lookup and the launch: EC2 refuses it, and the walk says so.
+    fake_ec2.set_reservation_state(rid, "active")
+    kept = match_offers([G5_ZONES], GPU, reservation=aws.find_reservation(rid))
+    fake_ec2.set_reservation_state(rid, state)
+    with pytest.raises(NoCapacity, match="ReservationCapacityExceeded"):
+        walk(aws, ledger, kept)
+    assert all_instances() == []
+
+
+def test_a_reservation_no_region_has_is_said_with_where_it_was_looked_for(aws):
+    lookup = aws.find_reservation("cr-0123456789abcdef0")
+    assert lookup.found == [] and lookup.notes == ["aws: not found in us-east-1, us-west-2"]
+    assert describe_mismatch([G5_ZONES], GPU, reservation=lookup) == \
+        "no offer has reservation cr-0123456789abcdef0 (aws: not found in us-east-1, us-west-2)"
+    assert aws.find_reservation("my-gcp-reservation").notes == ["aws: not an EC2 Capacity Reservation id (cr-…)"]
+
+
+def test_the_fake_refuses_what_ec2_refuses_for_a_reservation(aws, fake_ec2):
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1a")
+    image = ec2().describe_images(Owners=["self"])["Images"][0]["ImageId"]
+
+    def launch(target: str, **extra):
+        params = dict(ImageId=image, InstanceType="g5.xlarge", MinCount=1, MaxCount=1,
+                      Placement={"AvailabilityZone": "us-east-1a"},
+                      CapacityReservationSpecification={"CapacityReservationTarget": {"CapacityReservationId": target}})
+        with pytest.raises(ClientError) as refused:
+            ec2().run_instances(**{**params, **extra})
+        return refused.value.response["Error"]["Code"]
+
+    assert launch("cr-123") == "InvalidCapacityReservationId.Malformed"
+    assert launch("cr-0123456789abcdef0") == "InvalidCapacityReservationId.NotFound"
+    assert launch(rid, InstanceType="g4dn.xlarge") == "ReservationCapacityExceeded"  # another type
+    assert launch(rid, Placement={"AvailabilityZone": "us-east-1b"}) == "ReservationCapacityExceeded"
+    assert launch(rid, InstanceMarketOptions={"MarketType": "capacity-block"}) == "ReservationCapacityExceeded"
+    with pytest.raises(ClientError, match="InvalidCapacityReservationId.NotFound"):
+        ec2().describe_capacity_reservations(CapacityReservationIds=["cr-0123456789abcdef0"])
+    fake_ec2.set_reservation_state(fake_ec2.add_reservation("g5.xlarge", "us-east-1a"), "expired")
+    active = ec2().describe_capacity_reservations(Filters=[{"Name": "state", "Values": ["active"]}])
+    assert [r["CapacityReservationId"] for r in active["CapacityReservations"]] == [rid]
+    assert all_instances() == [] and free_in(rid) == 1
+
+
+async def test_launch_into_a_reservation_places_there_and_one_no_cloud_has_is_no_capacity(aws, ledger, fake_ec2):
+    server, address = await app_server()
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1b")
+    acts = _replica_activities(aws, ledger, FakeGateway(), address, catalog=(G4, G5_ZONES))
+    inp = _launch_input()
+    inp.replica.reservation = rid
+    async with server:
+        launched = await activity_env(FakeClient()).run(acts.launch, inp)
+    assert (launched.placement.instance_type, launched.instance.zone) == ("g5.xlarge", "us-east-1b")
+    assert all_instances()[0]["CapacityReservationId"] == rid
+
+    inp = _launch_input(job(replica=1))
+    inp.replica.reservation = "cr-0123456789abcdef0"
+    with pytest.raises(ApplicationError) as failed:
+        await activity_env(FakeClient()).run(acts.launch, inp)
+    details = no_capacity_of(failed.value)
+    assert not details.tried and details.reasons == [
+        "no offer has reservation cr-0123456789abcdef0 (aws: not found in us-east-1, us-west-2)"]
+
+
+def test_offers_with_a_reservation_flag_or_file_look_it_up_in_the_configured_cloud(fake_ec2, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1c", count=2)
+    (tmp_path / "config.yml").write_text("backends:\n  aws:\n    regions: [us-east-1]\n")
+    env = {"DURASTACK_HOME": str(tmp_path), "COLUMNS": "200"}
+    result = CliRunner().invoke(app, ["offers", "--gpu", "1..", "--reservation", rid, "--json", "--limit", "0"],
+                                env=env)
+    assert result.exit_code == 0, result.output
+    (group,) = json.loads(result.stdout)["groups"]
+    assert [(o["instance_type"], o["zones"], o["reservation"], o["spot"]) for o in group["offers"]] == \
+        [("g5.xlarge", ["us-east-1c"], rid, False)]
+    assert group["reservation"]["found"][0]["zone"] == "us-east-1c"
+
+    service = tmp_path / "svc.yml"
+    service.write_text(f"type: service\nname: svc\nport: 8000\nbackends: [aws]\nreservation: {rid}\n"
+                       "commands: [x]\nresources:\n  gpu: A10G\n")
+    plan = CliRunner().invoke(app, ["offers", "-f", str(service)], env=env)
+    assert plan.exit_code == 0 and f"reservation {rid}: g5.xlarge in us-east-1c, 2 of 2 free" in plan.stdout

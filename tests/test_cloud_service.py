@@ -48,6 +48,7 @@ from models.gateway import StatsReport
 from models.loader import load_config_text
 from models.reaper import ReapRequest
 from models.replica import JobSpec
+from models.resources import ResourcesSpec
 from models.run import Launched, LaunchInput, NoCapacity, ReplicaInput, ServiceState
 from models.settings import SEARCH_ATTRIBUTES, Settings
 from store import INTENT
@@ -636,6 +637,11 @@ async def test_local_only_service_messages(home, tmp_path):
         await activity_env(FakeClient()).run(acts.launch, LaunchInput(
             replica=inp.model_copy(update={"backends": ["aws"]}), backend="local"))
     assert no_capacity_of(e.value).reasons == ["the service's backends (aws) do not include local"]
+    with pytest.raises(ApplicationError) as e:
+        await activity_env(FakeClient()).run(acts.launch, LaunchInput(replica=inp.model_copy(update={
+            "resources": ResourcesSpec(), "reservation": "cr-0123456789abcdef0"}), backend="local"))
+    assert no_capacity_of(e.value).reasons == [
+        "this machine does not fit (no offer has reservation cr-0123456789abcdef0 (this machine has no reservations))"]
     assert list(tmp_path.glob("replicas/*")) == []  # nothing was started
 
 

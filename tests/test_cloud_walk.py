@@ -283,7 +283,10 @@ def test_provisioning_key_changes_with_every_input_but_not_the_attempt():
     ("RequestLimitExceeded", 503, ErrorKind.TRANSIENT), ("InternalError", 500, ErrorKind.TRANSIENT),
     ("SomethingNew", 502, ErrorKind.TRANSIENT), ("AuthFailure", 401, ErrorKind.FATAL),
     ("UnauthorizedOperation", 403, ErrorKind.FATAL), ("InvalidAMIID.NotFound", 400, ErrorKind.FATAL),
-    ("IdempotentParameterMismatch", 400, ErrorKind.FATAL), ("IdempotentInstanceTerminated", 400, ErrorKind.CAPACITY)])
+    ("IdempotentParameterMismatch", 400, ErrorKind.FATAL), ("IdempotentInstanceTerminated", 400, ErrorKind.CAPACITY),
+    ("ReservationCapacityExceeded", 400, ErrorKind.CAPACITY),
+    ("InvalidCapacityReservationId.NotFound", 400, ErrorKind.CAPACITY),
+    ("InvalidCapacityReservationId.Malformed", 400, ErrorKind.FATAL)])
 def test_classify_aws(code, status, kind):
     assert classify_aws(code, status) is kind
 
@@ -295,6 +298,19 @@ def test_classify_aws(code, status, kind):
     (["rateLimitExceeded"], 403, ErrorKind.TRANSIENT), (["invalid"], 400, ErrorKind.FATAL)])
 def test_classify_gcp(codes, status, kind):
     assert classify_gcp(codes, status) is kind
+
+
+@pytest.mark.parametrize("message,kind", [
+    ("Specified reservation 'r1' does not have available resources for the request.", ErrorKind.CAPACITY),
+    ("Specified reservation 'r1' does not exist.", ErrorKind.CAPACITY),
+    ("No available resources in specified reservations 'r1'", ErrorKind.CAPACITY),
+    ("Cannot insert instance to a reservation with status: CREATING, as it requires reservation to be in READY "
+     "state.", ErrorKind.CAPACITY),
+    # The same code for an organisation policy: no other zone or offer can help.
+    ("Instance 'x' creation failed: Constraint constraints/compute.vmExternalIpAccess violated for project 1.",
+     ErrorKind.FATAL)])
+def test_classify_gcp_tells_a_reservations_refusal_from_another_unmet_condition(message, kind):
+    assert classify_gcp(["CONDITION_NOT_MET"], 412, (message,)) is kind
 
 
 def test_aws_quota_classes():

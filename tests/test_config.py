@@ -714,9 +714,24 @@ def test_expressions_in_commands_still_pass():
     ok(PD % ("'serve --router ${{ groups[router].replicas[0].IP_ADDRESS }}'", "serve"))
 
 
-@pytest.mark.parametrize("text, path", [("reservation: cr-1\ncommands: [x]\n", "reservation"),
-                                        ("groups:\n  - name: a\n    replicas: 1\n    reservation: cr-1\n"
-                                         "    commands: [x]\n", "groups[0].reservation")])
-def test_a_reservation_is_refused_until_replicas_can_be_placed_in_one(text, path):
+@pytest.mark.parametrize("value", ["cr-0123456789abcdef0", "a100-pool", "projects/other-proj/reservations/pool"])
+def test_a_reservation_names_an_ec2_one_or_a_gcp_one(value):
+    assert ok(BASE + f"reservation: {value}\ncommands: [x]\n").reservation == value
+    group = ok(BASE + f"groups:\n  - name: a\n    replicas: 1\n    reservation: {value}\n    commands: [x]\n")
+    assert group.replica_groups[0].reservation == value
+
+
+@pytest.mark.parametrize("text, path, says", [
+    ("reservation: My_Pool\ncommands: [x]\n", "reservation", "`reservation` takes an EC2 Capacity Reservation"),
+    ("reservation: projects/p/zones/z/reservations/r\ncommands: [x]\n", "reservation", "got 'projects/p/zones/"),
+    ("reservation: cr-0123456789abcdef0\nspot_policy: spot\ncommands: [x]\n", "reservation",
+     "a reservation takes on-demand instances only"),
+    ("reservation: cr-0123456789abcdef0\nbackends: [local]\ncommands: [x]\n", "reservation",
+     "reservations are on AWS or GCP, and `backends` names local only"),
+    ("groups:\n  - name: a\n    replicas: 1\n    reservation: pool\n    spot_policy: spot\n    commands: [x]\n",
+     "groups[0].reservation", "a reservation takes on-demand instances only"),
+    ("reservation: pool\ngroups:\n  - name: a\n    replicas: 1\n    spot_policy: spot\n    commands: [x]\n",
+     "groups[0].spot_policy", "`spot_policy: spot` in replica group 'a': the service's `reservation` takes")])
+def test_a_reservation_no_cloud_could_have_or_no_offer_could_use_is_refused(text, path, says):
     err = one_error(BASE + text)
-    assert err.startswith(f"{path}: `reservation` is not supported yet"), err
+    assert err.startswith(f"{path}: ") and says in err, err

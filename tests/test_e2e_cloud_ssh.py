@@ -376,7 +376,6 @@ def test_aws_private_data_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc
     assert [g["GroupName"] for g in groups if g["GroupName"].startswith("durastack")] == []
 
 
-
 def test_aws_public_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
     """The README's default: `public_ip: true`, no `gateway_cidrs`, the gateway on the internet. Its worker reaches
     instances only at their public addresses (a private one is not routed there, as on the internet), SSH is open
@@ -416,3 +415,80 @@ def test_aws_public_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
     assert not booter.errors, booter.errors
     live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
     assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+
+
+RESERVED_SERVICE = """\
+type: service
+name: reservedsvc
+port: 8000
+backends: [{backend}]
+env:
+  MODEL: tiny
+groups:
+  - name: llm
+    replicas: 1
+    reservation: {reservation}
+    resources:
+      gpu: {gpu}
+    commands:
+      - |
+{app}
+"""
+
+
+def _reserved_scenario(tmp_path, stack: Stack, booter, backend: str, reservation: str, gpu: str) -> dict:
+    """`apply -y` of a one-group service with ``reservation``: the plan names the reservation, the replica serves
+    through the gateway; `stop` ends it. Returns the replica as `ps` showed it ready."""
+    path = tmp_path / "reservedsvc.yml"
+    path.write_text(RESERVED_SERVICE.format(backend=backend, reservation=reservation, gpu=gpu,
+                                            app=textwrap.indent(APP, " " * 10)))
+    try:
+        stack.wait_up()
+        applied = stack.cli("apply", "-f", str(path), "-y", timeout=600)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        assert f"in reservation {reservation}: " in applied.stdout, applied.stdout
+        ready = lambda: [r for g in stack.ps("reservedsvc")["groups"] for r in g["replicas"]  # noqa: E731
+                         if r["status"] == "running" and r["ready"]]
+        try:
+            (replica,) = until(ready, 120, 0.5, "the reserved replica ready")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{evidence(stack, 'reservedsvc')}") from None
+        headers = {"Authorization": f"Bearer {stack.token()}"}
+        assert httpx.get(f"{stack.gateway}/services/reservedsvc/", headers=headers, timeout=10).status_code == 200
+        assert not booter.errors, booter.errors
+        stopped = stack.cli("stop", "reservedsvc", "-y", timeout=300)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        return replica
+    finally:
+        stack.stop()
+
+
+def test_aws_a_service_with_a_reservation_runs_in_it(tmp_path, monkeypatch, fake_ec2, vpc):
+    fake_ec2.seed_amis("us-east-1")
+    rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1b")
+    stack = _stack(tmp_path, monkeypatch, vpc, "backends:\n  aws:\n    regions: [us-east-1]\n"
+                                               "    ami_owners: [self]\n    public_ip: false\n")
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    with vpcs.Booter(vpc, vpcs.moto_instances) as booter:
+        replica = _reserved_scenario(tmp_path, stack, booter, "aws", rid, "A10G")
+    assert replica["instance_type"] == "g5.xlarge"
+    (instance,) = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]]
+    assert instance["CapacityReservationId"] == rid and instance["Placement"]["AvailabilityZone"] == "us-east-1b"
+    assert instance["State"]["Name"] in ("shutting-down", "terminated")  # `stop` took it down
+    (described,) = ec2.describe_capacity_reservations(CapacityReservationIds=[rid])["CapacityReservations"]
+    assert described["AvailableInstanceCount"] == 1  # free again
+
+
+def test_gcp_a_service_with_a_reservation_runs_in_it(tmp_path, monkeypatch, gce, vpc):
+    gce.add_reservation("proj", "us-central1-c", "l4-pool", "g2-standard-4")
+    stack = _stack(tmp_path, monkeypatch, vpc, f"backends:\n  gcp:\n    project_id: proj\n"
+                                               f"    regions: [us-central1]\n    endpoint: {gce.url}\n"
+                                               f"    public_ip: false\n")
+    with vpcs.Booter(vpc, lambda: vpcs.gce_instances(gce)) as booter:
+        replica = _reserved_scenario(tmp_path, stack, booter, "gcp", "l4-pool", "L4")
+    assert replica["instance_type"] == "g2-standard-4"
+    (insert,) = gce.inserts()
+    assert "/zones/us-central1-c/" in insert["path"]
+    assert insert["body"]["reservationAffinity"]["values"] == ["projects/proj/reservations/l4-pool"]
+    assert gce.all_instances() == []  # `stop` deleted it
+    assert gce.reservation("proj", "us-central1-c", "l4-pool")["specificReservation"]["inUseCount"] == "0"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 
 from activities.catalog import load_catalog
 from activities.cloud import NoCapacity, make_backends, provision_cloud, terminate_cloud, terminate_service
@@ -24,12 +25,12 @@ from activities.replica_cloud import CloudReplicas
 from activities.userdata import BootKeys, startup_script
 from connect.ssh_keys import SSHKeys
 from models.backends import BackendsConfig, GCPConfig, owner, provisioning_key
-from models.offers import InstanceOffer
+from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
 from models.run import LaunchInput, ReplicaInput, TeardownInput
 from store import Store, StoreLedger
-from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -471,3 +472,118 @@ async def test_launch_on_gcp_registers_a_retry_adopts_the_instance_and_teardown_
         service_workflow_id="service/Svc.One", job=job(), backend="gcp", instance=first.instance, reason="stopped"))
     assert [i for i in gcp.list_tagged() if i.state != "terminated"] == [] and gateway.routed == {}
     assert [u.seq for _, _, u in client.signals] == [1, 2, 3, 1, 2, 3, 10, 11]
+
+
+# --- reservations ---------------------------------------------------------------------------------
+
+N1_V100 = offer("n1-standard-4", 2.67, zones=CENTRAL, gpu=("V100", 16.0, 1))
+
+
+def reserved(backend, value: str, offers=(N1_T4, N1_T4_SPOT, N1_V100, G2)):
+    return match_offers(list(offers), GPU, spot_policy="auto", reservation=backend.find_reservation(value))
+
+
+def test_a_reservation_takes_its_machine_and_accelerators_on_demand_in_its_zones(gcp, ledger, gce):
+    gce.add_reservation("proj", "us-central1-b", "t4-pool", "n1-standard-4", count=2,
+                        accelerators={"nvidia-tesla-t4": 1})
+    gce.add_reservation("proj", "us-east1-c", "t4-pool", "n1-standard-8", accelerators={"nvidia-tesla-t4": 1})
+    # Not the spot price, not the V100 on the same machine type, not the L4 machine: the T4 one, in the zone.
+    kept = reserved(gcp, "t4-pool")
+    assert [(o.instance_type, o.gpu_name, o.spot, o.zones, o.reservation) for o in kept] == \
+        [("n1-standard-4", "T4", False, ["us-central1-b"], "t4-pool")]
+
+    _, inst = walk(gcp, ledger, kept)
+    (insert,) = gce.inserts()
+    assert insert["path"].endswith("/zones/us-central1-b/instances")
+    assert insert["body"]["reservationAffinity"] == {
+        "consumeReservationType": "SPECIFIC_RESERVATION", "key": "compute.googleapis.com/reservation-name",
+        "values": ["projects/proj/reservations/t4-pool"]}
+    assert insert["body"]["scheduling"]["provisioningModel"] == "STANDARD"
+    assert inst.zone == "us-central1-b" and not inst.spot
+    assert gce.reservation("proj", "us-central1-b", "t4-pool")["specificReservation"]["inUseCount"] == "1"
+    terminate_cloud(inst, backends={"gcp": gcp})
+    assert gce.reservation("proj", "us-central1-b", "t4-pool")["specificReservation"]["inUseCount"] == "0"
+
+
+def test_a_reservation_shared_from_another_project_is_named_with_it(gcp, ledger, gce):
+    gce.add_reservation("owner-proj", "us-central1-a", "shared", "g2-standard-4")
+    assert gcp.find_reservation("shared").found == []  # not in the backend's own project
+    kept = reserved(gcp, "projects/owner-proj/reservations/shared")
+    assert [(o.instance_type, o.zones) for o in kept] == [("g2-standard-4", ["us-central1-a"])]
+    walk(gcp, ledger, kept)
+    assert gce.inserts()[0]["body"]["reservationAffinity"]["values"] == ["projects/owner-proj/reservations/shared"]
+    assert gce.reservation("owner-proj", "us-central1-a", "shared")["specificReservation"]["inUseCount"] == "1"
+
+
+def test_a_full_reservation_in_one_zone_moves_to_the_next_zone_that_has_one(gcp, ledger, gce):
+    for zone in ("us-central1-a", "us-central1-b"):
+        gce.add_reservation("proj", zone, "l4", "g2-standard-4")
+    kept = reserved(gcp, "l4")
+    assert kept[0].zones == ["us-central1-a", "us-central1-b"]
+    walk(gcp, ledger, kept)
+    _, second = walk(gcp, ledger, kept, job(replica=1))  # us-central1-a is full now
+    assert second.zone == "us-central1-b"
+    with pytest.raises(NoCapacity) as full:
+        walk(gcp, ledger, kept, job(replica=2))
+    (reason,) = full.value.reasons
+    assert "CONDITION_NOT_MET: Specified reservation 'projects/proj/reservations/l4' does not have available " \
+           "resources for the request." in reason
+
+
+@pytest.mark.parametrize("status,specific,why", [
+    ("CREATING", True, "it is CREATING, not READY"),
+    ("READY", False, "it does not require specific targeting (specificReservationRequired is false), so no VM can "
+                     "target it by name")])
+def test_a_reservation_no_vm_can_target_now_leaves_no_offer_and_says_why(gcp, gce, status, specific, why):
+    gce.add_reservation("proj", "us-central1-a", "l4", "g2-standard-4", status=status, specific=specific)
+    lookup = gcp.find_reservation("l4")
+    assert not match_offers([G2], GPU, reservation=lookup)
+    assert describe_mismatch([G2], GPU, reservation=lookup) == \
+        f"no offer has reservation l4 open to launches (us-central1-a: {why})"
+
+
+def test_the_fake_refuses_what_compute_refuses_for_a_reservation(gcp, ledger, gce):
+    gce.add_reservation("proj", "us-central1-a", "l4", "g2-standard-4")
+    gce.add_reservation("proj", "us-central1-b", "t4", "n1-standard-4", accelerators={"nvidia-tesla-t4": 1})
+    gce.add_reservation("proj", "us-central1-c", "creating", "g2-standard-4", status="CREATING")
+    gce.add_reservation("proj", "us-central1-a", "automatic", "g2-standard-4", specific=False)
+
+    def refused(offer_: InstanceOffer, name: str) -> CloudError:
+        marked = offer_.model_copy(update={"reservation": name})
+        with pytest.raises(CloudError) as e:
+            gcp.create(job(), marked, provisioning_key("Svc.One", "llm", 0, 0, marked))
+        return e.value
+
+    gone = refused(G2.model_copy(update={"zones": ["us-central1-b"]}), "l4")  # no l4 in that zone
+    assert gone.kind is ErrorKind.CAPACITY and gone.code == "CONDITION_NOT_MET"
+    assert "Specified reservation 'projects/proj/reservations/l4' does not exist." in gone.message
+    other = refused(N1_V100.model_copy(update={"zones": ["us-central1-b"]}), "t4")  # a V100 VM, T4 reserved
+    assert "No available resources in specified reservations 'projects/proj/reservations/t4'" in other.message
+    not_ready = refused(G2.model_copy(update={"zones": ["us-central1-c"]}), "creating")
+    assert "status: CREATING, as it requires reservation to be in READY state" in not_ready.message
+    automatic = refused(G2.model_copy(update={"zones": ["us-central1-a"]}), "automatic")
+    assert automatic.code == "invalid" and "[projects/proj/reservations/automatic] can not be targeted" in \
+        automatic.message
+    assert gce.all_instances() == []
+
+
+async def test_launch_into_a_reservation_on_gcp_and_one_no_project_has(gcp, ledger, gce):
+    server, address = await app_server()
+    gce.add_reservation("proj", "us-central1-c", "l4", "g2-standard-4")
+    config = BackendsConfig(gcp=GCPConfig(project_id="proj", regions=gcp.regions, endpoint=gce.url))
+    cloud = CloudReplicas(config, {"gcp": gcp}, ledger, catalog=[N1_T4, G2], address=lambda _: address,
+                          poll_seconds=0.1)
+    acts = ReplicaActivities(None, FakeGateway(), cloud=cloud, quick_seconds=0)
+
+    def launch(j: JobSpec, reservation: str) -> LaunchInput:
+        return LaunchInput(backend="gcp", replica=ReplicaInput(
+            service_workflow_id="service/Svc.One", job=j, resources=GPU, backends=["gcp"], reservation=reservation,
+            regions=["us-central1"]))
+
+    async with server:
+        launched = await activity_env(FakeClient()).run(acts.launch, launch(job(), "l4"))
+    assert (launched.placement.instance_type, launched.instance.zone) == ("g2-standard-4", "us-central1-c")
+    with pytest.raises(ApplicationError) as failed:
+        await activity_env(FakeClient()).run(acts.launch, launch(job(replica=1), "nowhere"))
+    assert no_capacity_of(failed.value).reasons == [
+        "no offer has reservation nowhere (gcp: no reservation nowhere in project proj (us-central1))"]

@@ -5,11 +5,14 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional
 
+import pytest
+
 from models.loader import load_config_text
 from models.run import Down, Placement, ReplicaInput, ReplicaUpdate
 from tests.test_planner import NOW, replica, state
 from workflows import lifecycle
-from workflows.changes import input_hash, spec_hash
+from workflows.admission import Refused, check_apply
+from workflows.changes import classify, input_hash, spec_hash
 from workflows.jobs import replica_input
 
 
@@ -91,12 +94,18 @@ def config(a: str = "x", b_count: Optional[int] = None):
     return load_config_text(text).config
 
 
-def test_deploy_rolls_changed_groups_keeps_the_rest_and_forgives_their_back_off():
+def running():
+    """A service running ``config()``: one replica of each group."""
     st = state()
     st.config = config()
     st.groups = lifecycle.sync_groups(st.config, {})
     st.replicas = [replica(0, "a", spec_hash=spec_hash(st.config, "a")),
                    replica(1, "b", spec_hash=spec_hash(st.config, "b"))]
+    return st
+
+
+def test_deploy_rolls_changed_groups_keeps_the_rest_and_forgives_their_back_off():
+    st = running()
     st.groups["a"].failures, st.groups["a"].retry_after = 3, NOW + timedelta(minutes=5)
     st.groups["b"].failures, st.groups["b"].retry_after = 2, NOW + timedelta(minutes=5)
     result, notes = lifecycle.deploy(st, config(a="x2"))
@@ -390,3 +399,22 @@ def test_a_replicas_last_output_is_one_bounded_line_with_its_env_masked():
     assert without_output(said) == "exited (1)" and with_output("exited (1)", "\n \n") == "exited (1)"
     long = with_output("exited (2)", "x" * 1000 + "\nthe end")
     assert long.endswith("the end") and len(long) == len("exited (2); last output: ") + LAST_OUTPUT_CHARS
+
+
+def test_a_groups_new_reservation_rolls_that_group_and_the_services_is_not_updatable_in_place():
+    st = running()
+    reserved = load_config_text(ROLL.format(a="x").replace("count: 2,", "count: 2, reservation: cr-0123456789abcdef0,")
+                                ).config
+    # dstack redeploys the jobs whose requirements change: group a's replicas go into the reservation one at a
+    # time, group b's stay where they are.
+    result, _ = lifecycle.deploy(st, reserved)
+    assert result.rolling == ["groups.a.reservation"] and (result.replacing, result.kept) == (1, 1)
+    assert replica_input(reserved, "svc", "w", "a", 0, 0, 1).reservation == "cr-0123456789abcdef0"
+    assert replica_input(reserved, "svc", "w", "b", 0, 0, 1).reservation is None
+
+    # The service's own reservation is a profile field dstack does not update in place: stop and apply again.
+    text = "type: service\nname: svc\nport: 8000\ncommands: [x]\nreservation: {}\n"
+    before, after = (load_config_text(text.format(r)).config for r in ("cr-0123456789abcdef0", "gpu-pool"))
+    assert classify(before, after).not_updatable == ["reservation"]
+    with pytest.raises(Refused, match="cannot be updated in place: reservation; stop the service"):
+        check_apply("svc", before, False, after)

@@ -17,6 +17,7 @@ from activities.catalog import (catalog_as_of, catalog_metadata, gpu_short_name,
                                 marketed_gpu_memory_gb)
 from cli.offers import register
 from models.offers import InstanceOffer, describe_mismatch, match_offers
+from models.reservations import Reservation, ReservationLookup
 from models.resources import ResourcesSpec
 
 
@@ -538,3 +539,76 @@ def test_zones_keep_the_offers_placed_there_and_only_those_zones():
     assert [(o.instance_type, o.zones) for o in kept] == [("n2-standard-4", ["us-central1-f"]),  # none listed: by region
                                                          ("m5.xlarge", ["us-east-1b"])]
     assert not match_offers(zoned, res(cpu=4), zones=["eu-west-1a"])
+
+
+# ---- matching: reservations ---------------------------------------------------------------------------------------
+
+def reservation(backend="aws", name="cr-0123456789abcdef0", zone="us-east-1b", instance_type="g5.xlarge", **kw):
+    fields = dict(backend=backend, name=name, region=zone[:-1] if backend == "aws" else zone.rsplit("-", 1)[0],
+                  zone=zone, instance_type=instance_type,
+                  kind="capacity-reservation" if backend == "aws" else "reservation",
+                  state="active" if backend == "aws" else "READY", total=2, in_use=0)
+    return Reservation(**{**fields, **kw})
+
+
+def lookup(*found: Reservation, name="cr-0123456789abcdef0", notes=()) -> ReservationLookup:
+    return ReservationLookup(name=name, found=list(found), notes=list(notes))
+
+
+def test_a_reservation_keeps_its_type_on_demand_in_its_zone_whatever_zones_the_catalog_lists():
+    kept = match_offers(CATALOG, res(gpu="A10G"), spot_policy="auto", reservation=lookup(reservation()))
+    assert [(o.instance_type, o.region, o.spot, o.zones, o.reservation) for o in kept] == \
+        [("g5.xlarge", "us-east-1", False, ["us-east-1b"], "cr-0123456789abcdef0")]
+    assert not [o for o in CATALOG if o.reservation]  # the catalog's offers are left as they were
+    # With availability_zones too, both must hold.
+    assert match_offers(CATALOG, res(gpu="A10G"), reservation=lookup(reservation()), zones=["us-east-1b"])
+    assert not match_offers(CATALOG, res(gpu="A10G"), reservation=lookup(reservation()), zones=["us-east-1a"])
+
+
+def test_a_reservation_that_ended_or_holds_another_type_is_said_to_be_why_nothing_fits():
+    ended = lookup(reservation(state="expired"))
+    assert not match_offers(CATALOG, res(gpu="A10G"), reservation=ended)
+    assert describe_mismatch(CATALOG, res(gpu="A10G"), reservation=ended) == \
+        "no offer has reservation cr-0123456789abcdef0 open to launches (us-east-1b: it is expired)"
+    assert describe_mismatch(CATALOG, res(gpu="H100"), reservation=lookup(reservation())) == (
+        "no offer has a GPU named H100 together with the instance type of reservation cr-0123456789abcdef0 "
+        "(g5.xlarge in us-east-1b, 2 of 2 free), an on-demand price")
+    nowhere = lookup(notes=["aws: not found in us-east-1", "gcp: not configured in config.yml"])
+    assert describe_mismatch(CATALOG, res(), reservation=nowhere) == ("no offer has reservation "
+                                                                     "cr-0123456789abcdef0 (aws: not found in "
+                                                                     "us-east-1; gcp: not configured in config.yml)")
+
+
+def test_a_full_reservation_still_matches_the_launch_finds_it_full():
+    # Its instances are the service's own while it runs: the plan of an update must not lose its offers.
+    kept = match_offers(CATALOG, res(gpu="A10G"), reservation=lookup(reservation(in_use=2)))
+    assert [o.zones for o in kept] == [["us-east-1b"]]
+
+
+def test_a_gcp_reservation_of_an_n1_machine_takes_only_the_gpu_it_reserves():
+    n1 = [offer("n1-standard-4", 4, 15, 0.54, backend="gcp", region="us-central1", gpu=("T4", 16, 1)),
+          offer("n1-standard-4", 4, 15, 2.67, backend="gcp", region="us-central1", gpu=("V100", 16, 1)),
+          offer("n1-standard-4", 4, 15, 0.19, backend="gcp", region="us-central1")]
+    t4 = reservation("gcp", "t4-pool", "us-central1-c", "n1-standard-4", accelerators={"nvidia-tesla-t4": 1})
+    assert [o.gpu_name for o in match_offers(n1, res(), reservation=lookup(t4, name="t4-pool"))] == ["T4"]
+    bare = reservation("gcp", "cpu-pool", "us-central1-c", "n1-standard-4")
+    assert [o.gpu_count for o in match_offers(n1, res(), reservation=lookup(bare, name="cpu-pool"))] == [0]
+    # A machine type that comes with its GPUs is matched by the type (and the count, if the reservation lists it).
+    a2 = reservation("gcp", "a2-pool", "us-central1-f", "a2-highgpu-1g")
+    assert types(match_offers(CATALOG, res(), reservation=lookup(a2, name="a2-pool"))) == {"a2-highgpu-1g"}
+
+
+def test_a_reservation_in_several_zones_keeps_those_that_can_launch_now():
+    found = lookup(reservation(zone="us-east-1a", state="cancelled"), reservation(zone="us-east-1c"))
+    assert [o.zones for o in match_offers(CATALOG, res(gpu="A10G"), reservation=found)] == [["us-east-1c"]]
+
+
+def test_cli_reservation_looked_up_nowhere_says_where_and_a_malformed_one_exits_1(tmp_path):
+    result = CliRunner().invoke(_app(), ["offers", "--gpu", "A10G", "--reservation", "cr-0123456789abcdef0"],
+                                env={"COLUMNS": "200", "DURASTACK_HOME": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    assert "reservation cr-0123456789abcdef0: aws: not configured in config.yml; gcp: not configured in " \
+           "config.yml" in result.stdout
+    assert "No offers fit" in result.stdout
+    bad = run("--gpu", "A10G", "--reservation", "CR_1")
+    assert bad.exit_code == 1 and "invalid --reservation" in bad.stderr and "'CR_1'" in bad.stderr

@@ -29,6 +29,9 @@ IN_PLACE = {"replicas", "groups", "scaling", "stop_duration", "startup_timeout",
 # Applied by replacing the replicas whose job changes, one at a time per group.
 ROLLING = {"port", "probes", "resources", "docker", "image", "privileged", "python", "nvcc", "env",
            "commands", "entrypoint", "working_dir", "user", "shell"}
+# A group's reservation is where its replicas are placed: new ones go into the new one, one at a time, as dstack
+# redeploys the jobs whose requirements change. The service's `reservation` is not updatable, as in dstack.
+GROUP_ROLLING = {"reservation"}
 
 
 @dataclass
@@ -75,7 +78,7 @@ def _classify_groups(old: list[dict], new: list[dict], key: str, changes: Change
         for f in sorted(set(prev) | set(g)):
             if prev.get(f) != g.get(f):
                 where = f"{key}.{g.get('name')}.{f}"
-                (changes.rolling if f in ROLLING else changes.in_place).append(where)
+                (changes.rolling if f in ROLLING | GROUP_ROLLING else changes.in_place).append(where)
     changes.in_place += [f"{key}.{name} (removed)" for name in before]
 
 
@@ -99,6 +102,8 @@ def input_hash(inp: ReplicaInput, key: str = "") -> str:
     # The replica's coordinates are not what it runs: a replica that predates them restarts for nothing.
     fields["job.env"] = {k: v for k, v in inp.job.env.items() if k not in COORDINATES}
     fields.update({name: getattr(inp, name) for name in INPUT_FIELDS})
+    if inp.reservation:  # only when set: the hash of every replica without one stays what it was
+        fields["reservation"] = inp.reservation
     payload = {"version": SPEC_VERSION, **{name: _plain(value) for name, value in fields.items()}}
     data = json.dumps(payload, sort_keys=True).encode()
     if key:

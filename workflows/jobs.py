@@ -70,6 +70,7 @@ def replica_input(config: ServiceConfiguration, service: str, service_workflow_i
         regions=list(config.regions) if config.regions else None,
         instance_types=list(config.instance_types) if config.instance_types else None,
         zones=list(config.availability_zones) if config.availability_zones else None,
+        reservation=group.reservation or config.reservation,
         spot_policy=group.spot_policy or config.spot_policy or "on-demand",
         max_price=config.max_price,
         stop_duration=config.stop_duration,

@@ -8,12 +8,13 @@ elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from activities.catalog import load_catalog, local_offer
-from models.backends import BackendsConfig
+from models.backends import CLOUDS, BackendsConfig
 from models.offers import InstanceOffer, describe_mismatch, match_offers, sort_key
+from models.reservations import ReservationLookup
 from models.resources import ResourcesSpec
 
 
@@ -37,18 +38,62 @@ class GroupQuery:
     regions: Optional[list[str]]
     instance_types: Optional[list[str]] = None
     zones: Optional[list[str]] = None
+    reservation: Optional[ReservationLookup] = None  # what the clouds said of it (``look_up_reservations``)
 
 
 def group_queries(service, spot_policy: Optional[str] = None, max_price: Optional[float] = None,
-                  backends: Optional[list[str]] = None, regions: Optional[list[str]] = None) -> list[GroupQuery]:
-    """One query per replica group of a ``ServiceConfiguration``; a group's spot_policy wins over the service's,
-    as in the replica's input (workflows/jobs.py)."""
+                  backends: Optional[list[str]] = None, regions: Optional[list[str]] = None,
+                  reservation: Optional[str] = None) -> list[GroupQuery]:
+    """One query per replica group of a ``ServiceConfiguration``; a group's spot_policy and reservation win over
+    the service's, as in the replica's input (workflows/jobs.py). Reservations are not looked up yet."""
     return [GroupQuery(name=g.name or "", resources=g.resources,
                        spot_policy=spot_policy or g.spot_policy or service.spot_policy or "on-demand",
                        max_price=max_price if max_price is not None else service.max_price,
                        backends=backends or service.backends, regions=regions or service.regions,
-                       instance_types=service.instance_types, zones=service.availability_zones)
+                       instance_types=service.instance_types, zones=service.availability_zones,
+                       reservation=_unresolved(reservation or g.reservation or service.reservation))
             for g in service.replica_groups]
+
+
+def _unresolved(name: Optional[str]) -> Optional[ReservationLookup]:
+    return ReservationLookup(name=name) if name else None
+
+
+def look_up_reservations(queries: list[GroupQuery], config: BackendsConfig, clouds=None) -> list[GroupQuery]:
+    """The queries with what each configured cloud says of their reservation (in the regions the query allows): one
+    lookup per name and cloud. A cloud that is not configured, or cannot answer, is named in the lookup's notes.
+    ``clouds``: the backends to ask (default: made from ``config``)."""
+    if not any(q.reservation for q in queries):
+        return queries
+    if clouds is None:
+        from activities.cloud import make_backends
+        clouds = make_backends(config)
+    answers: dict[tuple, ReservationLookup] = {}
+
+    def answer(q: GroupQuery) -> ReservationLookup:
+        key = (q.reservation.name, tuple(q.backends or ()), tuple(q.regions or ()))
+        if key not in answers:
+            answers[key] = _look_up(q, clouds)
+        return answers[key]
+
+    return [replace(q, reservation=answer(q)) if q.reservation else q for q in queries]
+
+
+def _look_up(q: GroupQuery, clouds: dict) -> ReservationLookup:
+    from activities.cloud import reservation_in
+    from activities.cloud_errors import CloudError
+
+    found = ReservationLookup(name=q.reservation.name)
+    for name in CLOUDS:
+        if q.backends and name not in q.backends:
+            continue
+        try:
+            answer = reservation_in(clouds[name], found.name, q.regions) if name in clouds else ReservationLookup(
+                name=found.name, notes=[f"{name}: not configured in config.yml"])
+        except CloudError as e:
+            answer = ReservationLookup(name=found.name, notes=[f"{name}: could not look it up ({e.message})"])
+        found = found.merged(answer)
+    return found
 
 
 def match_query(candidates: list[InstanceOffer], q: GroupQuery) -> tuple[list[InstanceOffer], Optional[str]]:
@@ -57,7 +102,7 @@ def match_query(candidates: list[InstanceOffer], q: GroupQuery) -> tuple[list[In
     clouds = [o for o in candidates if o.backend != "local"]
     local = [o for o in candidates if o.backend == "local"]
     filters = dict(max_price=q.max_price, backends=q.backends, regions=q.regions, instance_types=q.instance_types,
-                   zones=q.zones)
+                   zones=q.zones, reservation=q.reservation)
     found = match_offers(clouds, q.resources, spot_policy=q.spot_policy, **filters) + \
         match_offers(local, q.resources, spot_policy="auto", **filters)
     found.sort(key=sort_key)
@@ -106,4 +151,5 @@ def one_place(found: dict[str, list[InstanceOffer]], counts: dict[str, int]) -> 
     return sorted(common, key=lambda place: (cost(place), place)), None
 
 
-__all__ = ["GroupQuery", "candidate_offers", "group_queries", "match_query", "one_place", "plan_query"]
+__all__ = ["GroupQuery", "candidate_offers", "group_queries", "look_up_reservations", "match_query", "one_place",
+           "plan_query"]

@@ -13,6 +13,12 @@
   (NoSuchResourceException for ``ec2``): each region's six codes answer a settable value (``set_quota``; a generous
   2048 vCPUs otherwise), in AWS's response shape, and ``deny_quotas`` answers AccessDeniedException as for a
   policy without ``servicequotas:GetServiceQuota``.
+* Capacity Reservations and Capacity Blocks, which moto lacks: DescribeCapacityReservations answers as EC2 does,
+  and a RunInstances targeting one (CapacityReservationSpecification) is refused with EC2's codes when the id is
+  malformed or unknown, or when the reservation cannot take it (not active, another instance type, zone or
+  tenancy, a Capacity Block without its `capacity-block` market type or the reverse, or no free instance:
+  ReservationCapacityExceeded, whose one message EC2 gives for all of these); an instance launched into one holds
+  it until terminated, and is described with its CapacityReservationId (and a Capacity Block's lifecycle).
 
 Served by werkzeug on 127.0.0.1:<ephemeral> in a thread; ``ec2_server`` (session) and ``fake_ec2`` (per test:
 reset + env) are the fixtures. Import both into a test module to use them.
@@ -55,6 +61,10 @@ EC2_VCPU_QUOTAS = {
     "L-3819A6DF": ("All G and VT Spot Instance Requests", "G/Spot"),
     "L-7212CCBC": ("All P Spot Instance Requests", "P/Spot"),
 }
+_RESERVATION_ID = re.compile(r"^cr-[0-9a-z]{17}$")  # the form EC2's Malformed message gives: cr-xxxxxxxxxxxxxxxxx
+_TARGET = "CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"
+_HOLDING = ("pending", "running", "stopping")  # an instance in these holds its place in a reservation
+_launching = threading.local()  # what the RunInstances being served adds to the instance moto makes
 _GROUP_PARAM = re.compile(r"(NetworkInterface\.\d+\.)?SecurityGroupId\.\d+")
 
 
@@ -79,6 +89,44 @@ class _Launch:
     body: bytes
     headers: list
     instance_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CapacityReservation:
+    id: str
+    region: str
+    zone: str
+    instance_type: str
+    total: int
+    kind: str = "default"  # or capacity-block (EC2's ReservationType)
+    state: str = "active"
+    tenancy: str = "default"
+    instance_ids: list[str] = field(default_factory=list)
+
+    def in_use(self) -> int:
+        return sum(1 for i in self.instance_ids if _moto_state(self.region, i) in _HOLDING)
+
+    def takes(self, params: dict, zone: Optional[str]) -> bool:
+        """Whether this launch fits it: active, the same type, zone and tenancy, the market type of its kind, and
+        room for the instances asked."""
+        block = params.get("InstanceMarketOptions.MarketType") == "capacity-block"
+        return (self.state == "active" and params.get("InstanceType") == self.instance_type
+                and zone in (None, self.zone) and params.get("Placement.Tenancy", "default") == self.tenancy
+                and block == (self.kind == "capacity-block")
+                and self.total - self.in_use() >= int(params.get("MinCount") or 1))
+
+    def xml(self) -> str:
+        block = self.kind == "capacity-block"
+        fields = [("capacityReservationId", self.id), ("ownerId", "123456789012"),
+                  ("capacityReservationArn", f"arn:aws:ec2:{self.region}:123456789012:capacity-reservation/{self.id}"),
+                  ("instanceType", self.instance_type), ("instancePlatform", "Linux/UNIX"),
+                  ("availabilityZone", self.zone), ("tenancy", self.tenancy),
+                  ("totalInstanceCount", self.total), ("availableInstanceCount", max(self.total - self.in_use(), 0)),
+                  ("ebsOptimized", "false"), ("ephemeralStorage", "false"), ("state", self.state),
+                  ("startDate", "2026-01-01T00:00:00.000Z"), ("endDateType", "limited" if block else "unlimited"),
+                  ("instanceMatchCriteria", "targeted"), ("createDate", "2026-01-01T00:00:00.000Z"),
+                  ("reservationType", self.kind)] + ([("endDate", "2026-01-08T11:30:00.000Z")] if block else [])
+        return "<item>" + "".join(f"<{k}>{escape(str(v))}</{k}>" for k, v in fields) + "<tagSet/></item>"
 
 
 def _error(code: str, message: str, status: Optional[int] = None) -> tuple[int, list, bytes]:
@@ -111,6 +159,7 @@ class EC2FaultMiddleware:
         self.quotas: dict[tuple[str, str], float] = {}  # (region, quota code) → value, over DEFAULT_VCPU_QUOTA
         self.quota_reads: list[tuple[str, str]] = []  # (region, quota code) of each GetServiceQuota
         self.deny_quotas = False
+        self.capacity: dict[str, CapacityReservation] = {}
 
     def __call__(self, environ, start_response):
         body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
@@ -130,13 +179,15 @@ class EC2FaultMiddleware:
         params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True).items()}
         with self.lock:
             self.actions.append(params.get("Action", ""))
-        if params.get("Action") not in ("RunInstances", "DeleteSecurityGroup"):
+        if params.get("Action") not in ("RunInstances", "DeleteSecurityGroup", "DescribeCapacityReservations"):
             return self.app(environ, start_response)
         with self.lock:  # one after the other, as EC2 orders a launch into a group and that group's deletion
             if params["Action"] == "RunInstances":
                 status, headers, out = self._run_instances(environ, params, region)
-            else:
+            elif params["Action"] == "DeleteSecurityGroup":
                 status, headers, out = self._delete_group(environ, params, region)
+            else:
+                status, headers, out = self._describe_reservations(params, region)
         start_response(f"{status} {'OK' if status == 200 else 'ERROR'}", headers)
         return [out]
 
@@ -158,17 +209,28 @@ class EC2FaultMiddleware:
         missing = [g for k, g in params.items() if _GROUP_PARAM.fullmatch(k) and not _moto_group(region, g)]
         if missing:  # moto would make an empty group of that name; EC2 refuses
             return _error("InvalidGroup.NotFound", f"The security group '{missing[0]}' does not exist")
+        reservation = self.capacity.get(params.get(_TARGET, ""))
+        if _TARGET in params:
+            refused = self._reservation_refusal(params, region)
+            if refused:
+                return refused
         for fault in self.faults:
             if fault.matches(params, region):
                 if fault.times is not None:
                     fault.times -= 1
                 return _error(fault.code, fault.message or f"{fault.code} for {params.get('InstanceType')} "
                                                            f"in {region} (injected)")
-        status, headers, out = self._moto_answer(environ)
+        _launching.reservation = reservation
+        try:
+            status, headers, out = self._moto_answer(environ)
+        finally:
+            _launching.reservation = None
         if status == 200:
-            ids = re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", out)
+            ids = [i.decode() for i in re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", out)]
+            if reservation is not None:
+                reservation.instance_ids += ids
             if token:
-                self.launches[cache_key] = _Launch(fingerprint, out, headers, [i.decode() for i in ids])
+                self.launches[cache_key] = _Launch(fingerprint, out, headers, ids)
             return self._maybe_lose(200, headers, out)
         return status, headers, out
 
@@ -193,6 +255,49 @@ class EC2FaultMiddleware:
                                                       "Type": "Resource"},
                                  "MetricStatisticRecommendation": "Maximum"}}
         return 200, _json_headers(), json.dumps({"Quota": quota}).encode()
+
+    def _reservation_refusal(self, params: dict, region: str) -> Optional[tuple[int, list, bytes]]:
+        target = params[_TARGET]
+        unknown = self._unknown(target, region)
+        if unknown:
+            return unknown
+        reservation = self.capacity[target]
+        subnet = params.get("NetworkInterface.1.SubnetId") or params.get("SubnetId")
+        zone = params.get("Placement.AvailabilityZone") or (_moto(region).get_subnet(subnet).availability_zone
+                                                            if subnet else None)
+        if not reservation.takes(params, zone):
+            return _error("ReservationCapacityExceeded", "The requested reservation does not have sufficient "
+                                                         "compatible and available capacity for this request.")
+        return None
+
+    def _unknown(self, target: str, region: str) -> Optional[tuple[int, list, bytes]]:
+        """EC2's error for an id that is malformed or names no reservation of ``region``; None if it names one."""
+        if not _RESERVATION_ID.match(target):
+            return _error("InvalidCapacityReservationId.Malformed", "The ID for the Capacity Reservation is "
+                          "malformed. Ensure that you specify the Capacity Reservation ID in the form "
+                          "cr-xxxxxxxxxxxxxxxxx")
+        if target not in self.capacity or self.capacity[target].region != region:
+            return _error("InvalidCapacityReservationId.NotFound", f"The capacity reservation ID '{target}' was not "
+                                                                   "found")
+        return None
+
+    def _describe_reservations(self, params: dict, region: str) -> tuple[int, list, bytes]:
+        ids = [v for k, v in sorted(params.items()) if k.startswith("CapacityReservationId.")]
+        unknown = next(filter(None, (self._unknown(target, region) for target in ids)), None)
+        if unknown:
+            return unknown
+        found = [self.capacity[i] for i in ids] if ids else [r for r in self.capacity.values() if r.region == region]
+        filters = {params[k]: [v for n, v in params.items() if n.startswith(k[:-len("Name")] + "Value.")]
+                   for k in params if re.fullmatch(r"Filter\.\d+\.Name", k)}
+        attrs = {"state": "state", "instance-type": "instance_type", "availability-zone": "zone",
+                 "tenancy": "tenancy"}
+        found = [r for r in found if all(getattr(r, attrs[n]) in values for n, values in filters.items()
+                                         if n in attrs)]
+        body = ('<?xml version="1.0" encoding="UTF-8"?>\n<DescribeCapacityReservationsResponse '
+                'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+                f'<requestId>{uuid.uuid4()}</requestId><capacityReservationSet>'
+                + "".join(r.xml() for r in found) + "</capacityReservationSet></DescribeCapacityReservationsResponse>")
+        return 200, [("Content-Type", "text/xml")], body.encode()
 
     def _delete_group(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
         if _group_in_use(region, params.get("GroupId", "")):
@@ -242,6 +347,29 @@ def _moto_state(region: str, instance_id: str) -> str:
         return "terminated"
 
 
+def _hook_launches() -> None:
+    """moto makes the instance and writes its answer in one call: what a launch into a reservation adds to the
+    instance (its reservation id, a Capacity Block's lifecycle, a dedicated tenancy) is set on it in that call."""
+    from moto.ec2.models.instances import InstanceBackend
+
+    if getattr(InstanceBackend.run_instances, "reservations_hooked", False):
+        return
+    run_instances = InstanceBackend.run_instances
+
+    def hooked(self, *args, **kwargs):
+        made = run_instances(self, *args, **kwargs)
+        reservation = getattr(_launching, "reservation", None)
+        for instance in made.instances if reservation is not None else ():
+            instance.capacity_reservation_id = reservation.id
+            # moto takes any market type for spot; EC2 calls this one's instances capacity-block
+            instance.lifecycle = "capacity-block" if reservation.kind == "capacity-block" else None
+            instance.placement.tenancy = reservation.tenancy
+        return made
+
+    hooked.reservations_hooked = True
+    InstanceBackend.run_instances = hooked
+
+
 class _QuietHandler(MotoRequestHandler):
     def log_request(self, *args, **kwargs):  # one line per request would drown the test output
         pass
@@ -249,6 +377,7 @@ class _QuietHandler(MotoRequestHandler):
 
 class EC2FaultServer(ServedInThread):
     def __init__(self):
+        _hook_launches()
         self.middleware = EC2FaultMiddleware(DomainDispatcherApplication(create_backend_app))
         self.server = make_server("127.0.0.1", 0, self.middleware, threaded=True, request_handler=_QuietHandler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
@@ -292,6 +421,20 @@ class EC2FaultServer(ServedInThread):
     def run_requests(self) -> list[dict]:
         with self.middleware.lock:
             return list(self.middleware.requests)
+
+    def add_reservation(self, instance_type: str, zone: str, *, count: int = 1, kind: str = "default",
+                        state: str = "active", tenancy: str = "default") -> str:
+        """A Capacity Reservation (``kind`` default) or Capacity Block (``capacity-block``) of ``count`` instances
+        of ``instance_type`` in ``zone``; its id."""
+        reservation = CapacityReservation(f"cr-{uuid.uuid4().hex[:17]}", zone[:-1], zone, instance_type, count,
+                                          kind, state, tenancy)
+        with self.middleware.lock:
+            self.middleware.capacity[reservation.id] = reservation
+        return reservation.id
+
+    def set_reservation_state(self, reservation_id: str, state: str) -> None:
+        with self.middleware.lock:
+            self.middleware.capacity[reservation_id].state = state
 
     def seed_amis(self, *regions: str) -> None:
         """Register AMIs under the real names the backend looks up (found with Owners=["self"])."""

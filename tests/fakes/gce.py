@@ -11,6 +11,12 @@ ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it 
 
 Images: get and getFromFamily, of ``PUBLIC_IMAGES`` and those a test adds; an insert whose boot image does not
 resolve (a retired family, an obsolete image) is refused as Compute refuses it (400 invalid).
+
+Reservations (get, list and aggregatedList, filtered by name, status and specificReservationRequired): an insert
+whose reservationAffinity is SPECIFIC_RESERVATION consumes one VM of the named reservation of its zone, held until
+the instance is deleted, and is refused as Compute refuses it: a reservation without specificReservationRequired
+synchronously (400 invalid); one that does not exist in that zone, is not READY, holds other VMs (machine type,
+accelerators) or has no VM left in the operation, as CONDITION_NOT_MET (HTTP 412) with Compute's messages.
 """
 
 from __future__ import annotations
@@ -47,8 +53,13 @@ PUBLIC_IMAGES = [(_DLVM, f"{family}-{version}", family, state) for family, versi
     ("common-cu124-ubuntu-2204-py310", "v20250325", "DEPRECATED"))] + [
     ("ubuntu-os-cloud", "ubuntu-2204-jammy-v20261015", "ubuntu-2204-lts", ""),
     ("ubuntu-os-cloud", "ubuntu-2404-noble-amd64-v20261015", "ubuntu-2404-lts-amd64", "")]
-_AGGREGATED = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/aggregated/instances$")
-_TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name)\s*(=|!=)\s*"?([^")\s]*)"?\s*\)?')
+_AGGREGATED = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/aggregated/(?P<kind>instances|reservations)$")
+_RESERVATION_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/reservations"
+                               r"(?:/(?P<name>[^/]+))?$")
+_TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name|specificReservationRequired)\s*(=|!=)\s*"?([^")\s]*)"?'
+                   r'\s*\)?')
+_AFFINITY_KEY = "compute.googleapis.com/reservation-name"
+_OP_ERRORS = {503: "SERVICE UNAVAILABLE", 403: "FORBIDDEN", 412: "PRECONDITION FAILED"}
 _REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "alreadyExists",
             429: "rateLimitExceeded", 500: "backendError", 503: "backendError"}
 
@@ -88,6 +99,8 @@ def _http_error(status: int, message: str, reason: str = "") -> tuple[int, dict]
 def _matches(instance: dict, flt: str) -> bool:
     for field, op, value in _TERM.findall(flt):
         have = instance.get("labels", {}).get(field[7:]) if field.startswith("labels.") else instance.get(field)
+        if isinstance(have, bool):
+            have = str(have).lower()
         if (have == value) != (op == "="):
             return False
     rest = _TERM.sub("", flt).replace("AND", "").strip()
@@ -149,6 +162,8 @@ class FakeGCE(ServedInThread):
             self.accelerator_types = {z: set(gce_zones.accelerator_types(z)) for z in gce_zones.ZONES}
             self.quotas = {r: default_quotas() for r in gce_zones.REGIONS}  # region → metric → (limit, usage)
             self.region_refusal: Optional[tuple[int, str]] = None  # (status, reason) regions.get answers
+            self.reservations: dict[tuple[str, str, str], dict] = {}
+            self.consumed: dict[tuple[str, str, str], tuple[str, str, str]] = {}  # instance → its reservation
 
     # --- test controls ----------------------------------------------------------------------------
 
@@ -222,6 +237,28 @@ class FakeGCE(ServedInThread):
         with self.lock:
             return list(self.instances.values())
 
+    def add_reservation(self, project: str, zone: str, name: str, machine_type: str, *, count: int = 1,
+                        accelerators: Optional[dict[str, int]] = None, status: str = "READY",
+                        specific: bool = True) -> dict:
+        """A reservation of ``count`` VMs of ``machine_type`` (with ``accelerators``: type → count) in ``zone``, as
+        Compute describes it; ``specific``: specificReservationRequired."""
+        base = f"{self.url}/compute/v1/projects/{project}/zones/{zone}"
+        properties = {"machineType": machine_type, "guestAccelerators": [
+            {"acceleratorType": t, "acceleratorCount": n} for t, n in (accelerators or {}).items()]}
+        reservation = {"kind": "compute#reservation", "id": str(next(self.ids)), "name": name, "zone": base,
+                       "creationTimestamp": "2026-01-01T00:00:00.000-00:00", "status": status,
+                       "selfLink": f"{base}/reservations/{name}", "specificReservationRequired": specific,
+                       "shareSettings": {"shareType": "LOCAL"},
+                       "specificReservation": {"instanceProperties": properties, "count": str(count),
+                                               "inUseCount": "0", "assuredCount": str(count)}}
+        with self.lock:
+            self.reservations[(project, zone, name)] = reservation
+        return reservation
+
+    def reservation(self, project: str, zone: str, name: str) -> dict:
+        with self.lock:
+            return self.reservations[(project, zone, name)]
+
     # --- routes -----------------------------------------------------------------------------------
 
     def firewall_rules(self) -> list[dict]:
@@ -240,7 +277,10 @@ class FakeGCE(ServedInThread):
             return self._region(m["p"], m["r"])
         m = _AGGREGATED.match(path)
         if m and method == "GET":
-            return self._aggregated(m["p"], query.get("filter", ""))
+            return self._aggregated(m["p"], m["kind"], query.get("filter", ""))
+        m = _RESERVATION_PATH.match(path)
+        if m and method == "GET":
+            return self._reservations(m["p"], m["z"], m["name"], query.get("filter", ""))
         m = _ZONE_PATH.match(path)
         if not m:
             return _http_error(404, f"no route {method} {path}")
@@ -261,6 +301,8 @@ class FakeGCE(ServedInThread):
         if method == "DELETE":
             if self.instances.pop((p, z, name), None) is None:
                 return _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/{name}' was not found")
+            if (p, z, name) in self.consumed:
+                self._consume(self.consumed[(p, z, name)], (p, z, name), -1)
             return 200, self._new_op(p, z, "delete", name)
         return _http_error(405, f"{method} not supported")
 
@@ -292,6 +334,9 @@ class FakeGCE(ServedInThread):
             if not gce_zones.attachable(machine_type, kind):  # T4/V100/P4/P100 on N1 only; A2/A3/G2 carry their own
                 return _http_error(400, f"[{machine_type}, {kind}] features are not compatible for creating "
                                         "instance.", "badRequest")
+        reservation, refused = self._reserved(p, z, body, name, request_id)
+        if refused:
+            return refused
         for fault in self.faults:
             if fault.matches(z, machine_type, body.get("scheduling", {}).get("provisioningModel") == "SPOT"):
                 if fault.times is not None:
@@ -308,11 +353,68 @@ class FakeGCE(ServedInThread):
             nic["accessConfigs"] = [{**ac, "natIP": f"34.1.{n % 250}.{i + 2}"} for ac in nic.get("accessConfigs", [])]
         instance["networkInterfaces"] = nics
         self.instances[(p, z, name)] = instance
+        if reservation:
+            self._consume(reservation, (p, z, name), +1)
         op = self._new_op(p, z, "insert", name, request_id)
         if self.lose > 0:
             self.lose -= 1
             return _http_error(503, "response lost (injected; the instance was created)")
         return 200, op
+
+    def _reserved(self, p: str, z: str, body: dict, name: str, request_id: str
+                  ) -> tuple[Optional[tuple], Optional[tuple]]:
+        """(the key of the reservation that takes the VM, None), (None, None) without a specific reservation, or (None,
+        Compute's refusal): the affinity's error at once, the reservation's in the insert's operation."""
+        affinity = body.get("reservationAffinity") or {}
+        if affinity.get("consumeReservationType") != "SPECIFIC_RESERVATION":
+            return None, None
+        if affinity.get("key") != _AFFINITY_KEY:
+            return None, _http_error(400, f"Invalid value for field 'resource.reservationAffinity.key': "
+                                          f"'{affinity.get('key')}'.", "invalid")
+        value = (affinity.get("values") or [""])[0]
+        m = re.fullmatch(r"(?:projects/(?P<p>[^/]+)/reservations/)?(?P<n>[^/]+)", value)
+        key = ((m["p"] or p) if m else p, z, m["n"] if m else value)
+        reservation = self.reservations.get(key)
+
+        def unmet(message: str) -> tuple[None, tuple[int, dict]]:
+            return None, (200, self._new_op(p, z, "insert", name, request_id,
+                                            error=(412, "CONDITION_NOT_MET", message)))
+
+        if reservation is None:
+            return unmet(f"Specified reservation '{value}' does not exist.")
+        if not reservation["specificReservationRequired"]:
+            return None, _http_error(400, f"Invalid value for field 'resource.reservationAffinity': "
+                                          f"'{json.dumps(affinity)[:60]}...'. Specified reservations [{value}] can "
+                                          "not be targeted as specificReservationRequired is not set", "invalid")
+        if reservation["status"] != "READY":
+            return unmet(f"Cannot insert instance to a reservation with status: {reservation['status']}, as it "
+                         "requires reservation to be in READY state.")
+        specific = reservation["specificReservation"]
+        held = specific["instanceProperties"]
+        wanted = {(a["acceleratorType"].rsplit("/", 1)[-1], a["acceleratorCount"])
+                  for a in body.get("guestAccelerators", [])}
+        if body.get("machineType", "").rsplit("/", 1)[-1] != held["machineType"] or wanted != {
+                (a["acceleratorType"], a["acceleratorCount"]) for a in held.get("guestAccelerators", [])}:
+            return unmet(f"No available resources in specified reservations '{value}'")
+        if int(specific["inUseCount"]) >= int(specific["count"]):
+            return unmet(f"Specified reservation '{value}' does not have available resources for the request.")
+        return key, None
+
+    def _consume(self, reservation: tuple[str, str, str], instance: tuple[str, str, str], delta: int) -> None:
+        specific = self.reservations[reservation]["specificReservation"]
+        specific["inUseCount"] = str(int(specific["inUseCount"]) + delta)
+        if delta > 0:
+            self.consumed[instance] = reservation
+        else:
+            self.consumed.pop(instance, None)
+
+    def _reservations(self, p: str, z: str, name: Optional[str], flt: str) -> tuple[int, dict]:
+        if name:
+            found = self.reservations.get((p, z, name))
+            return (200, found) if found else _http_error(404, f"The resource 'projects/{p}/zones/{z}/reservations/"
+                                                               f"{name}' was not found")
+        items = [r for (rp, rz, _), r in sorted(self.reservations.items()) if (rp, rz) == (p, z) and _matches(r, flt)]
+        return 200, {"kind": "compute#reservationList", "items": items}
 
     def _fault(self, p: str, z: str, name: str, fault: GCEFault, request_id: str) -> tuple[int, dict]:
         if fault.kind == "capacity":
@@ -339,7 +441,7 @@ class FakeGCE(ServedInThread):
         if error:
             status, code, message = error
             op.update(error={"errors": [{"code": code, "message": message}]}, httpErrorStatusCode=status,
-                      httpErrorMessage="SERVICE UNAVAILABLE" if status == 503 else "FORBIDDEN")
+                      httpErrorMessage=_OP_ERRORS[status])
         self.operations[(p, z, name)] = op
         self.polls[name] = self.op_polls
         if request_id:
@@ -417,15 +519,16 @@ class FakeGCE(ServedInThread):
             return _http_error(400, str(e))
         return 200, {"kind": "compute#instanceList", "items": items}
 
-    def _aggregated(self, p: str, flt: str) -> tuple[int, dict]:
+    def _aggregated(self, p: str, kind: str, flt: str) -> tuple[int, dict]:
+        stored = self.instances if kind == "instances" else self.reservations
         scopes: dict[str, dict] = {}
         try:
-            for (ip, iz, _), inst in sorted(self.instances.items()):
-                if ip == p and _matches(inst, flt):
-                    scopes.setdefault(f"zones/{iz}", {"instances": []})["instances"].append(inst)
+            for (ip, iz, _), item in sorted(stored.items()):
+                if ip == p and _matches(item, flt):
+                    scopes.setdefault(f"zones/{iz}", {kind: []})[kind].append(item)
         except ValueError as e:
             return _http_error(400, str(e))
-        return 200, {"kind": "compute#instanceAggregatedList", "items": scopes}
+        return 200, {"kind": f"compute#{kind[:-1]}AggregatedList", "items": scopes}
 
 
 @pytest.fixture
