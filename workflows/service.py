@@ -22,7 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, FleetDowns, Replica,
                             ReplicaUpdate, ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
-    from workflows import addresses, lifecycle, routers, views
+    from workflows import addresses, idle, lifecycle, routers, views
     from workflows.admission import Refused, check_apply, check_scale
     from workflows.children import Children
     from workflows.jobs import replica_workflow_id
@@ -49,6 +49,11 @@ VALIDATE_START = "validate-start"  # each run judges its own configuration first
 JUDGED_ONCE = "judged-once"  # asked only by continued runs: they are not judged again
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 FLEET_MONITOR = "fleet-monitor"  # serving replicas are watched by their backend's fleet monitor (workflows/fleet.py)
+# Asked only by services with `idle_duration`: a scaled-down or replaced replica keeps its instance idle for the
+# group's next one (workflows/idle.py); no run recorded before it had the field.
+KEEP_IDLE = "keep-idle"
+# What a replica may leave its instance idle for: its group shrank or rolled, so a replica of it may soon need one.
+IDLE_REASONS = ("scaled_down", "replaced")
 
 
 def service_workflow_id(name: str) -> str:
@@ -286,6 +291,7 @@ class ServiceRunWorkflow:
             self._note(routers.on_view(self.state, view))
         for down in downs:
             await self._replace(down)
+        await self._release_idle()
         if self.state.failure:
             return
         lifecycle.end_backoffs(self.state, workflow.now())
@@ -383,8 +389,27 @@ class ServiceRunWorkflow:
             replica = state.find(s.replica_num, s.submission_num)
             if replica is not None:
                 replica.stop_requested, replica.reason = True, s.reason
-                work.append(self.children.stop(replica, StopRequest(reason=s.reason, router=self._leave(replica))))
+                keep = state.config.idle_duration if s.reason in IDLE_REASONS and self._keeps_idle() else 0
+                work.append(self.children.stop(replica, StopRequest(reason=s.reason, router=self._leave(replica),
+                                                                    idle_seconds=keep or 0)))
         await asyncio.gather(*work)
+
+    def _keeps_idle(self) -> bool:
+        """Whether stopped replicas may keep their instance idle (`idle_duration`; the patch asked only then)."""
+        return bool(self.state.config.idle_duration) and workflow.patched(KEEP_IDLE)
+
+    async def _release_idle(self) -> None:
+        """Tell the replicas that left instances idle what became of them: taken by the replica placed there, or
+        terminated (unplaced there, past `idle_duration`, of a removed group)."""
+        state, now = self.state, workflow.now()
+        if not state.idle and not any(r.reuse for r in state.replicas):
+            return
+        ends = idle.settled(state) + [(i, False) for i in idle.due(state, now)]
+        for instance, taken in ends:
+            if not taken:
+                self._note([lifecycle.Note("replica", f"idle instance of replica {instance.replica_num} terminated",
+                                           instance.group)])
+        await asyncio.gather(*[self.children.release(i, terminate=not taken) for i, taken in ends])
 
     async def _start(self, replica: Replica) -> None:
         self._note(await self.children.start(replica))
@@ -409,9 +434,22 @@ class ServiceRunWorkflow:
             for down in self.children.closed():
                 replica = self.state.find(down.replica_num, down.submission_num)
                 await self.children.teardown_orphan(replica, StopRequest(reason=replica.reason or down.reason))
+        await self._terminate_idle()
         await self.route.remove(self.state)
         self._note([lifecycle.Note("stop", "service stopped (failed)" if self.state.failure else "service stopped")])
         await self.publisher.publish(self.state)
+
+    async def _terminate_idle(self) -> None:
+        """A stopped service leaves no instance behind: its idle ones are terminated before the run ends."""
+        state = self.state
+        if not state.idle and not any(r.reuse for r in state.replicas):
+            return
+        taken = idle.settled(state)
+        left, state.idle = state.idle + [i for i, took in taken if not took], []
+        await asyncio.gather(*[self.children.release(i, terminate=False) for i, took in taken if took],
+                             *[self.children.terminate_idle(i) for i in left])
+        if left:
+            self._note([lifecycle.Note("stop", f"{len(left)} idle instance(s) terminated")])
 
     async def _stop_all(self, which) -> None:
         leaving = [r for r in self.state.replicas if not r.finished and not r.stop_requested and which(r)]
