@@ -53,8 +53,9 @@ GCP_CAPACITY = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WI
                 "REGION_RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT", "insufficientCapacity", "UNSUPPORTED_OPERATION",
                 "RESOURCE_NOT_READY", "resourceNotReady"}
 GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
+# conditionNotMet: a fingerprint (setLabels) no longer matches, the labels changed meanwhile: read them again.
 GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
-                 "internalError"}
+                 "internalError", "conditionNotMet"}
 
 
 # What to do about a code, said after the cloud's own message (which names no setting).
