@@ -121,9 +121,13 @@ class ServiceRunWorkflow:
 
     @workflow.query
     def owned(self) -> list[str]:
-        """The replica workflows this run owns (not finished): the reaper stops any other of this service's."""
-        return [replica_workflow_id(self.state.name, r.group, r.replica_num, r.submission_num)
-                for r in self.state.replicas if not r.finished]
+        """The replica workflows this run owns (not finished, or owning an idle instance): the reaper stops any other
+        of this service's."""
+        state = self.state
+        idle_owners = state.idle + [r.reuse for r in state.replicas if r.reuse is not None]
+        return [replica_workflow_id(state.name, r.group, r.replica_num, r.submission_num)
+                for r in state.replicas if not r.finished] + \
+            [replica_workflow_id(state.name, i.group, i.replica_num, i.submission_num) for i in idle_owners]
 
     @workflow.query
     def addresses(self, query: AddressQuery) -> AddressAnswer:
