@@ -329,12 +329,12 @@ class CloudReplicas:
         current = current.model_copy(update={"tags": {**current.tags, TAG_NAMES[idle.backend]["replica"]: mine[2]}})
         offer = next((o for o in offers if (o.instance_type, o.region, o.spot) ==
                       (current.instance_type, current.region, current.spot)), None)
-        placement = placement_of(offer, current) if offer else Placement(
+        placement = placement_of(offer, current) if offer else Placement(  # an offer the catalog lost since
             backend=current.backend, region=current.region, instance_type=current.instance_type, price=idle.price,
             spot=current.spot, instance_id=current.instance_id, ip=current.private_ip)
         log.info("%s: placed on idle %s %s", job.replica_id, current.backend, current.instance_id)
-        return placement.model_copy(update={"address": self.address(current), "price": placement.price or idle.price}), \
-            current.model_copy(update={"price": placement.price or idle.price})
+        return placement.model_copy(update={"address": self.address(current)}), \
+            current.model_copy(update={"price": placement.price})
 
     async def start(self, inp: ReplicaInput, instance: CloudInstance) -> None:
         """Start the job on the running instance, over SSH (without SSH, its user data started it at boot)."""

@@ -41,8 +41,8 @@ class Children:
         replicas' workflows were a task away from closing; a reset's or a terminated run's orphan) is no failure:
         that workflow is asked to stop, and the replica takes the next submission."""
         state, inp = self.state, self._input(replica)
-        replica.placement_key = placement_key(inp)
-        if state.idle:  # `idle_duration`: an instance a replica of its group left idle, if one fits
+        if state.config.idle_duration:  # its instance may be kept idle when it stops, and it may start on one
+            replica.placement_key = placement_key(inp)
             replica.reuse = idle.take(state, replica.group, replica.placement_key, workflow.now())
             inp.reuse = replica.reuse.instance if replica.reuse else None
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for

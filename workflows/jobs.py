@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Optional
 
@@ -104,7 +105,7 @@ PLACEMENT_FIELDS = ("resources", "backends", "regions", "zones", "instance_types
 
 
 def placement_key(inp: ReplicaInput) -> str:
-    """The replica's placement inputs, as one comparable string (stable: sorted JSON of their values)."""
+    """The replica's placement inputs, hashed (it is kept with every replica in the service's state)."""
     values = {name: getattr(inp, name) for name in PLACEMENT_FIELDS}
     values["resources"] = inp.resources.model_dump(mode="json")
-    return json.dumps(values, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

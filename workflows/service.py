@@ -26,7 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import Refused, check_apply, check_scale
     from workflows.children import Children
     from workflows.jobs import replica_workflow_id
-    from workflows.planner import Plan, prune, reconcile, sync_groups
+    from workflows.planner import Plan, Stop, prune, reconcile, sync_groups
     from workflows.names import REPLICA_CHANGED
     from workflows.route import Route
     from workflows.watchers import Watchers
@@ -393,14 +393,17 @@ class ServiceRunWorkflow:
             replica = state.find(s.replica_num, s.submission_num)
             if replica is not None:
                 replica.stop_requested, replica.reason = True, s.reason
-                keep = state.config.idle_duration if s.reason in IDLE_REASONS and self._keeps_idle() else 0
                 work.append(self.children.stop(replica, StopRequest(reason=s.reason, router=self._leave(replica),
-                                                                    idle_seconds=keep or 0)))
+                                                                    idle_seconds=self._idle_seconds(replica, s))))
         await asyncio.gather(*work)
 
-    def _keeps_idle(self) -> bool:
-        """Whether stopped replicas may keep their instance idle (`idle_duration`; the patch asked only then)."""
-        return bool(self.state.config.idle_duration) and workflow.patched(KEEP_IDLE)
+    def _idle_seconds(self, replica: Replica, stop: Stop) -> int:
+        """How long a stopping replica may keep its instance idle (`idle_duration`, the patch asked only then): a
+        scale-down or a rolling replacement of a replica started under it (the key its successors must match)."""
+        seconds = self.state.config.idle_duration or 0
+        if seconds and stop.reason in IDLE_REASONS and replica.placement_key and workflow.patched(KEEP_IDLE):
+            return seconds
+        return 0
 
     async def _release_idle(self) -> None:
         """Tell the replicas that left instances idle what became of them: taken by the replica placed there, or
