@@ -346,6 +346,9 @@ class GroupView(BaseModel):
     waiting: str = Field("", description="Why a replica of this group cannot start yet.")
     signal: str = Field("", description="What the group's scaling metric read last, per replica, and its target.")
     retry_after: Optional[datetime] = Field(None, description="Replicas of this group wait on a back-off until then.")
+    idle: list[str] = Field(default_factory=list, description=(
+        "Instances replicas of the group left idle for its next one (`idle_duration`), `<instance> until HH:MM:SS "
+        "UTC`: they bill meanwhile."))
     replicas: list[ReplicaView]
 
 

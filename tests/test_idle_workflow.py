@@ -81,11 +81,14 @@ async def test_a_scale_down_then_up_starts_the_new_replica_on_the_idle_instance(
     handle = await start(ts_env_alone, cloud, name)
     vm = await scaled_down_to_idle(handle, cloud, name)
     assert ("unregister", f"{name}/w/r1-s0") in cloud.log  # it left the gateway first, as any teardown
+    (group,) = (await handle.query(ServiceRunWorkflow.status)).groups
+    assert [i.split(" until ")[0] for i in group.idle] == [vm]  # what `ps` shows
     # Its workflow, open while it owns the idle instance, is the service's still: the reaper leaves it alone.
     assert f"service/{name}/w/r1-s0" in await handle.query(ServiceRunWorkflow.owned)
     await scale(handle, 2)
     await serving(handle, "r0-s0", "r1-s1")
     assert ("reuse", f"{name}/w/r1-s1") in cloud.log and cloud.vms[f"{name}/w/r1-s1"] == vm
+    assert (await handle.query(ServiceRunWorkflow.status)).groups[0].idle == []
     assert sum(cloud.provisions.values()) == 2  # no third VM
     assert cloud.images[vm] == 1  # its image was pulled once, by the first replica
     assert cloud.inputs[f"{name}/w/r1-s1"].reuse is not None
