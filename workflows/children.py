@@ -44,7 +44,9 @@ class Children:
         if state.config.idle_duration:  # its instance may be kept idle when it stops, and it may start on one
             replica.placement_key = placement_key(inp)
             replica.reuse = idle.take(state, replica.group, replica.placement_key, workflow.now())
-            inp.reuse = replica.reuse.instance if replica.reuse else None
+            if replica.reuse is not None:  # its backend first: the others would place it anew
+                inp.reuse = replica.reuse.instance
+                inp.launch_on.sort(key=lambda backend: backend != replica.reuse.backend)
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for
             return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
                                          f"($DURASTACK_HOME/config.yml; this deployment serves "
