@@ -160,3 +160,14 @@ async def until_closed(handle) -> None:
     async def check():
         return (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED or None
     await eventually(check)
+
+
+async def test_a_replica_cancelled_while_its_instance_is_idle_terminates_it(ts_env_alone, cloud):
+    name = "idle-cancel"
+    handle = await start(ts_env_alone, cloud, name)
+    await scaled_down_to_idle(handle, cloud, name)
+    old = ts_env_alone.client.get_workflow_handle(f"service/{name}/w/r1-s0")
+    await old.cancel()  # from the Web UI, say
+    await until(lambda: cloud.instances[f"{name}/w/r1-s0"] == "terminated")
+    await handle.signal(ServiceRunWorkflow.stop)
+    assert await handle.result() == "stopped"

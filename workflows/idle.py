@@ -65,6 +65,17 @@ def due(state: ServiceState, now: datetime) -> list[IdleInstance]:
     return out
 
 
+def owners(state: ServiceState) -> list[IdleInstance]:
+    """Every idle instance whose replica's workflow still owns it: in the pool, or given to a replica not yet
+    placed on it."""
+    return state.idle + [r.reuse for r in state.replicas if r.reuse is not None]
+
+
+def pending(state: ServiceState) -> bool:
+    """Whether the service has an idle instance to look after."""
+    return bool(owners(state))
+
+
 def next_due(state: ServiceState) -> Optional[datetime]:
     """When the next idle instance is due; None without any."""
     return min((i.until for i in state.idle), default=None)

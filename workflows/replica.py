@@ -289,8 +289,13 @@ class ReplicaWorkflow:
                                           timeout_summary="idle until released")
         except asyncio.TimeoutError:
             pass
-        if self.released is not None and not self.released.terminate:
-            return
+        except asyncio.CancelledError:  # cancelled from the Web UI: its instance goes with it
+            await self._terminate_idle(inp)
+            raise
+        if self.released is None or self.released.terminate:
+            await self._terminate_idle(inp)
+
+    async def _terminate_idle(self, inp: TeardownInput) -> None:
         await self._teardown_on(inp.backend, inp.model_copy(update={"keep": False, "idle": True, "drain_seconds": 0,
                                                                     "router": None}), None)
 

@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.jobs import replica_workflow_id
     from workflows.planner import Plan, Stop, prune, reconcile, sync_groups
     from workflows.names import REPLICA_CHANGED
+    from workflows.replica import KEEP_IDLE  # asked only by services with `idle_duration` (workflows/idle.py)
     from workflows.route import Route
     from workflows.watchers import Watchers
 
@@ -49,9 +50,6 @@ VALIDATE_START = "validate-start"  # each run judges its own configuration first
 JUDGED_ONCE = "judged-once"  # asked only by continued runs: they are not judged again
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 FLEET_MONITOR = "fleet-monitor"  # serving replicas are watched by their backend's fleet monitor (workflows/fleet.py)
-# Asked only by services with `idle_duration`: a scaled-down or replaced replica keeps its instance idle for the
-# group's next one (workflows/idle.py); no run recorded before it had the field.
-KEEP_IDLE = "keep-idle"
 # What a replica may leave its instance idle for: its group shrank or rolled, so a replica of it may soon need one.
 IDLE_REASONS = ("scaled_down", "replaced")
 
@@ -124,10 +122,9 @@ class ServiceRunWorkflow:
         """The replica workflows this run owns (not finished, or owning an idle instance): the reaper stops any other
         of this service's."""
         state = self.state
-        idle_owners = state.idle + [r.reuse for r in state.replicas if r.reuse is not None]
         return [replica_workflow_id(state.name, r.group, r.replica_num, r.submission_num)
                 for r in state.replicas if not r.finished] + \
-            [replica_workflow_id(state.name, i.group, i.replica_num, i.submission_num) for i in idle_owners]
+            [replica_workflow_id(state.name, i.group, i.replica_num, i.submission_num) for i in idle.owners(state)]
 
     @workflow.query
     def addresses(self, query: AddressQuery) -> AddressAnswer:
@@ -409,7 +406,7 @@ class ServiceRunWorkflow:
         """Tell the replicas that left instances idle what became of them: taken by the replica placed there, or
         terminated (unplaced there, past `idle_duration`, of a removed group)."""
         state, now = self.state, workflow.now()
-        if not state.idle and not any(r.reuse for r in state.replicas):
+        if not idle.pending(state):
             return
         ends = idle.settled(state) + [(i, False) for i in idle.due(state, now)]
         for instance, taken in ends:
@@ -449,7 +446,7 @@ class ServiceRunWorkflow:
     async def _terminate_idle(self) -> None:
         """A stopped service leaves no instance behind: its idle ones are terminated before the run ends."""
         state = self.state
-        if not state.idle and not any(r.reuse for r in state.replicas):
+        if not idle.pending(state):
             return
         taken = idle.settled(state)
         left, state.idle = state.idle + [i for i, took in taken if not took], []
