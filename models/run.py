@@ -94,12 +94,12 @@ class IdleInstance(BaseModel):
     """An instance a replica of the service left idle (`idle_duration`): the group's next replica with the same
     placement inputs starts on it. The replica's workflow stays open until it is taken or released."""
 
-    group: str
+    group: str = Field(description="The group of the replica that left it: only that group's replicas take it.")
     replica_num: int = Field(description="The replica that left it (its workflow owns it until it is released).")
-    submission_num: int
+    submission_num: int = Field(description="That replica's submission.")
     backend: str = Field(description="Where it runs (its task queue's backend).")
     instance_id: str = Field(description="Its Placement.instance_id: a replica placed there took it.")
-    instance: "Instance"
+    instance: "Instance" = Field(description="The instance, as the replica that left it knew it.")
     placement_key: str = Field("", description="Its replica's workflows.jobs.placement_key; '' matches none.")
     until: datetime = Field(description="Terminated then, unless a replica took it.")
 
