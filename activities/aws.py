@@ -471,6 +471,15 @@ class AWSBackend:
             return None
         return self._instance(raws[0], instance.region, price=instance.price)
 
+    def retag(self, instance: CloudInstance, job: JobSpec) -> None:
+        """Tag a running instance for another submission of its service's group (an idle instance reused): from
+        now on its replica owns it, and a retried launch adopts it by these tags."""
+        label = replica_label(job.replica_num, job.submission_num)
+        with _errors(f"CreateTags on {instance.instance_id}"):
+            self._client(instance.region).create_tags(Resources=[instance.instance_id], Tags=[
+                {"Key": TAGS["replica"], "Value": label},
+                {"Key": "Name", "Value": f"durastack-{job.service}-{job.group}-{label}"}])
+
     def terminate(self, instance: CloudInstance) -> None:
         """Terminate; an instance that is already gone is success."""
         try:

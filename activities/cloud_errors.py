@@ -59,8 +59,9 @@ GCP_QUOTA = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded_QUOTA"}
 # reservation it targets is gone, not READY, full or holds other VMs: that offer cannot be placed in that zone now.
 GCP_RESERVATION = ("Specified reservation", "No available resources in specified reservations",
                    "requires reservation to be in READY state")
+# conditionNotMet: a fingerprint (setLabels) no longer matches, the labels changed meanwhile: read them again.
 GCP_TRANSIENT = {"RESOURCE_OPERATION_RATE_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded", "backendError",
-                 "internalError"}
+                 "internalError", "conditionNotMet"}
 
 
 # What to do about a code, said after the cloud's own message (which names no setting).

@@ -444,6 +444,22 @@ class GCPBackend:
         found = self._get(instance.zone, instance.instance_id)
         return found.model_copy(update={"price": instance.price}) if found else None
 
+    def retag(self, instance: CloudInstance, job: JobSpec) -> None:
+        """Label a running instance for another submission of its service's group (an idle instance reused), as
+        AWSBackend.retag. setLabels replaces every label and takes the fingerprint of the ones it replaces: a
+        change meanwhile fails it (conditionNotMet), and the retried launch reads them again."""
+        instances, _ = self._clients()
+        with _errors(f"get {instance.instance_id}"):
+            raw = instances.get(project=self.project, zone=instance.zone, instance=instance.instance_id,
+                                retry=_READ_RETRY)
+        labels = dict(raw.labels) | {LABELS["replica"]: replica_label(job.replica_num, job.submission_num)}
+        with _errors(f"setLabels on {instance.instance_id}"):
+            op = instances.set_labels_unary(
+                project=self.project, zone=instance.zone, instance=instance.instance_id,
+                instances_set_labels_request_resource=compute_v1.InstancesSetLabelsRequest(
+                    labels=labels, label_fingerprint=raw.label_fingerprint))
+        self._wait(instance.zone, op, f"setLabels on {instance.instance_id}")
+
     def terminate(self, instance: CloudInstance) -> None:
         """Delete and wait for it; an instance that is already gone is success."""
         instances, _ = self._clients()

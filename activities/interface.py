@@ -91,9 +91,11 @@ async def await_ready(inp: LaunchStep) -> None:
 
 
 @activity.defn
-async def teardown_replica(inp: TeardownInput) -> None:
+async def teardown_replica(inp: TeardownInput) -> bool:
     """Unregister and drain, terminate the instance (or whatever a launch made for this job), then report
-    ``inp.final`` to the service. Idempotent: retried until it succeeds."""
+    ``inp.final`` to the service. Idempotent: retried until it succeeds. With ``keep``, keeps the instance idle
+    instead if its backend can (True: kept, reported with the end); with ``idle``, only terminates the instance
+    kept idle, unless another replica took it."""
     raise NotImplementedError
 
 

@@ -90,6 +90,8 @@ class Backend(Protocol):
     async def down(self, instances: list) -> list[Optional[str]]: ...
     async def last_output(self, instance, lines: int) -> str: ...  # '' when it cannot be read
     async def stop(self, job: JobSpec, backend: str, instance) -> None: ...
+    # An instance kept idle (`idle_duration`, cloud only) is terminated unless another replica took it.
+    async def stop_idle(self, job: JobSpec, backend: str, instance) -> None: ...
 
 
 class LocalReplicas:
@@ -206,6 +208,9 @@ class LocalReplicas:
         instance = instance or self.local.find(job)
         if instance is not None:
             await self._blocking(self.local.stop, instance)
+
+    async def stop_idle(self, job: JobSpec, backend: str, instance: Optional[LocalInstance]) -> None:
+        await self.stop(job, backend, instance)  # never kept idle (no ``keep_idle``): stopped as any
 
 
 class ReplicaActivities:
@@ -346,10 +351,13 @@ class ReplicaActivities:
 
     @implements(interface.teardown_replica)
     @keeps_alive
-    async def teardown(self, inp: TeardownInput) -> None:
+    async def teardown(self, inp: TeardownInput) -> bool:
         job = inp.job
-        await report(inp.service_workflow_id, job, TERMINATING, "terminating", reason=inp.reason)
         backend = self._backend(inp.backend)
+        if inp.idle:  # an instance the replica kept idle: it left the gateway and reported its end long ago
+            await backend.stop_idle(job, inp.backend, inp.instance)
+            return False
+        await report(inp.service_workflow_id, job, TERMINATING, "terminating", reason=inp.reason)
         if inp.router is not None and inp.instance is not None:  # behind a synced router: out of it, then drain
             await self.router.leave(inp.backend, inp.router, inp.drain_seconds, inp.instance)
         if hasattr(backend, "unroute"):  # a tunnel coming back during the drain must not route it again
@@ -361,8 +369,13 @@ class ReplicaActivities:
         deadline = time.monotonic() + inp.drain_seconds
         while time.monotonic() < deadline and not await self.gateway.drained():
             await asyncio.sleep(DRAIN_POLL_SECONDS)
+        if inp.keep and hasattr(backend, "keep_idle") and await backend.keep_idle(job, inp.instance):
+            await report(inp.service_workflow_id, job, FINISHED, inp.final, reason=inp.reason, instance=inp.instance,
+                         idle=True)
+            return True
         await backend.stop(job, inp.backend, inp.instance)
         await report(inp.service_workflow_id, job, FINISHED, inp.final, reason=inp.reason)
+        return False
 
     # --- monitor ------------------------------------------------------------------------------------
 

@@ -41,9 +41,9 @@ from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.report import record_event
 from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
-    booted_driver, container_state, logs_command, replace_host_key, run, ssh_target, start_job, tunnel_socket, \
-    wait_booted
-from models.backends import TAG_NAMES, BackendsConfig, CloudInstance
+    booted_driver, clear_job, container_state, logs_command, replace_host_key, run, ssh_target, start_job, \
+    tunnel_socket, wait_booted
+from models.backends import TAG_NAMES, BackendsConfig, CloudInstance, owner
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
@@ -299,6 +299,10 @@ class CloudReplicas:
             provisioning_failed(backend, "no_offers")
             raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
                 describe_mismatch(pool, inp.resources, **filters) or inp.resources.summary()]))
+        if isinstance(inp.reuse, CloudInstance) and inp.reuse.backend == backend:
+            reused = await self._reuse(inp, inp.reuse, offers)
+            if reused is not None:
+                return reused
         try:
             offer, instance = await asyncio.to_thread(
                 provision_cloud, inp.job, inp.resources, offers, backends={backend: self.backends[backend]},
@@ -324,6 +328,35 @@ class CloudReplicas:
             return await asyncio.to_thread(reservation_in, self.backends[backend], inp.reservation, inp.regions)
         except CloudError as e:
             raise activity_error(e) from e
+
+    async def _reuse(self, inp: ReplicaInput, idle: CloudInstance, offers: list[InstanceOffer]
+                     ) -> Optional[tuple[Placement, CloudInstance]]:
+        """Place the replica on the idle instance its service gave it: tagged for it, no boot to wait for (its sshd
+        already serves the host key made after boot). None when it is gone, no longer runs, or is not its group's
+        (never another service's): the offer walk follows."""
+        job = inp.job
+        try:
+            current = await asyncio.to_thread(self._backend(idle).get, idle)
+            mine = owner(idle.backend, job.service, job.group, job.replica_num, job.submission_num)
+            ours = current is not None and current.owner[:2] == mine[:2] and \
+                current.owner[2] in (idle.owner[2], mine[2])  # a retried attempt finds it retagged already
+            if current is None or current.state != "running" or not ours:
+                log.info("%s: idle instance %s is %s: placing anew", job.replica_id, idle.instance_id,
+                         "gone" if current is None else current.state if ours else "not this group's")
+                return None
+            progress(f"{idle.instance_id}: reused (idle)")
+            await asyncio.to_thread(self._backend(idle).retag, current, job)
+        except CloudError as e:
+            raise activity_error(e) from e
+        current = current.model_copy(update={"tags": {**current.tags, TAG_NAMES[idle.backend]["replica"]: mine[2]}})
+        offer = next((o for o in offers if (o.instance_type, o.region, o.spot) ==
+                      (current.instance_type, current.region, current.spot)), None)
+        placement = placement_of(offer, current) if offer else Placement(  # an offer the catalog lost since
+            backend=current.backend, region=current.region, instance_type=current.instance_type, price=idle.price,
+            spot=current.spot, instance_id=current.instance_id, ip=current.private_ip)
+        log.info("%s: placed on idle %s %s", job.replica_id, current.backend, current.instance_id)
+        return placement.model_copy(update={"address": self.address(current)}), \
+            current.model_copy(update={"price": placement.price})
 
     async def start(self, inp: ReplicaInput, instance: CloudInstance) -> None:
         """Start the job on the running instance, over SSH (without SSH, its user data started it at boot)."""
@@ -483,7 +516,43 @@ class CloudReplicas:
             return instance
         return current or instance.model_copy(update={"state": "terminated"})
 
-    # --- terminate ---------------------------------------------------------------------------------
+    # --- keep idle, terminate -------------------------------------------------------------------------
+
+    async def keep_idle(self, job: JobSpec, instance: Optional[CloudInstance]) -> bool:
+        """Leave the instance running without the replica (`idle_duration`): its tunnel closed, its container and
+        job files removed over SSH, its image and volumes kept. False when that cannot be done (no SSH path, the
+        instance unreachable or gone): the caller terminates it as usual."""
+        if self.ssh is None or instance is None:
+            return False
+        await self._close_tunnel(instance.instance_id)
+        self._cloud_checked.pop(instance.instance_id, None)
+        try:
+            conn = await self.ssh.connect(self._target(instance))
+        except (NotReady, OSError, asyncssh.Error) as e:
+            log.info("%s: %s not kept idle: %s", job.replica_id, instance.instance_id, e)
+            return False
+        try:
+            await clear_job(conn)
+        except (RuntimeError, OSError, asyncio.TimeoutError, asyncssh.Error) as e:
+            log.info("%s: %s not kept idle: %s", job.replica_id, instance.instance_id, e)
+            return False
+        finally:
+            conn.close()
+        log.info("%s: %s kept idle", job.replica_id, instance.instance_id)
+        return True
+
+    async def stop_idle(self, job: JobSpec, backend: str, instance: CloudInstance) -> None:
+        """Terminate an instance the replica kept idle, unless its tags name another replica now (one took it)."""
+        try:
+            current = await asyncio.to_thread(self._backend(instance).get, instance)
+        except CloudError as e:
+            raise activity_error(e, teardown=True) from e
+        if current is not None and current.owner != owner(backend, job.service, job.group, job.replica_num,
+                                                          job.submission_num):
+            log.info("%s: idle %s runs %s now: left to it", job.replica_id, instance.instance_id, current.owner[2])
+            return
+        await self.stop(job, backend, instance)
+
 
     async def stop(self, job: JobSpec, backend: str, instance: Optional[CloudInstance]) -> None:
         """Terminate the replica's instance; without a record (a launch died before it returned), every instance

@@ -37,7 +37,7 @@ PROVISIONING, PROVISIONED, SERVING, TERMINATING, FINISHED = (Step.PROVISIONING, 
 
 async def report(service_workflow_id: str, job: JobSpec, seq: int, status: ReplicaStatus, **fields) -> None:
     """Signal ``status`` to the service run ``service_workflow_id``, from inside an activity; ``fields``: those of
-    ``ReplicaUpdate`` (ready, registered, placement, instance, reason, refs)."""
+    ``ReplicaUpdate`` (ready, registered, placement, instance, reason, refs, idle)."""
     try:
         await send_report(activity.client(), service_workflow_id, replica_update(job, seq, status, **fields))
     except Exception as e:  # noqa: BLE001 — see the module doc: a report never fails its activity
@@ -47,10 +47,10 @@ async def report(service_workflow_id: str, job: JobSpec, seq: int, status: Repli
 
 def replica_update(job: JobSpec, seq: int, status: ReplicaStatus, *, ready: bool = False, registered: bool = False,
                    placement: Placement | None = None, instance: Instance | None = None, reason: str = "",
-                   refs: dict[str, str] | None = None) -> ReplicaUpdate:
+                   refs: dict[str, str] | None = None, idle: bool = False) -> ReplicaUpdate:
     return ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=status,
                          ready=ready, registered=registered, placement=placement, instance=instance,
-                         reason=reason, seq=seq, refs=refs or {})
+                         reason=reason, seq=seq, refs=refs or {}, idle=idle)
 
 
 async def send_report(client, service_workflow_id: str, update: ReplicaUpdate) -> None:

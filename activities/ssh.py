@@ -211,6 +211,15 @@ async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bo
     return True
 
 
+async def clear_job(conn: asyncssh.SSHClientConnection) -> None:
+    """Remove the replica's container and job files (its env), keeping the images and the volumes: the instance
+    is left idle for the next replica of its group (`idle_duration`)."""
+    status, _, err = await run(conn, f"docker rm -f {CONTAINER_NAME} >/dev/null 2>&1; rm -rf {REMOTE_DIR}/job",
+                               timeout=120.0)
+    if status != 0:
+        raise RuntimeError(f"clearing the job failed ({status}): {err.strip()[:300]}")
+
+
 # `docker pull`'s lines without a terminal: "<layer id>: <state>" per layer, e.g. "Pulling fs layer", "Downloading",
 # "Pull complete", "Already exists".
 LAYER_LINE = re.compile(r"^([0-9a-f]{12}): (.+)$")

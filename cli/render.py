@@ -83,6 +83,9 @@ def ps_table(statuses: list[ServiceStatus], verbose: bool = False) -> Table:
             if verbose and group.signal:
                 table.add_row(Text(f"   {label} scales on {group.signal}", style="cyan"),
                               *[""] * (len(table.columns) - 1))
+            if group.idle:
+                table.add_row(Text(f"   {label} keeps idle for its next replica: {', '.join(group.idle)}",
+                                   style="cyan"), *[""] * (len(table.columns) - 1))
             if group.retry_after is not None:
                 wait = f"   {label} waits on a back-off until {group.retry_after:%H:%M:%S} UTC (after failures in a row)"
                 table.add_row(Text(wait, style="yellow"), *[""] * (len(table.columns) - 1))
@@ -125,7 +128,7 @@ def status_json(status: ServiceStatus, url: str) -> dict:
         "place": status.place or None,
         "router": status.router.model_dump(mode="json")["routers"] if status.router else None,
         "groups": [{"name": g.name, "desired": g.desired, "min": g.min, "max": g.max, "role": g.role,
-                    "waiting": g.waiting,
+                    "waiting": g.waiting, "idle": g.idle,
                     "retry_after": g.retry_after.isoformat() if g.retry_after else None,
                     "replicas": [{"replica": r.replica, "submission": r.submission, "deployment": r.deployment,
                                   "status": r.status, "ready": r.ready, "backend": r.backend, "region": r.region,

@@ -63,6 +63,12 @@ class Replica(BaseModel):
     synced: Optional[bool] = Field(None, description=(
         "A worker behind a router whose worker list durastack keeps (`router: {type: sglang}`): False until a "
         "router lists it healthy, then True; it serves only then. None: not behind such a router."))
+    placement_key: str = Field("", description=(
+        "What its instance was chosen by (workflows.jobs.placement_key): an instance it leaves idle is reused only "
+        "by a replica of its group with the same key (`idle_duration`)."))
+    reuse: Optional["IdleInstance"] = Field(None, description=(
+        "The idle instance it was given to start on; cleared once its launch placed it (there or elsewhere) and the "
+        "replica that left the instance was told."))
 
     @property
     def serves(self) -> bool:
@@ -82,6 +88,20 @@ class Replica(BaseModel):
     @property
     def key(self) -> tuple[int, int]:
         return self.replica_num, self.submission_num
+
+
+class IdleInstance(BaseModel):
+    """An instance a replica of the service left idle (`idle_duration`): the group's next replica with the same
+    placement inputs starts on it. The replica's workflow stays open until it is taken or released."""
+
+    group: str = Field(description="The group of the replica that left it: only that group's replicas take it.")
+    replica_num: int = Field(description="The replica that left it (its workflow owns it until it is released).")
+    submission_num: int = Field(description="That replica's submission.")
+    backend: str = Field(description="Where it runs (its task queue's backend).")
+    instance_id: str = Field(description="Its Placement.instance_id: a replica placed there took it.")
+    instance: "Instance" = Field(description="The instance, as the replica that left it knew it.")
+    placement_key: str = Field("", description="Its replica's workflows.jobs.placement_key; '' matches none.")
+    until: datetime = Field(description="Terminated then, unless a replica took it.")
 
 
 class GroupState(BaseModel):
@@ -154,6 +174,8 @@ class ServiceState(BaseModel):
     one_place: bool = Field(False, description="Its replicas reach each other (a router, address references): all "
                                                "of them go where the first one was placed (patch one-place).")
     place: str = Field("", description="`backend/region` every replica goes to once `one_place` placed the first.")
+    idle: list[IdleInstance] = Field(default_factory=list, description=(
+        "Instances left idle by replicas that were scaled down or replaced (`idle_duration`), oldest first."))
     places: list[str] = Field(default_factory=list, description=(
         "`backend/region` places that hold every group, cheapest first, as `apply` planned them: the first replica "
         "of a `one_place` service is placed in one of them (none: anywhere)."))
@@ -214,6 +236,7 @@ class ReplicaUpdate(BaseModel):
                                                              "service must do itself).")
     refs: dict[str, str] = Field(default_factory=dict, description=(
         "The late references its launch resolved once it was placed (workflows.addresses.late), key → value."))
+    idle: bool = Field(False, description="With its end: its instance was kept idle, not terminated (`instance`).")
 
 
 class ReplicaInput(BaseModel):
@@ -248,6 +271,9 @@ class ReplicaInput(BaseModel):
         "job's commands as expressions until then."))
     late_env: dict[str, str] = Field(default_factory=dict, description="Env variables set to a late reference's "
                                                                        "value (name → reference).")
+    reuse: Optional["Instance"] = Field(None, description=(
+        "An instance a replica of the same group and service left idle, with the same placement inputs: placed "
+        "on it when it still runs, else on a new one as usual (`idle_duration`)."))
 
 
 class AddressQuery(BaseModel):
@@ -322,6 +348,9 @@ class GroupView(BaseModel):
     waiting: str = Field("", description="Why a replica of this group cannot start yet.")
     signal: str = Field("", description="What the group's scaling metric read last, per replica, and its target.")
     retry_after: Optional[datetime] = Field(None, description="Replicas of this group wait on a back-off until then.")
+    idle: list[str] = Field(default_factory=list, description=(
+        "Instances replicas of the group left idle for its next one (`idle_duration`), `<instance> until HH:MM:SS "
+        "UTC`: they bill meanwhile."))
     replicas: list[ReplicaView]
 
 
@@ -550,6 +579,12 @@ class TeardownInput(BaseModel):
     final: Literal["terminated", "failed"] = "terminated"
     router: Optional["RouterLeave"] = Field(None, description="A worker behind a synced router: leave it first, then "
                                                                "wait for its in-flight requests.")
+    keep: bool = Field(False, description=(
+        "Keep the instance idle instead of terminating it, if its backend can (a cloud VM reached over SSH): its "
+        "container and job files removed, its tunnel closed. The teardown returns whether it kept it."))
+    idle: bool = Field(False, description=(
+        "The instance was kept idle: terminate it only while its tags still name this replica (another replica "
+        "may have taken it)."))
 
 
 class Watched(BaseModel):
@@ -611,7 +646,7 @@ class FleetDowns(BaseModel):
     downs: list[Down]
 
 
-for _model in (Replica, ReplicaUpdate, Launched, TeardownInput, Watched, EngineWatch):
+for _model in (Replica, IdleInstance, ReplicaUpdate, ReplicaInput, Launched, TeardownInput, Watched, EngineWatch):
     _model.model_rebuild()
 
 
@@ -623,6 +658,17 @@ class StopRequest(BaseModel):
     reason: str = "stopped"
     failed: bool = False
     router: Optional["RouterLeave"] = Field(None, description="A worker behind a synced router: leave it first.")
+    idle_seconds: int = Field(0, description=(
+        "Keep its instance idle up to this long for the group's next replica (`idle_duration`, asked only of a "
+        "scale-down or a rolling replacement); 0: terminate it."))
+
+
+class Release(BaseModel):
+    """The service tells a replica whose instance is idle that its idle time is over: ``terminate`` it (its time is
+    up, or the replica that took it did not place on it), or leave it as it is (another replica runs on it, or the
+    service terminated it itself)."""
+
+    terminate: bool = True
 
 
 class SignalInput(BaseModel):

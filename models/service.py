@@ -454,6 +454,14 @@ class ServiceConfiguration(Model):
         "Stop the service this long after it was submitted (e.g. 8h; an apply that changes it counts from the "
         "same submission); the run ends as stopped. `off` (the default): runs until stopped."))
     stop_duration: Duration = Field(300, description="How long a stopping replica may drain in-flight requests.")
+    idle_duration: Annotated[Optional[Duration], BeforeValidator(duration_or_off)] = Field(None, description=(
+        "Keep a cloud replica's instance idle this long after the replica was scaled down or replaced in a rolling "
+        "deployment, and start the group's next replica on it when its resources, backends, regions, zones, "
+        "instance types, spot policy and max price are the same: no new VM, its image already pulled, its instance "
+        "volumes kept (never across services). An idle instance bills as a running one. Never for a replica that "
+        "failed or whose instance died; a stopped service terminates its idle instances. `off` or `0`: no reuse. "
+        "Unset (the default): terminated at once, as before it existed (dstack's default is 5m: its fleets keep "
+        "instances, durastack keeps none unless asked, so that nothing bills after a scale-down)."))
     startup_timeout: StartupTimeout = Field(DEFAULT_STARTUP_TIMEOUT, description=(
         "How long a replica may take to become ready once its commands run (loading a large model's weights "
         "included), e.g. 90m; past it the replica fails, saying what its probes saw. Its instance's boot and "

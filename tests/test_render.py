@@ -32,6 +32,14 @@ def test_a_group_waiting_on_a_back_off_says_until_when():
     assert status_json(status(waiting), "u")["groups"][0]["retry_after"] == "2026-12-01T01:40:05+00:00"
 
 
+def test_a_group_with_idle_instances_says_which_until_when():
+    s = status()
+    assert "keeps idle" not in rendered(s)
+    s.groups[0].idle = ["i-0abc until 01:40:05 UTC"]
+    assert "group=web keeps idle for its next replica: i-0abc until 01:40:05 UTC" in rendered(s)
+    assert status_json(s, "u")["groups"][0]["idle"] == ["i-0abc until 01:40:05 UTC"]
+
+
 def test_a_router_service_says_which_group_routes_and_what_a_worker_waits_for():
     s = status()
     s.groups = [s.groups[0].model_copy(update={"name": "router", "role": "router"}),

@@ -23,9 +23,11 @@ from workflows.jobs import COORDINATES, replica_input
 # `secrets` only changes which values are encrypted in history: what replicas run stays the same.
 # The gateway route's settings are put again on the route by the service's loop (lifecycle.route).
 # `retry` and `max_duration` are the service's own decisions: the next failure, the next pass use the new ones.
+# `idle_duration` is read by the next replica that stops.
 # `registry_auth` is read by the next pull (a rotated token must not restart replicas that pulled already).
 IN_PLACE = {"replicas", "groups", "scaling", "stop_duration", "startup_timeout", "cold_start_timeout", "secrets",
-            "rate_limits", "strip_prefix", "pass_authorization", "retry", "max_duration", "registry_auth"}
+            "rate_limits", "strip_prefix", "pass_authorization", "retry", "max_duration", "registry_auth",
+            "idle_duration"}
 # Applied by replacing the replicas whose job changes, one at a time per group.
 ROLLING = {"port", "probes", "resources", "docker", "image", "privileged", "python", "nvcc", "env",
            "commands", "entrypoint", "working_dir", "user", "shell"}

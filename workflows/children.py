@@ -12,9 +12,10 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.failures import NO_OFFERS
-    from models.run import Down, Replica, ReplicaInput, ReplicaUpdate, ServiceState, Step, StopRequest, TeardownInput
-    from workflows import lifecycle
-    from workflows.jobs import job_spec, replica_input, replica_workflow_id
+    from models.run import (Down, IdleInstance, Release, Replica, ReplicaInput, ReplicaUpdate, ServiceState, Step,
+                            StopRequest, TeardownInput)
+    from workflows import idle, lifecycle
+    from workflows.jobs import job_spec, placement_key, replica_input, replica_workflow_id
     from workflows.names import backend_queue
     from workflows.replica import ReplicaWorkflow
 
@@ -40,6 +41,12 @@ class Children:
         replicas' workflows were a task away from closing; a reset's or a terminated run's orphan) is no failure:
         that workflow is asked to stop, and the replica takes the next submission."""
         state, inp = self.state, self._input(replica)
+        if state.config.idle_duration:  # its instance may be kept idle when it stops, and it may start on one
+            replica.placement_key = placement_key(inp)
+            replica.reuse = idle.take(state, replica.group, replica.placement_key, workflow.now())
+            if replica.reuse is not None:  # its backend first: the others would place it anew
+                inp.reuse = replica.reuse.instance
+                inp.launch_on.sort(key=lambda backend: backend != replica.reuse.backend)
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for
             return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
                                          f"($DURASTACK_HOME/config.yml; this deployment serves "
@@ -57,7 +64,7 @@ class Children:
                     return self._failed(replica, f"could not start: {e}")
                 await self._supersede(self._id(replica))
                 replica.submission_num += 1
-                inp = self._input(replica)
+                inp = self._input(replica).model_copy(update={"reuse": inp.reuse})
             except Exception as e:  # noqa: BLE001 — the child could not start
                 return self._failed(replica, f"could not start: {e}")
         return self._failed(replica, f"could not start: {TAKEN_IDS} workflow ids in a row are taken, up to "
@@ -150,6 +157,32 @@ class Children:
             task_queue=backend_queue(workflow.info().task_queue, backend),
             start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=self.heartbeat_seconds),
             retry_policy=TEARDOWN_RETRY, summary="tear down an orphan") for backend in backends])
+
+    async def release(self, instance: IdleInstance, terminate: bool) -> None:
+        """Tell the replica that left ``instance`` idle that its idle time is over (see ``Release``)."""
+        wid = replica_workflow_id(self.state.name, instance.group, instance.replica_num, instance.submission_num)
+        try:
+            await workflow.get_external_workflow_handle(wid).signal(ReplicaWorkflow.release, Release(
+                terminate=terminate))
+        except Exception as e:  # noqa: BLE001 — it closed meanwhile (its own time ran out): it terminated it
+            workflow.logger.info("release of %s not delivered: %s", wid, e)
+
+    async def terminate_idle(self, instance: IdleInstance) -> None:
+        """Terminate an idle instance from the service itself (its stop: none may outlive the run), unless its tags
+        name another replica by now; then tell the replica that left it that it is over."""
+        state = self.state
+        if state.config.group(instance.group) is None:  # its group was removed: only its replica knows its job
+            await self.release(instance, terminate=True)
+            return
+        job = job_spec(state.config, state.name, instance.group, instance.replica_num, instance.submission_num)
+        await workflow.execute_activity(
+            interface.teardown_replica,
+            TeardownInput(service_workflow_id=workflow.info().workflow_id, job=job, backend=instance.backend,
+                          instance=instance.instance, reason="stopped", idle=True),
+            task_queue=backend_queue(workflow.info().task_queue, instance.backend),
+            start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=self.heartbeat_seconds),
+            retry_policy=TEARDOWN_RETRY, summary="terminate an idle instance")
+        await self.release(instance, terminate=False)
 
     def _id(self, replica: Replica) -> str:
         return replica_workflow_id(self.state.name, replica.group, replica.replica_num, replica.submission_num)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Optional
 
 from models.replica import JobSpec
@@ -96,3 +98,17 @@ def router_probes(group: ReplicaGroup) -> list[ProbeSpec]:
     if group.router is None or group.router.type != "sglang":
         return []
     return [ProbeSpec(type="http", url="/readiness", interval=5)]
+
+
+# What a replica's instance is chosen by (activities place on them): an idle instance is reused only by a replica
+# whose inputs are these same values (`idle_duration`).
+PLACEMENT_FIELDS = ("resources", "backends", "regions", "zones", "instance_types", "spot_policy", "max_price")
+
+
+def placement_key(inp: ReplicaInput) -> str:
+    """The replica's placement inputs, hashed (it is kept with every replica in the service's state)."""
+    values = {name: getattr(inp, name) for name in PLACEMENT_FIELDS}
+    values["resources"] = inp.resources.model_dump(mode="json")
+    if inp.reservation:  # an instance outside the group's (new) reservation is not its to take; unset: keys as before
+        values["reservation"] = inp.reservation
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

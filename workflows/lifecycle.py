@@ -17,7 +17,7 @@ from models.gateway import RouteRateLimit
 from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
                         RouteInput, ServiceState)
 from models.service import SUMMED_METRICS, ServiceConfiguration
-from workflows import addresses
+from workflows import addresses, idle
 from workflows.autoscaler import decide, engine_total, next_check
 from workflows.changes import classify, spec_hash
 from workflows.planner import Plan, count_failure, sync_groups
@@ -123,7 +123,8 @@ def on_replica_update(state: ServiceState, update: ReplicaUpdate, now: datetime)
         notes += _failed(state, group, replica, update.reason or "failed", now, served)
     if replica.finished:
         replica.finished_at = now
-        notes.append(Note("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}",
+        kept = f"; {idle.keep(state, replica, update.instance, now)}" if update.idle and update.instance else ""
+        notes.append(Note("replica", f"replica {replica.replica_num} {replica.status}: {replica.reason}{kept}",
                           replica.group))
     return notes
 
@@ -334,6 +335,8 @@ def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
     """When a back-off, a scaling decision held by its delay or the service's `max_duration` ends, whichever is
     first; None if none."""
     dues = [g.retry_after for g in state.groups.values() if g.retry_after is not None]
+    if (due := idle.next_due(state)) is not None:
+        dues.append(due)
     if (due := deadline(state)) is not None:
         dues.append(due)
     for spec in state.config.replica_groups:

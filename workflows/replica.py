@@ -29,7 +29,7 @@ with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS, NOT_READY_YET, not_ready_within
     from models.run import (READY_ATTEMPT_SECONDS, Instance, Launched, LaunchInput, LaunchStep, NoCapacity, Placement,
-                            ReplicaInput, ReplicaStatus, ReplicaUpdate, Step, StopRequest, TeardownInput)
+                            Release, ReplicaInput, ReplicaStatus, ReplicaUpdate, Step, StopRequest, TeardownInput)
     from workflows.names import REPLICA_CHANGED, backend_queue
 
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
@@ -41,6 +41,12 @@ DURABLE_SERVING = "durable-serving"
 # A launch no worker ever took made nothing: its backend is not torn down (no worker would take that either, and the
 # replica's end waited for it for ever). Runs recorded before it scheduled that teardown.
 UNTAKEN_MADE_NOTHING = "untaken-made-nothing"
+# Asked only by a replica asked to keep its instance idle (`idle_duration`): its teardown keeps it, and the workflow
+# stays open, owning it, until the service releases it. No run recorded before it was ever asked to.
+KEEP_IDLE = "keep-idle"
+# A kept instance whose service never releases it (the service is gone) is terminated this long after its idle
+# time, unless another replica runs on it by then.
+IDLE_GRACE = timedelta(minutes=10)
 SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
@@ -114,6 +120,8 @@ class ReplicaWorkflow:
         self.stop_request: Optional[StopRequest] = None
         self.launched: Optional[Launched] = None
         self.tried: list[str] = []  # backends a launch ran on: each may hold something to tear down
+        self.released: Optional[Release] = None  # its idle instance's end, from the service
+        self.stopped_again = False  # a stop while its instance is idle (the reaper's): terminate it
 
     @workflow.query
     def placement(self) -> Optional[Placement]:
@@ -125,6 +133,14 @@ class ReplicaWorkflow:
     def stop(self, request: StopRequest) -> None:
         if self.stop_request is None:
             self.stop_request = request
+        else:
+            self.stopped_again = True
+
+    @workflow.signal
+    def release(self, release: Release) -> None:
+        """Its idle instance's time is over (``Release``)."""
+        if self.released is None:
+            self.released = release
 
     @workflow.run
     async def run(self, inp: ReplicaInput) -> str:
@@ -234,13 +250,14 @@ class ReplicaWorkflow:
         instance: Optional[Instance] = self.launched.instance if self.launched else None
         where = [self.launched.placement.backend] if self.launched else self.tried
         final: ReplicaStatus = "failed" if request.failed else "terminated"
-        told = False
+        told = kept = False
+        keep = self._may_keep(request)
         for backend in where:
             inp = TeardownInput(service_workflow_id=self.inp.service_workflow_id, job=self.inp.job, backend=backend,
                                 instance=instance, drain_seconds=0 if request.failed else self.inp.stop_duration,
-                                reason=request.reason, final=final, router=request.router)
+                                reason=request.reason, final=final, router=request.router, keep=keep)
             try:
-                await self._teardown_on(backend, inp, timedelta(seconds=self.inp.unserved_seconds))
+                kept = await self._teardown_on(backend, inp, timedelta(seconds=self.inp.unserved_seconds))
             except ActivityError as e:
                 if not no_worker_took(e):
                     raise
@@ -248,19 +265,48 @@ class ReplicaWorkflow:
                 # hears of the end now, not when that worker comes back, and the teardown waits for it.
                 await self._report_end(final, request.reason)
                 told = True
-                await self._teardown_on(backend, inp, None)
+                kept = await self._teardown_on(backend, inp, None)
         # Indexed once, at the end, so that the Web UI's list filters replicas by outcome and backend.
         workflow.upsert_search_attributes([SA_STATUS.value_set(final)] + (
             [SA_BACKEND.value_set(self.launched.placement.backend)] if self.launched else []))
         if not told:
-            await self._report_end(final, request.reason)
+            await self._report_end(final, request.reason, instance if kept else None)
+        if kept:
+            await self._idle(request, inp)
 
-    async def _teardown_on(self, backend: str, inp: TeardownInput, unserved_after: Optional[timedelta]) -> None:
-        await workflow.execute_activity(
+    def _may_keep(self, request: StopRequest) -> bool:
+        """Whether its teardown may keep its instance idle: asked to (a scale-down or rolling replacement under
+        `idle_duration`), and placed (what is not placed is found and terminated by its tags)."""
+        return bool(request.idle_seconds and not request.failed and self.launched) and workflow.patched(KEEP_IDLE)
+
+    async def _idle(self, request: StopRequest, inp: TeardownInput) -> None:
+        """Own the idle instance until the service releases it: taken by another replica (or terminated by the
+        service), nothing to do; else terminate it, unless its tags name another replica by now. Without word from
+        the service (it is gone) it goes after its idle time; a stop meanwhile (the reaper's) ends it at once."""
+        try:
+            await workflow.wait_condition(lambda: self.released is not None or self.stopped_again,
+                                          timeout=timedelta(seconds=request.idle_seconds) + IDLE_GRACE,
+                                          timeout_summary="idle until released")
+        except asyncio.TimeoutError:
+            pass
+        except asyncio.CancelledError:  # cancelled from the Web UI: its instance goes with it
+            await self._terminate_idle(inp)
+            raise
+        if self.released is None or self.released.terminate:
+            await self._terminate_idle(inp)
+
+    async def _terminate_idle(self, inp: TeardownInput) -> None:
+        await self._teardown_on(inp.backend, inp.model_copy(update={"keep": False, "idle": True, "drain_seconds": 0,
+                                                                    "router": None}), None)
+
+    async def _teardown_on(self, backend: str, inp: TeardownInput, unserved_after: Optional[timedelta]) -> bool:
+        """Whether it kept the instance idle (asked to with ``keep``, and its backend can)."""
+        return bool(await workflow.execute_activity(
             interface.teardown_replica, inp, task_queue=backend_queue(workflow.info().task_queue, backend),
             schedule_to_start_timeout=unserved_after,
             start_to_close_timeout=timedelta(seconds=self.inp.stop_duration + 600),
-            heartbeat_timeout=self._heartbeat(), retry_policy=FOREVER, summary="leave the gateway, terminate")
+            heartbeat_timeout=self._heartbeat(), retry_policy=FOREVER,
+            summary="leave the gateway, keep the instance idle" if inp.keep else "leave the gateway, terminate"))
 
     async def _report_serving(self, launched: Launched) -> None:
         """The launch's own `serving` report, again, durably (the same step number: the second one is dropped)."""
@@ -275,13 +321,13 @@ class ReplicaWorkflow:
         except Exception as e:  # noqa: BLE001 — the service run is gone: nobody to tell
             workflow.logger.info("report to %s not delivered: %s", self.inp.service_workflow_id, e)
 
-    async def _report_end(self, final: ReplicaStatus, reason: str) -> None:
+    async def _report_end(self, final: ReplicaStatus, reason: str, idle: Optional[Instance] = None) -> None:
         """The end, told durably: the teardown's own report is fire-and-forget, and a service that missed it
         would wait for this replica for ever (its stop waits for every replica to finish). The same step
-        number: whichever arrives second is dropped."""
+        number: whichever arrives second is dropped. ``idle``: the instance it kept idle."""
         job = self.inp.job
         await self._tell(ReplicaUpdate(replica_num=job.replica_num, submission_num=job.submission_num, status=final,
-                                       seq=Step.FINISHED, reason=reason))
+                                       seq=Step.FINISHED, reason=reason, instance=idle, idle=idle is not None))
 
     def _heartbeat(self) -> timedelta:
         """Without a heartbeat timeout, an attempt lost with its worker (SIGKILL) waits for its

@@ -22,12 +22,13 @@ with workflow.unsafe.imports_passed_through():
     from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, FleetDowns, Replica,
                             ReplicaUpdate, ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
-    from workflows import addresses, lifecycle, routers, views
+    from workflows import addresses, idle, lifecycle, routers, views
     from workflows.admission import Refused, check_apply, check_scale
     from workflows.children import Children
     from workflows.jobs import replica_workflow_id
-    from workflows.planner import Plan, prune, reconcile, sync_groups
+    from workflows.planner import Plan, Stop, prune, reconcile, sync_groups
     from workflows.names import REPLICA_CHANGED
+    from workflows.replica import KEEP_IDLE  # asked only by services with `idle_duration` (workflows/idle.py)
     from workflows.route import Route
     from workflows.watchers import Watchers
 
@@ -49,6 +50,8 @@ VALIDATE_START = "validate-start"  # each run judges its own configuration first
 JUDGED_ONCE = "judged-once"  # asked only by continued runs: they are not judged again
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 FLEET_MONITOR = "fleet-monitor"  # serving replicas are watched by their backend's fleet monitor (workflows/fleet.py)
+# What a replica may leave its instance idle for: its group shrank or rolled, so a replica of it may soon need one.
+IDLE_REASONS = ("scaled_down", "replaced")
 
 
 def service_workflow_id(name: str) -> str:
@@ -116,9 +119,12 @@ class ServiceRunWorkflow:
 
     @workflow.query
     def owned(self) -> list[str]:
-        """The replica workflows this run owns (not finished): the reaper stops any other of this service's."""
-        return [replica_workflow_id(self.state.name, r.group, r.replica_num, r.submission_num)
-                for r in self.state.replicas if not r.finished]
+        """The replica workflows this run owns (not finished, or owning an idle instance): the reaper stops any other
+        of this service's."""
+        state = self.state
+        return [replica_workflow_id(state.name, r.group, r.replica_num, r.submission_num)
+                for r in state.replicas if not r.finished] + \
+            [replica_workflow_id(state.name, i.group, i.replica_num, i.submission_num) for i in idle.owners(state)]
 
     @workflow.query
     def addresses(self, query: AddressQuery) -> AddressAnswer:
@@ -286,6 +292,7 @@ class ServiceRunWorkflow:
             self._note(routers.on_view(self.state, view))
         for down in downs:
             await self._replace(down)
+        await self._release_idle()
         if self.state.failure:
             return
         lifecycle.end_backoffs(self.state, workflow.now())
@@ -383,8 +390,30 @@ class ServiceRunWorkflow:
             replica = state.find(s.replica_num, s.submission_num)
             if replica is not None:
                 replica.stop_requested, replica.reason = True, s.reason
-                work.append(self.children.stop(replica, StopRequest(reason=s.reason, router=self._leave(replica))))
+                work.append(self.children.stop(replica, StopRequest(reason=s.reason, router=self._leave(replica),
+                                                                    idle_seconds=self._idle_seconds(replica, s))))
         await asyncio.gather(*work)
+
+    def _idle_seconds(self, replica: Replica, stop: Stop) -> int:
+        """How long a stopping replica may keep its instance idle (`idle_duration`, the patch asked only then): a
+        scale-down or a rolling replacement of a replica started under it (the key its successors must match)."""
+        seconds = self.state.config.idle_duration or 0
+        if seconds and stop.reason in IDLE_REASONS and replica.placement_key and workflow.patched(KEEP_IDLE):
+            return seconds
+        return 0
+
+    async def _release_idle(self) -> None:
+        """Tell the replicas that left instances idle what became of them: taken by the replica placed there, or
+        terminated (unplaced there, past `idle_duration`, of a removed group)."""
+        state, now = self.state, workflow.now()
+        if not idle.pending(state):
+            return
+        ends = idle.settled(state) + [(i, False) for i in idle.due(state, now)]
+        for instance, taken in ends:
+            if not taken:
+                self._note([lifecycle.Note("replica", f"idle instance of replica {instance.replica_num} terminated",
+                                           instance.group)])
+        await asyncio.gather(*[self.children.release(i, terminate=not taken) for i, taken in ends])
 
     async def _start(self, replica: Replica) -> None:
         self._note(await self.children.start(replica))
@@ -409,9 +438,22 @@ class ServiceRunWorkflow:
             for down in self.children.closed():
                 replica = self.state.find(down.replica_num, down.submission_num)
                 await self.children.teardown_orphan(replica, StopRequest(reason=replica.reason or down.reason))
+        await self._terminate_idle()
         await self.route.remove(self.state)
         self._note([lifecycle.Note("stop", "service stopped (failed)" if self.state.failure else "service stopped")])
         await self.publisher.publish(self.state)
+
+    async def _terminate_idle(self) -> None:
+        """A stopped service leaves no instance behind: its idle ones are terminated before the run ends."""
+        state = self.state
+        if not idle.pending(state):
+            return
+        taken = idle.settled(state)
+        left, state.idle = state.idle + [i for i, took in taken if not took], []
+        await asyncio.gather(*[self.children.release(i, terminate=False) for i, took in taken if took],
+                             *[self.children.terminate_idle(i) for i in left])
+        if left:
+            self._note([lifecycle.Note("stop", f"{len(left)} idle instance(s) terminated")])
 
     async def _stop_all(self, which) -> None:
         leaving = [r for r in self.state.replicas if not r.finished and not r.stop_requested and which(r)]

@@ -147,6 +147,7 @@ def _group_view(state: ServiceState, name: str, latest: list[Replica], asked: bo
     return GroupView(name=name, desired=g.desired if g else 0, min=spec.count.min or 0, max=spec.count.max or 0,
                      resources=spec.resources.summary(), rollout=rollout, retry_after=g.retry_after if g else None,
                      role=role, waiting=g.waiting if g else "", signal=_signal(state, name, asked),
+                     idle=[f"{i.instance_id} until {i.until:%H:%M:%S} UTC" for i in state.idle if i.group == name],
                      replicas=[_replica_view(r) for r in latest if r.group == name])
 
 

@@ -91,6 +91,9 @@ class FakeCloud:
         self.ready_attempts: dict[str, int] = {}  # replica id → readiness attempts while it loaded
         self.delayed: set[int] = set()  # the steps (``Step``) whose reports arrive late
         self.held: list[tuple[str, ReplicaUpdate]] = []  # reports held back: (service workflow id, report)
+        self.vms: dict[str, str] = {}  # replica id → the VM it runs on (``vm-N``; a reused one runs two in turn)
+        self.images: dict[str, int] = {}  # VM → image downloads on it (an image already there is no download)
+        self.keeps = True  # the backend can keep an instance idle (a cloud's, over SSH)
 
     async def _report(self, service_workflow_id: str, job, seq: int, status: str, **fields) -> None:
         """As activities/report.py: a signal to the service. A report of a step in ``delayed`` is held back until
@@ -171,16 +174,25 @@ class FakeCloud:
             if any("crash" in c for c in r.job.commands):
                 self.log.append(("crash", rid))
                 raise ApplicationError("exited (1)", type="ReplicaExited", non_retryable=True)
-            self.provisions[rid] = self.provisions.get(rid, 0) + 1
+            reused = r.reuse.replica_id if isinstance(r.reuse, LocalInstance) else None
+            if reused is not None and self.instances.get(reused) in ("idle", "moved") and \
+                    self.vms[reused].startswith(f"vm-{r.job.service}-{r.job.group}-"):  # never another's
+                self.instances[reused] = "moved"  # as a retag: a second attempt finds it moved already
+                self.vms[rid] = self.vms[reused]
+                self.log.append(("reuse", rid))
+            else:
+                self.provisions[rid] = self.provisions.get(rid, 0) + 1
+                self.vms[rid] = f"vm-{r.job.service}-{r.job.group}-{len(self.vms)}"
+                self.log.append(("provision", rid))
             self.instances[rid] = "running"
-            self.log.append(("provision", rid))
             group = r.job.group
             alive = sum(1 for x, st in self.instances.items() if st == "running" and x.split("/")[1] == group)
             self.max_alive[group] = max(self.max_alive.get(group, 0), alive)
             # Each instance its own address, as a cloud gives: a replacement has a new one.
             self.addresses += 1
             self.ips[rid] = f"10.0.{self.addresses // 250}.{self.addresses % 250 + 1}"
-            placement = Placement(backend="local", region="local", address=f"unix:/x/{rid}", ip=self.ips[rid])
+            placement = Placement(backend="local", region="local", address=f"unix:/x/{rid}", ip=self.ips[rid],
+                                  instance_id=self.vms[rid])
             instance = LocalInstance(replica_id=rid, pid=0, start_time=0, work_dir=f"/x/{rid}",
                                      address=placement.address, isolated=False, log_path=f"/x/{rid}/log")
             return Launched(placement=placement, instance=instance)
@@ -190,6 +202,8 @@ class FakeCloud:
             r, rid = inp.replica, inp.replica.job.replica_id
             placement, instance = inp.launched.placement, inp.launched.instance
             self.pulls[rid] = self.pulls.get(rid, 0) + 1
+            vm = self.vms.get(rid, rid)
+            self.images[vm] = self.images.get(vm, 0) + (0 if vm in self.images else 1)
             if rid in self.hang:  # an image pull that never ends: heartbeating, so a cancellation reaches it
                 try:
                     while True:
@@ -234,8 +248,13 @@ class FakeCloud:
             return step.launched
 
         @implements(interface.teardown_replica)
-        async def teardown(inp: TeardownInput) -> None:
+        async def teardown(inp: TeardownInput) -> bool:
             rid = inp.job.replica_id
+            if inp.idle:  # as CloudReplicas.stop_idle: left alone once another replica runs on it
+                if self.instances.get(rid) == "idle":
+                    self.instances[rid] = "terminated"
+                    self.log.append(("terminate", rid))
+                return False
             await self._report(inp.service_workflow_id, inp.job, TERMINATING, "terminating", reason=inp.reason)
             if inp.router is not None:  # the worker leaves the routers before it stops
                 for target in inp.router.routers:
@@ -244,10 +263,17 @@ class FakeCloud:
             if rid in self.routed:
                 self.routed.discard(rid)
                 self.log.append(("unregister", rid))
+            if inp.keep and self.keeps and self.instances.get(rid) == "running":
+                self.instances[rid] = "idle"
+                self.log.append(("idle", rid))
+                await self._report(inp.service_workflow_id, inp.job, FINISHED, inp.final, reason=inp.reason,
+                                   instance=inp.instance, idle=True)
+                return True
             if rid in self.instances:
                 self.instances[rid] = "terminated"
                 self.log.append(("terminate", rid))
             await self._report(inp.service_workflow_id, inp.job, FINISHED, inp.final, reason=inp.reason)
+            return False
 
         @implements(interface.monitor_replicas)
         async def monitor(inp: MonitorInput) -> list[Down]:

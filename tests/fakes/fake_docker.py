@@ -168,7 +168,8 @@ def _registry_refuses(image: str, repository: str, config: Path) -> str:
 
 def _pull(image: str, config: Path) -> int:
     """What ``docker pull`` prints without a terminal: per layer ``<id>: <state>`` lines. Each pull is recorded in
-    ``pulls`` (one image per line); a second pull of an image finds it there, as Docker's image store would. A
+    ``pulls`` (one image per line), each that downloaded the image in ``downloads``; a second pull of an image finds
+    it there, as Docker's image store would ("Image is up to date", nothing downloaded). A
     reference Docker cannot parse (a repository name with capitals) fails as Docker fails it; a private one
     without its credentials as the registry refuses it."""
     repository = image.split("@")[0].rsplit(":", 1)[0] if "/" not in image.rsplit(":", 1)[-1] else image
@@ -191,6 +192,8 @@ def _pull(image: str, config: Path) -> int:
     if image in pulled:
         print(f"Digest: sha256:{'0' * 64}\nStatus: Image is up to date for {image}", flush=True)
         return 0
+    with open(STATE / "downloads", "a") as f:
+        f.write(image + "\n")
     for state in ("Pulling fs layer", "Downloading", "Download complete", "Pull complete"):
         for layer in layers:
             print(f"{layer}: {state}", flush=True)

@@ -21,6 +21,8 @@ accelerators) or has no VM left in the operation, as CONDITION_NOT_MET (HTTP 412
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import itertools
 import json
 import re
@@ -35,7 +37,7 @@ from tests.fakes import ServedInThread, gce_zones
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/(?P<kind>instances|operations)"
-                        r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
+                        r"(?:/(?P<name>[^/]+))?(?P<wait>/wait|/setLabels)?$")
 _GLOBAL_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/global/(?P<kind>firewalls|operations)"
                           r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
 _REGION_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/regions/(?P<r>[^/]+)$")
@@ -94,6 +96,12 @@ def _http_error(status: int, message: str, reason: str = "") -> tuple[int, dict]
     reason = reason or _REASONS.get(status, "error")
     return status, {"error": {"code": status, "message": message,
                               "errors": [{"message": message, "domain": "global", "reason": reason}]}}
+
+
+def _fingerprint(labels: dict) -> str:
+    """A labels fingerprint as Compute gives one: opaque base64 that changes with the labels."""
+    digest = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).digest()[:8]
+    return base64.b64encode(digest).decode()
 
 
 def _matches(instance: dict, flt: str) -> bool:
@@ -289,7 +297,9 @@ class FakeGCE(ServedInThread):
             return _http_error(404 if method == "GET" else 400, f"Invalid value for field 'zone': '{z}'. "
                                                                  "Unknown zone.", "invalid")
         if m["kind"] == "operations" and name:
-            return self._operation(p, z, name, wait=bool(m["wait"]))
+            return self._operation(p, z, name, wait=m["wait"] == "/wait")
+        if m["wait"] == "/setLabels" and method == "POST":
+            return self._set_labels(p, z, name, body)
         if method == "POST" and not name:
             return self._insert(p, z, body, query.get("requestId", ""))
         if method == "GET" and not name:
@@ -346,6 +356,7 @@ class FakeGCE(ServedInThread):
         instance = {**body, "id": str(n), "status": "RUNNING", "zone": f"{self.url}/compute/v1/projects/{p}/zones/{z}",
                     "machineType": f"{self.url}/compute/v1/projects/{p}/zones/{z}/machineTypes/{machine_type}",
                     "creationTimestamp": "2026-01-01T00:00:00.000-00:00",
+                    "labelFingerprint": _fingerprint(body.get("labels", {})),
                     "selfLink": f"{self.url}/compute/v1/projects/{p}/zones/{z}/instances/{name}"}
         nics = [dict(nic) for nic in instance.get("networkInterfaces", [{}])]
         for i, nic in enumerate(nics):
@@ -415,6 +426,19 @@ class FakeGCE(ServedInThread):
                                                                f"{name}' was not found")
         items = [r for (rp, rz, _), r in sorted(self.reservations.items()) if (rp, rz) == (p, z) and _matches(r, flt)]
         return 200, {"kind": "compute#reservationList", "items": items}
+
+    def _set_labels(self, p: str, z: str, name: str, body: dict) -> tuple[int, dict]:
+        """instances.setLabels: replaces every label, given the fingerprint of the labels it replaces (Compute
+        refuses a missing or stale one with 412 conditionNotMet; each change makes a new fingerprint)."""
+        inst = self.instances.get((p, z, name))
+        if inst is None:
+            return _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/{name}' was not found")
+        if body.get("labelFingerprint") != inst.get("labelFingerprint"):
+            return _http_error(412, "Labels fingerprint either invalid or resource labels have changed",
+                               "conditionNotMet")
+        inst["labels"] = dict(body.get("labels", {}))
+        inst["labelFingerprint"] = _fingerprint(inst["labels"])
+        return 200, self._new_op(p, z, "setLabels", name)
 
     def _fault(self, p: str, z: str, name: str, fault: GCEFault, request_id: str) -> tuple[int, dict]:
         if fault.kind == "capacity":

@@ -18,6 +18,10 @@ Each scenario runs a representative service life and saves ``(await handle.fetch
 * ``service_taken_id`` — a replica whose workflow id is held by a workflow no run owns starts as its next
   submission; ``replica_untaken`` — a replica whose only backend no worker serves fails, nothing torn down;
 * ``reaper_passes`` — the ReaperWorkflow: full passes, quick passes and a reconfiguration;
+* ``service_idle_reuse`` — `idle_duration`: a scaled-down replica's instance taken by the next scale-up, one
+  terminated past its idle time, one terminated by the stop; with ``replica_idle_taken`` and
+  ``replica_idle_expired``, the ReplicaWorkflow histories of the replica whose instance was taken and of the one
+  whose instance expired;
 * ``service_fleet_watched`` / ``fleet_monitor`` — a service watched by the fleet monitor, a crash replaced through
   its signal, and the fleet monitor's history; ``service_fleet_missing`` — a service whose backend has no fleet
   monitor, watching on its own.
@@ -358,8 +362,34 @@ async def _replaced(handle) -> bool:
     return any(r.submission == 1 and r.ready for g in status.groups for r in g.replicas)
 
 
+async def idle_reuse(capture: Capture) -> None:
+    async with fake_cloud() as (env, cloud):
+        name = "hist-idle"
+        handle = await start(env, cloud, name, GROUPS + "idle_duration: 10m\n")
+        await settled(handle, {"router": 1, "decode": 0})
+        for count in (2, 1, 2, 1):  # the second scale-up starts replica 2 on the instance replica 2 left idle
+            await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=count))
+            await settled(handle, {"decode": count})
+        await eventually(lambda: _true(("reuse", f"{name}/decode/r2-s1") in cloud.log))
+        await env.sleep(timedelta(minutes=11))  # r2-s1's instance, idle since the last scale-down, is terminated
+        await eventually(lambda: _true(cloud.instances[f"{name}/decode/r2-s1"] == "terminated"))
+        await handle.execute_update(ServiceRunWorkflow.scale, ScaleRequest(group="decode", count=0))
+        await eventually(lambda: _true(cloud.instances[f"{name}/decode/r1-s0"] == "idle"))
+        await handle.signal(ServiceRunWorkflow.stop)  # terminates r1-s0's idle instance before the run ends
+        await handle.result()
+        await capture.save("service_idle_reuse", await handle.fetch_history())
+        for saved_as, rid in (("replica_idle_taken", "r2-s0"), ("replica_idle_expired", "r2-s1")):
+            replica = env.client.get_workflow_handle(f"service/{name}/decode/{rid}")
+            await replica.result()
+            await capture.save(saved_as, await replica.fetch_history())
+
+
+async def _true(value: bool) -> Optional[bool]:
+    return value or None
+
+
 SCENARIOS = [scale_crash_stop, rolling_rollback, autoscale_hop, signalled_apply, taken_and_untaken, reaper_passes,
-             fleet_watched]
+             fleet_watched, idle_reuse]
 
 
 async def main(argv: Optional[list[str]] = None) -> None:
