@@ -47,7 +47,7 @@ async def _reuse_then_release(acts, backend: str, vpc, client, instances) -> Non
     assert await env.run(acts.teardown, _teardown(first, backend, old.instance, keep=True)) is True
     assert host.container_pid() is None and not (host.root / "opt" / "job").exists()  # its env is gone
     assert acts.gateway.routed == {} and acts.cloud.tunnels == {}
-    ended = [u for _, _, u in client.signals if u.submission_num == 0][-1]
+    ended = [u for _, name, u in client.signals if name != "record_event" and u.submission_num == 0][-1]
     assert (ended.status, ended.idle, ended.instance.instance_id) == ("terminated", True, old.instance.instance_id)
 
     inp = _input(second).model_copy(update={"reuse": old.instance})
