@@ -176,6 +176,11 @@ def _scenario(stack: Stack, vpc, booter, service, types: dict[str, str], network
         stack.stop()
 
 
+def _live_instances(ec2) -> list[dict]:
+    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    return [i for r in live["Reservations"] for i in r["Instances"]]
+
+
 def _aws_network() -> None:
     """One group for the service's instances, admitting SSH and everything from itself."""
     ec2 = boto3.client("ec2", region_name="us-east-1")
@@ -200,8 +205,7 @@ def test_aws_two_groups_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
         _scenario(stack, vpc, booter, _service(tmp_path, "aws", "A10G"),
                   {"llm": "g5.xlarge", "router": _cheapest_cpu("aws", "us-east-1")}, network=_aws_network)
     ec2 = boto3.client("ec2", region_name="us-east-1")
-    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+    assert _live_instances(ec2) == []
     groups = ec2.describe_security_groups()["SecurityGroups"]
     assert [g["GroupName"] for g in groups if g["GroupName"].startswith("durastack")] == []
 
@@ -303,8 +307,7 @@ def test_aws_spot_interruption_is_replaced_and_named(tmp_path, monkeypatch, fake
             assert result.returncode == 0, result.stdout + result.stderr
         finally:
             stack.stop()
-    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+    assert _live_instances(ec2) == []
 
 
 PRIVATE_SERVICE = """\
@@ -370,8 +373,7 @@ def test_aws_private_data_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc
         finally:
             stack.stop()
     assert not booter.errors, booter.errors
-    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+    assert _live_instances(ec2) == []
     groups = ec2.describe_security_groups()["SecurityGroups"]
     assert [g["GroupName"] for g in groups if g["GroupName"].startswith("durastack")] == []
 
@@ -396,8 +398,7 @@ def test_aws_public_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
             until(lambda: len(_replicas(stack)) == 1, 120, 0.5, "ready over the public path")
             assert set(_requests(stack, 10)) == {200}
             (host,) = vpc.hosts.values()
-            (raw,) = [i for r in ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["running"]}])
-                      ["Reservations"] for i in r["Instances"]]
+            (raw,) = _live_instances(ec2)
             assert host.public == raw["PublicIpAddress"] and host.address == raw["PrivateIpAddress"]
             (group,) = [g for g in ec2.describe_security_groups()["SecurityGroups"]
                         if g["GroupName"].startswith("durastack")]
@@ -413,8 +414,7 @@ def test_aws_public_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
         finally:
             stack.stop()
     assert not booter.errors, booter.errors
-    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+    assert _live_instances(ec2) == []
 
 
 RESERVED_SERVICE = """\

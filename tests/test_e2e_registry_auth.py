@@ -18,7 +18,8 @@ import pytest
 from tests.e2e import until
 from tests.fakes import vpc as vpcs
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
-from tests.test_e2e_cloud_ssh import _apply, _history_has, _replicas, _requests, _stack, vpc  # noqa: F401
+from tests.test_e2e_cloud_ssh import _apply, _history_has, _live_instances, _replicas, _requests, _stack, \
+    vpc  # noqa: F401
 from tests.test_ssh_path import APP
 
 pytestmark = pytest.mark.skipif(vpcs.available() is not None, reason=str(vpcs.available()))
@@ -88,6 +89,5 @@ def test_aws_private_image_with_registry_auth_from_the_cli(tmp_path, monkeypatch
         finally:
             stack.stop()
     assert not booter.errors, booter.errors
-    ec2 = boto3.client("ec2", region_name="us-east-1")  # the failed replica's instance went with it
-    live = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    assert [i for r in live["Reservations"] for i in r["Instances"]] == []
+    # The failed replica's instance went with it.
+    assert _live_instances(boto3.client("ec2", region_name="us-east-1")) == []

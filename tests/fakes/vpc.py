@@ -287,15 +287,18 @@ class SimulatedVPC:
             _ip("link", "set", mine, "up")
             _ip("-n", self.netns, "link", "set", theirs, "up")
             _ip("-n", self.netns, "route", "add", f"{LINK_ADDRESS}/32", "dev", theirs)
-            sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.br0.proxy_arp=1", f"net.ipv4.conf.{theirs}.proxy_arp=1",
-                       "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.br0.rp_filter=0",
-                       f"net.ipv4.conf.{theirs}.rp_filter=0"]
-            subprocess.run(["ip", "netns", "exec", self.netns, "sysctl", "-q", "-w", *sysctls], check=True,
-                           capture_output=True, timeout=30)
+            self._forward(theirs)
             self._link = mine
             for host in self.hosts.values():
                 _ip("route", "add", f"{host.address}/32", "dev", mine)
         return f"{LINK_ADDRESS}/32"
+
+    def _forward(self, link: str) -> None:
+        """The VPC's namespace forwards between its bridge and ``link``, answering ARP for either side."""
+        sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.br0.proxy_arp=1", f"net.ipv4.conf.{link}.proxy_arp=1",
+                   "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.br0.rp_filter=0", f"net.ipv4.conf.{link}.rp_filter=0"]
+        subprocess.run(["ip", "netns", "exec", self.netns, "sysctl", "-q", "-w", *sysctls], check=True,
+                       capture_output=True, timeout=30)
 
     def internet(self) -> str:
         """A namespace outside the VPC, as the internet is, for a gateway there (``DURASTACK_SSH_NETNS``): it connects
@@ -312,11 +315,7 @@ class SimulatedVPC:
             _ip("-n", netns, "link", "set", mine, "up")
             _ip("-n", self.netns, "link", "set", theirs, "up")
             _ip("-n", self.netns, "route", "add", f"{INTERNET_ADDRESS}/32", "dev", theirs)
-            sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.br0.proxy_arp=1", f"net.ipv4.conf.{theirs}.proxy_arp=1",
-                       "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.br0.rp_filter=0",
-                       f"net.ipv4.conf.{theirs}.rp_filter=0"]
-            subprocess.run(["ip", "netns", "exec", self.netns, "sysctl", "-q", "-w", *sysctls], check=True,
-                           capture_output=True, timeout=30)
+            self._forward(theirs)
             self._internet = (netns, mine)
             for host in self.hosts.values():
                 if host.public:
