@@ -36,7 +36,7 @@ def job_spec(config: ServiceConfiguration, service: str, group_name: str, replic
                    port=config.port.container_port,
                    python=group.python or config.python, image=group.image or config.image,
                    working_dir=config.working_dir, user=config.user, shell=config.shell,
-                   entrypoint=config.entrypoint,
+                   entrypoint=config.entrypoint, volumes=list(config.volumes),
                    registry_auth=config.registry_auth.resolved(env) if config.registry_auth else None,
                    **runtime_fields(config, group_name))
 
