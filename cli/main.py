@@ -30,6 +30,7 @@ GROUPS = {
     "cli.tokens": ("token",),
     "cli.keys": ("ssh-keys",),
     "cli.db": ("db",),
+    "cli.volumes": ("volume",),
 }
 
 
