@@ -173,7 +173,10 @@ def plan(config, queries: list) -> tuple[list, list[str]]:
     if not names:
         return queries, []
     volumes = _volumes()
-    found = {n: volumes.get(n) if volumes is not None else None for n in names}
+    if volumes is None:
+        return queries, [f"volumes: the store knows no volume yet, {', '.join(names)} included (start `durastack "
+                         "server`, whose worker brings the store up to date, or run `durastack db upgrade`)"]
+    found = {n: volumes.get(n) for n in names}
     missing = [n for n, r in found.items() if r is None]
     if missing:
         return queries, [f"volumes: no volume {', '.join(missing)} (make it with `durastack apply -f` of a `type: "

@@ -5,7 +5,8 @@ disks attached to its instance as block devices (tests/fakes/blockdev.py).
 `durastack apply -f` of a `type: volume` file makes the volume; a service mounting it is placed in its zone, its
 replica attaches it, formats it (it is new) and mounts it, and writes a file there; `apply` with a changed env rolls
 the service (the old replica stops first: the volume attaches to one instance at a time) and the new replica, on
-another instance, reads that file. A volume attached is not deleted; `stop` detaches it and `durastack volume delete`
+another instance, reads that file (while what it wrote to an instance volume stayed with the old instance). A volume
+attached is not deleted; `stop` detaches it and `durastack volume delete`
 deletes it, leaving nothing behind.
 """
 
@@ -34,6 +35,7 @@ size: 10GB
 """
 # Each replica appends its deployment's MODEL to a file on the volume, then serves the file.
 APP = """echo "written by $MODEL" >> /data/log
+echo "$MODEL" >> /cache/seen
 cat > app.py <<'PY'
 import http.server, os
 class H(http.server.BaseHTTPRequestHandler):
@@ -55,6 +57,7 @@ env:
   MODEL: {model}
 volumes:
   - my-cache:/data
+  - /mnt/cache:/cache
 resources:
   cpu: 2
   memory: 8GB
@@ -138,6 +141,8 @@ def _scenario(tmp_path, stack: Stack, vpc, booter, backend: str, region: str, zo
         assert f"volume my-cache ({kept['cloud_id']}) attached to {new} and mounted" in events
         assert f"attached to {new} and mounted (new" not in events
         assert (vpc.disks / kept["cloud_id"] / "fs" / "log").read_text() == "written by v0\nwritten by v1\n"
+        # The instance volume stayed with each instance.
+        assert [(vpc.workdir / i / "mnt/cache/seen").read_text() for i in (old, new)] == ["v0\n", "v1\n"]
         assert not booter.errors, booter.errors
 
         _ok(stack.cli("stop", "volsvc", "-y", timeout=300))
