@@ -115,7 +115,7 @@ def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = 
                     volumes_dir: str = VOLUMES_DIR) -> list[str]:
     """``docker run`` for the job on a cloud instance whose job files are in ``job_dir``; ``replica_ip`` is the
     instance's private address (``DURASTACK_REPLICA_IP``); its network volumes are mounted under ``volumes_dir``
-    (activities/volumes.py), its instance volumes' directories are made by Docker if missing.
+    (activities/volume_mounts.py), its instance volumes' directories are made by Docker if missing.
 
     The container uses the instance's network (``--network=host``, as dstack does): the replicas of one service
     reach each other at their private addresses on any port (a router and its prefill/decode workers), which

@@ -22,6 +22,7 @@ from tests.e2e import Stack, evidence, until
 from tests.fakes import vpc as vpcs
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
+from tests.test_e2e_cloud_ssh import _stack, vpc  # noqa: F401  (vpc: a fixture)
 
 pytestmark = [pytest.mark.skipif(vpcs.available() is not None, reason=str(vpcs.available())), pytest.mark.long]
 
@@ -65,21 +66,6 @@ commands:
   - |
 {app}
 """
-
-
-@pytest.fixture
-def vpc(tmp_path):
-    v = vpcs.SimulatedVPC(tmp_path / "vpc")
-    yield v
-    v.close()
-
-
-def _stack(tmp_path, monkeypatch, vpc, config: str) -> Stack:
-    home = tmp_path / "home"
-    home.mkdir(mode=0o700)
-    (home / "config.yml").write_text(config)
-    monkeypatch.setenv("DURASTACK_SSH_NETNS", vpc.netns)
-    return Stack(home)
 
 
 def _ok(result) -> str:

@@ -175,6 +175,20 @@ def test_a_bad_volume_file_names_its_field_and_line(tmp_path, body, error):
     assert errors and errors[0] == error or errors[0].startswith(error), errors
 
 
+def test_validate_takes_a_volume_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    path = tmp_path / "vol.yml"
+    path.write_text("type: volume\nname: my-cache\nbackend: gcp\nregion: us-central1\nsize: 100GB\n")
+    done = CliRunner().invoke(app, ["validate", "-f", str(path)])
+    assert done.exit_code == 0 and "valid volume my-cache, gcp us-central1, 100GB" in done.stdout
+    path.write_text("type: volume\nbackend: gcp\nregion: us-central1\n")
+    done = CliRunner().invoke(app, ["validate", "-f", str(path), "--json"])
+    assert done.exit_code == 1 and '"path": "size"' in done.stdout
+
+
 def test_a_volume_file_is_not_a_service_file():
     errors = [str(e) for e in load_config_text("type: volume\nname: x\n").errors]
     assert errors == ["type: durastack runs services (type: service), got 'volume'; a `type: volume` file is applied "
