@@ -126,7 +126,8 @@ class LocalReplicas:
             raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[
                 f"this machine does not fit ({why or inp.resources.summary()})"]))
         job = inp.job
-        cannot, _ = local_limits({**{n: (getattr(job, n), n) for n in ("docker", "privileged", "nvcc", "image")},
+        cannot, _ = local_limits({**{n: (getattr(job, n), n) for n in ("docker", "privileged", "nvcc", "image",
+                                                                       "volumes")},
                                   "commands": (job.commands, "commands")})
         if cannot:  # said at plan time too (`durastack apply`); here for a service submitted another way
             provisioning_failed("local", "unsupported")

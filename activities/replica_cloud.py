@@ -43,6 +43,7 @@ from activities.report import record_event
 from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
     booted_driver, clear_job, container_state, logs_command, replace_host_key, run, ssh_target, start_job, \
     tunnel_socket, wait_booted
+from activities.volume_mounts import ReplicaVolumes
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance, owner
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
@@ -88,6 +89,7 @@ class CloudReplicas:
         self.address = address or (self._data_address if ssh is not None else (lambda instance: instance.address))
         self.poll_seconds, self.boot_timeout = poll_seconds, boot_timeout
         self.container_poll_seconds = container_poll_seconds
+        self.volumes = ReplicaVolumes(backends, getattr(ledger, "store", None))
 
     one_activity = False  # an instance boots and pulls for minutes: each step has its own activity and budget
 
@@ -291,8 +293,9 @@ class CloudReplicas:
             raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
                 f"backend {backend} is not configured on this worker ($DURASTACK_HOME/config.yml)"]))
         pool = [o for o in (self._catalog or load_catalog()) if o.backend == backend and self.config.allows(o)]
-        filters = dict(spot_policy=inp.spot_policy, max_price=inp.max_price, regions=inp.regions,
-                       instance_types=inp.instance_types, zones=inp.zones,
+        regions, zones = await self.volumes.where(inp, backend)  # a network volume's zone, if it mounts one
+        filters = dict(spot_policy=inp.spot_policy, max_price=inp.max_price, regions=regions,
+                       instance_types=inp.instance_types, zones=zones,
                        reservation=await self._reservation(inp, backend))
         offers = match_offers(pool, inp.resources, **filters)
         if not offers:
@@ -361,13 +364,15 @@ class CloudReplicas:
     async def start(self, inp: ReplicaInput, instance: CloudInstance) -> None:
         """Start the job on the running instance, over SSH (without SSH, its user data started it at boot)."""
         if self.ssh is None:
-            if inp.late_refs:
-                raise ApplicationError(f"{inp.job.replica_id}: commands naming replicas placed after it need the "
-                                       "SSH path to start", type="Unsupported", non_retryable=True)
+            if inp.late_refs or inp.job.volumes:
+                raise ApplicationError(f"{inp.job.replica_id}: commands naming replicas placed after it, and volumes, "
+                                       "need the SSH path to start", type="Unsupported", non_retryable=True)
             return
         gpu = any(o.gpu_count for o in (self._catalog or load_catalog())
                   if o.backend == instance.backend and o.instance_type == instance.instance_type)
         try:
+            for said in await self.volumes.attach(inp.job, instance, lambda: self.ssh.connect(self._target(instance))):
+                await record_event(inp.service_workflow_id, inp.job, "replica", f"replica {inp.job.replica_num}: {said}")
             await self._ssh_start(inp, instance, gpu=gpu)
         except CloudError as e:
             raise activity_error(e) from e
@@ -520,8 +525,8 @@ class CloudReplicas:
 
     async def keep_idle(self, job: JobSpec, instance: Optional[CloudInstance]) -> bool:
         """Leave the instance running without the replica (`idle_duration`): its tunnel closed, its container and
-        job files removed over SSH, its image and volumes kept. False when that cannot be done (no SSH path, the
-        instance unreachable or gone): the caller terminates it as usual."""
+        job files removed over SSH, its network volumes detached, its image and instance volumes kept. False when
+        that cannot be done (no SSH path, the instance unreachable or gone): the caller terminates it as usual."""
         if self.ssh is None or instance is None:
             return False
         await self._close_tunnel(instance.instance_id)
@@ -538,6 +543,8 @@ class CloudReplicas:
             return False
         finally:
             conn.close()
+        # Its network volumes go free at once, as at a termination: the next replica may be placed elsewhere.
+        await self.volumes.release(job, instance, lambda: self.ssh.connect(self._target(instance)))
         log.info("%s: %s kept idle", job.replica_id, instance.instance_id)
         return True
 
@@ -561,6 +568,8 @@ class CloudReplicas:
             await self._close_tunnel(instance.instance_id)
             self._cloud_checked.pop(instance.instance_id, None)
         try:
+            connect = (lambda: self.ssh.connect(self._target(instance))) if self.ssh is not None else None
+            await self.volumes.release(job, instance, connect)  # free for the next replica at once
             if instance is not None:
                 await asyncio.to_thread(terminate_cloud, instance, backends=self.backends, ledger=self.ledger)
             elif backend in self.backends:

@@ -19,6 +19,7 @@ from typing import Optional
 
 from activities.local_host import Account, probe_confinement, replica_account, replica_user, user_refusal
 from models.replica import JobSpec
+from models.volumes import CONTAINER_JOB_DIR
 
 # CUDA 12.4 needs an NVIDIA driver of 550 or newer: the clouds' default GPU images run R580 or newer (which also serve
 # the CUDA 12.8, 12.9 and 13.0 images vLLM and SGLang ship), and most local GPU hosts have one. A job on a newer
@@ -28,7 +29,8 @@ DEFAULT_DEVEL_IMAGE = "nvidia/cuda:12.4.1-devel-ubuntu22.04"  # nvcc: true
 DIND_IMAGE = "docker:27-dind"  # docker: true; its dockerd is started by the job wrapper
 CONTAINER_NAME = "durastack-job"
 REPLICA_LABEL = "durastack.replica"  # the submission a container runs (its replica id)
-CONTAINER_DIR = "/durastack"  # where the job's files are mounted in the container (read-only)
+CONTAINER_DIR = CONTAINER_JOB_DIR  # where the job's files are mounted in the container (read-only)
+VOLUMES_DIR = "/opt/durastack/volumes"  # where an instance mounts its network volumes, one directory each
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -109,9 +111,11 @@ def env_files(job: JobSpec) -> tuple[str, dict[str, str]]:
 REPLICA_SLICE = "durastack.slice"
 
 
-def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = "") -> list[str]:
+def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = "",
+                    volumes_dir: str = VOLUMES_DIR) -> list[str]:
     """``docker run`` for the job on a cloud instance whose job files are in ``job_dir``; ``replica_ip`` is the
-    instance's private address (``DURASTACK_REPLICA_IP``).
+    instance's private address (``DURASTACK_REPLICA_IP``); its network volumes are mounted under ``volumes_dir``
+    (activities/volume_mounts.py), its instance volumes' directories are made by Docker if missing.
 
     The container uses the instance's network (``--network=host``, as dstack does): the replicas of one service
     reach each other at their private addresses on any port (a router and its prefill/decode workers), which
@@ -132,6 +136,9 @@ def docker_run_argv(job: JobSpec, *, gpu: bool, job_dir: str, replica_ip: str = 
     if job.working_dir:
         argv += ["-w", job.working_dir]
     argv += ["-v", f"{job_dir}:{CONTAINER_DIR}:ro"]
+    for mount in job.volumes:
+        argv += ["-v", f"{volumes_dir}/{mount.name}:{mount.path}" if mount.network else
+                 f"{mount.instance_path}:{mount.path}"]
     if job.shell:
         argv += ["--entrypoint", job.shell if job.shell.startswith("/") else f"/bin/{job.shell}", rt.image,
                  f"{CONTAINER_DIR}/job.sh"]
@@ -159,8 +166,8 @@ def docker_daemon() -> Optional[str]:
 
 def local_limits(fields: dict[str, tuple[object, str]]) -> tuple[list[str], list[str]]:
     """(errors, warnings) for a group's effective runtime fields on the local backend: ``fields`` maps
-    ``docker``/``privileged``/``nvcc``/``image``/``commands``/``user``/``registry_auth`` to (value, field path).
-    Local replicas run their commands on this machine, confined, without containers."""
+    ``docker``/``privileged``/``nvcc``/``image``/``commands``/``user``/``registry_auth``/``volumes`` to (value, field
+    path). Local replicas run their commands on this machine, confined, without containers."""
     errors, warnings = [], []
     value = lambda name: fields.get(name, (None, name))[0]  # noqa: E731
     path = lambda name: fields.get(name, (None, name))[1]  # noqa: E731
@@ -179,6 +186,17 @@ def local_limits(fields: dict[str, tuple[object, str]]) -> tuple[list[str], list
                             f"machine{pulls}")
         else:
             errors.append(f"{path('image')}: the local backend cannot run images; give the group commands")
+    for i, mount in enumerate(value("volumes") or []):
+        # No path of a service reaches the root processes that start a local replica: nothing is bound into it.
+        if mount.network:
+            errors.append(f"{path('volumes')}[{i}]: volume {mount.name} is a cloud disk, attached to cloud "
+                          "instances only; the local backend has none")
+        elif not mount.optional:
+            errors.append(f"{path('volumes')}[{i}]: the local backend runs replicas without containers and binds "
+                          f"no path of this machine into them (`optional: true` runs without {mount.instance_path} "
+                          "here)")
+        else:
+            warnings.append(f"{path('volumes')}[{i}]: optional, not mounted by the local backend")
     # The local backend's own rule (it refuses at start too), said here, at plan time, with the field.
     refusal = user_refusal(value("user"), _replica_account())
     if refusal:
@@ -204,6 +222,7 @@ def group_runtime_fields(config, index: int) -> dict[str, tuple[object, str]]:
     out["commands"] = (list(group.commands), f"groups[{index}].commands" if explicit else "commands")
     out["user"] = (config.user, "user")
     out["registry_auth"] = (config.registry_auth, "registry_auth")
+    out["volumes"] = (list(config.volumes), "volumes")
     return out
 
 

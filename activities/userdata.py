@@ -137,11 +137,22 @@ def job_upload(job: JobSpec) -> dict[str, str]:
 
 def start_command(job: JobSpec, *, gpu: bool, replica_ip: str = "") -> str:
     """The shell command, run as root over SSH once the files are in place, that (re)starts the container;
-    ``replica_ip``: the instance's private address."""
-    argv = docker_run_argv(job, gpu=gpu, job_dir="@JOB@", replica_ip=replica_ip)
-    run = " ".join('"$JOB"' + shlex.quote(a[5:]) if a.startswith("@JOB@") else shlex.quote(a) for a in argv)
-    return ("set -e; DIR=\"${DURASTACK_DIR:-/opt/durastack}\"; JOB=\"$DIR/job\"; "
-            f"docker rm -f {CONTAINER_NAME} >/dev/null 2>&1 || true; {run}")
+    ``replica_ip``: the instance's private address. A network volume that is not mounted stops it: Docker would
+    make an empty directory in its place, and the app would write to the instance's own disk."""
+    argv = docker_run_argv(job, gpu=gpu, job_dir="@JOB@", replica_ip=replica_ip, volumes_dir="@VOLUMES@")
+    run = " ".join(_placed(a) for a in argv)
+    mounted = "".join(f'mountpoint -q "$VOLUMES"/{m.name} || {{ echo "volume {m.name} is not mounted" >&2; '
+                      "exit 1; }; " for m in job.volumes if m.network)
+    return ("set -e; DIR=\"${DURASTACK_DIR:-/opt/durastack}\"; JOB=\"$DIR/job\"; VOLUMES=\"$DIR/volumes\"; "
+            f"{mounted}docker rm -f {CONTAINER_NAME} >/dev/null 2>&1 || true; {run}")
+
+
+def _placed(arg: str) -> str:
+    """One argument, quoted, with the instance's directories (``@JOB@``, ``@VOLUMES@``) as shell variables."""
+    for mark, var in (("@JOB@", '"$JOB"'), ("@VOLUMES@", '"$VOLUMES"')):
+        if arg.startswith(mark):
+            return var + shlex.quote(arg[len(mark):])
+    return shlex.quote(arg)
 
 
 __all__ = ["BootKeys", "boot_script", "cloud_init", "default_image", "job_upload", "start_command", "startup_script"]

@@ -14,7 +14,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from cli.console import FileOption, err, out, print_errors
-from models.loader import load_config_file
+from models.loader import file_type, load_config_file, load_volume_file
 from models.service import ServiceConfiguration
 
 # Each command group's commands, in the order of `durastack --help`; its module (one per group, with a
@@ -30,6 +30,7 @@ GROUPS = {
     "cli.tokens": ("token",),
     "cli.keys": ("ssh-keys",),
     "cli.db": ("db",),
+    "cli.volumes": ("volume",),
 }
 
 
@@ -94,7 +95,10 @@ def validate(
     file: Path = FileOption,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Check a service file: exit 0 with one line per group when valid, exit 1 with every error."""
+    """Check a service file: exit 0 with one line per group when valid, exit 1 with every error (a `type: volume`
+    file too)."""
+    if file_type(file) == "volume":
+        return _validate_volume(file, as_json)
     result = load_config_file(file)
     if as_json:
         groups = group_summaries(result.config) if result.config else []
@@ -116,6 +120,20 @@ def validate(
         out.print(f"  group={g['name']} replicas={count} ({how}) {g['resources']}", markup=False)
     for w in result.warnings:
         err.print(f"  [yellow]warning:[/yellow] {w}")
+
+
+def _validate_volume(file: Path, as_json: bool) -> None:
+    result = load_volume_file(file)
+    if as_json:
+        out.print_json(json.dumps({"valid": result.valid, "errors": [e.to_json() for e in result.errors]}))
+    elif not result.valid:
+        print_errors(result, file)
+    else:
+        cfg = result.config
+        size = f"{cfg.size}GB" if cfg.size else f"volume_id {cfg.volume_id}"
+        out.print(f"{file}: valid volume {cfg.name or file.stem}, {cfg.backend} {cfg.availability_zone or cfg.region}, "
+                  f"{size}", markup=False)
+    raise typer.Exit(0 if result.valid else 1)
 
 
 def entry() -> None:

@@ -26,7 +26,7 @@ from cli.console import FileOption, err, out, print_errors, user_error
 from cli.control import RPC, ask, deliver, last_run, live_status, running, service_url, ui_link
 from cli.render import ps_table
 from connect.codec import CodecKeys, load_keys
-from models.loader import load_config_file
+from models.loader import file_type, load_config_file
 from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, ServiceStatus
 from models.secrets import REVEAL
 from models.service import SERVICE_NAME_RE, ServiceConfiguration
@@ -71,6 +71,7 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
     from activities.quota import launchable
     from cli.offers import cloud_backends
     from activities.runtime import group_runtime_fields, local_limits
+    from cli.volumes import plan as volume_plan
     from models.backends import load_backends_config
     from workflows.addresses import one_place as reach_each_other
 
@@ -80,9 +81,9 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
         backends = load_backends_config(os.environ)
     except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         raise user_error(f"config.yml: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    candidates, problems, offers = candidate_offers(backends), [], {}
+    candidates, offers = candidate_offers(backends), {}
     clouds = cloud_backends(backends)
-    queries = look_up_reservations(group_queries(config), backends)
+    queries, problems = volume_plan(config, look_up_reservations(group_queries(config), backends))
     for i, (g, q) in enumerate(zip(config.replica_groups, queries)):
         found, reason = plan_query(candidates, q, backends)
         found, short = launchable(clouds, found)  # as the launch skips them: never planned on
@@ -149,7 +150,11 @@ def apply(
     force: bool = typer.Option(False, "--force", help="With -y: stop and re-create a service whose change "
                                                       "cannot be applied in place."),
 ) -> None:
-    """Submit a service, or update a running one (in place or by rolling deployment), and follow it."""
+    """Submit a service, or update a running one (in place or by rolling deployment), and follow it; or make a
+    network volume (a `type: volume` file)."""
+    if file_type(file) == "volume":
+        from cli.volumes import apply_volume
+        return apply_volume(file, yes)
     settings = Settings.from_env()
     config = _resolve(_config_or_exit(file), file, dict(os.environ))
     problems, places = _print_plan(config)

@@ -20,7 +20,8 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from models.resources import ResourcesSpec
 from models.service import ReplicaGroup, ServiceConfiguration
-from models.validation import Issue, validate_service, warnings_for
+from models.validation import Issue, validate_service, validate_volume, warnings_for
+from models.volumes import VolumeConfiguration
 
 MAX_FILE_BYTES = 1024 * 1024
 MAX_NODES = 100_000  # an alias bomb expands past this long before memory suffers
@@ -72,6 +73,12 @@ def load_config_file(path: str | Path) -> LoadResult:
 
 
 def load_config_text(text: str) -> LoadResult:
+    read = _read(text)
+    return read if isinstance(read, LoadResult) else load_config_data(*read)
+
+
+def _read(text: str) -> LoadResult | tuple[Any, dict[tuple, int]]:
+    """The YAML document as plain values, with each key's and item's line; or why it cannot be read."""
     if len(text.encode("utf-8", errors="replace")) > MAX_FILE_BYTES:
         return _fail(f"the file is larger than {MAX_FILE_BYTES // 1024} KiB")
     try:
@@ -83,10 +90,53 @@ def load_config_text(text: str) -> LoadResult:
         return _fail(f"invalid YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     lines: dict[tuple, int] = {}
     try:
-        data = _plain(doc, (), lines, [0])
+        return _plain(doc, (), lines, [0]), lines
     except _TooBig as e:
         return _fail(str(e))
-    return load_config_data(data, lines)
+
+
+def file_type(path: str | Path) -> Optional[str]:
+    """The ``type`` a configuration file declares (``service``, ``volume``, …); None when it cannot be read or
+    declares none (the loader then says why)."""
+    try:
+        read = _read(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    data = None if isinstance(read, LoadResult) else read[0]
+    return data.get("type") if isinstance(data, dict) and isinstance(data.get("type"), str) else None
+
+
+@dataclass
+class VolumeLoadResult:
+    config: Optional[VolumeConfiguration] = None
+    errors: list[ConfigError] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return self.config is not None and not self.errors
+
+
+def load_volume_file(path: str | Path) -> VolumeLoadResult:
+    """A ``type: volume`` file, with errors naming the field and its line as a service file's do."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return VolumeLoadResult(errors=[ConfigError("", None, f"{path}: cannot read the file ({e})")])
+    read = _read(text)
+    if isinstance(read, LoadResult):
+        return VolumeLoadResult(errors=read.errors)
+    data, lines = read
+    if not isinstance(data, dict):
+        return VolumeLoadResult(errors=[ConfigError("", None, "the file must be a mapping of fields (type: volume, "
+                                                              "name: …)")])
+    spelling = _Spelling(data)
+    try:
+        config = VolumeConfiguration.model_validate(data)
+    except ValidationError as e:
+        return VolumeLoadResult(errors=[_from_pydantic(err, spelling, lines, VolumeConfiguration)
+                                        for err in e.errors(include_url=False)])
+    errors = [_from_issue(i, spelling, lines) for i in validate_volume(config)]
+    return VolumeLoadResult(config=None if errors else config, errors=errors)
 
 
 def load_config_data(data: Any, lines: Optional[dict[tuple, int]] = None) -> LoadResult:
@@ -97,8 +147,9 @@ def load_config_data(data: Any, lines: Optional[dict[tuple, int]] = None) -> Loa
     if not isinstance(data, dict):
         return _fail(f"the file must be a mapping of fields (type: service, port: …), got a {_kind(data)}")
     if data.get("type") not in (None, "service"):
+        also = "; a `type: volume` file is applied with `durastack apply -f`" if data["type"] == "volume" else ""
         return LoadResult(errors=[ConfigError("type", lines.get(("type",)),
-                                              f"durastack runs services (type: service), got {data['type']!r}")])
+                                              f"durastack runs services (type: service), got {data['type']!r}{also}")])
     spelling = _Spelling(data)
     if isinstance(data.get("replicas"), list) and data.get("groups") is not None:
         return LoadResult(errors=[ConfigError("groups", lines.get(("groups",)),
@@ -255,16 +306,17 @@ def _loc(err: dict) -> tuple:
     return tuple(part for part in err["loc"] if part != "[key]")
 
 
-def _from_pydantic(err: dict, spelling: _Spelling, lines: dict[tuple, int]) -> ConfigError:
+def _from_pydantic(err: dict, spelling: _Spelling, lines: dict[tuple, int], top: type = ServiceConfiguration
+                   ) -> ConfigError:
     loc = _loc(err)
     raw = spelling.raw(loc)
-    return ConfigError(render_path(raw), _line(raw, lines), _message(err, loc))
+    return ConfigError(render_path(raw), _line(raw, lines), _message(err, loc, top))
 
 
-def _message(err: dict, loc: tuple) -> str:
+def _message(err: dict, loc: tuple, top: type = ServiceConfiguration) -> str:
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
-        return "unknown field" + _suggest(loc)
+        return "unknown field" + _suggest(loc, top)
     if kind == "missing":
         return "required field is missing"
     if msg.startswith("Value error, "):
@@ -274,15 +326,17 @@ def _message(err: dict, loc: tuple) -> str:
     return msg[0].lower() + msg[1:] if msg[:1].isupper() and not msg[1:2].isupper() else msg
 
 
-def _suggest(loc: tuple) -> str:
+def _suggest(loc: tuple, top: type = ServiceConfiguration) -> str:
     """Point at the field the user probably meant (``comands`` → ``commands``)."""
     name = loc[-1] if loc and isinstance(loc[-1], str) else None
     parent = loc[:-1]
     if name is None:
         return ""
     if not parent:
-        candidates = list(ServiceConfiguration.model_fields)
+        candidates = list(top.model_fields)
     elif len(parent) == 2 and parent[0] == "groups":
+        if name in ServiceConfiguration.model_fields:  # env, volumes, port…: dstack's service-level fields
+            return f"; `{name}` is set at the service level only (it applies to every group)"
         candidates = list(ReplicaGroup.model_fields) + ["replicas"]
     elif parent[-1] == "resources":
         candidates = list(ResourcesSpec.model_fields)

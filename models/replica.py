@@ -14,6 +14,7 @@ from pydantic import BeforeValidator, Field, FieldSerializationInfo, field_seria
 from models.common import Model
 from models.registry import RegistryAuth
 from models.secrets import dump_env, unmark_env
+from models.volumes import VolumeMount
 
 # Service and group names become path components of the replica's work dir, so keep them tame.
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -43,6 +44,9 @@ class JobSpec(Model):
                                                         "as its last argument; alone with an image, instead of its own.")
     registry_auth: Optional[RegistryAuth] = Field(None, description=(
         "Credentials for pulling `image`, with the `env` values they name filled in (secret)."))
+    volumes: list[VolumeMount] = Field(default_factory=list, description=(
+        "What the container mounts: network volumes (attached to its instance and mounted there first) and "
+        "directories of the instance (the service's `volumes`)."))
     nvcc: bool = Field(False, description="Run in the CUDA devel image (nvcc available).")
     docker: bool = Field(False, description="Docker-in-Docker: privileged, dockerd started, commands in bash.")
     privileged: bool = Field(False, description="Run the container privileged (always with docker).")

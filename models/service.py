@@ -18,6 +18,7 @@ from models.failures import RETRY_EVENTS, RetryEvent
 from models.registry import RegistryAuth
 from models.reservations import RESERVATION_HELP
 from models.secrets import SECRETS_DESCRIPTION, dump_env, is_secret, unmark
+from models.volumes import MAX_VOLUMES, Mount
 
 SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,40}$")
 GROUP_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -414,6 +415,10 @@ class ServiceConfiguration(Model):
         "`${{ env.NAME }}` (an `env` entry's value). A new one applies to the next pulls: no replica restarts."))
     working_dir: Optional[Line] = Field(None, min_length=1, description=(
         "Working directory of the commands: relative to the replica's work dir, or absolute."))
+    volumes: Annotated[list[Mount], _bounded(MAX_VOLUMES, "volumes")] = Field(default_factory=list, description=(
+        "Volumes every replica mounts: `{name, path}` (or `NAME:PATH`) a network volume made beforehand (`durastack "
+        "apply -f` of a `type: volume` file), `{instance_path, path}` (or `/HOST/PATH:PATH`) a directory of the "
+        "instance. Cloud replicas only; a change rolls the replicas."))
     user: Optional[Annotated[str, Field(pattern=USER_RE.pattern)]] = Field(
         None, description="User the commands run as (a name or a numeric uid).")
     shell: Optional[Line] = Field(None, description="Shell that runs the commands.")

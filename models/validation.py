@@ -20,6 +20,7 @@ from models.interpolation import find, group_name
 from models.registry import ENV_REF
 from models.reservations import format_error
 from models.resources import ResourcesSpec
+from models.volumes import SIZE_LIMITS, VolumeConfiguration
 from models.service import (
     ENGINE_METRICS,
     GROUP_NAME_RE,
@@ -50,7 +51,7 @@ def _set(value: object) -> bool:
 
 def validate_service(cfg: ServiceConfiguration) -> list[Issue]:
     rules = [_model_rules, _service_level, _probes_and_limits, _rate_limits, _secrets, _loader_env, _bounds,
-             _not_supported, _reservations, _references, _registry_auth]
+             _not_supported, _reservations, _references, _registry_auth, _volumes]
     rules += [_groups] if cfg.groups is not None else [_homogeneous]
     return [issue for rule in rules for issue in rule(cfg)]
 
@@ -246,6 +247,53 @@ def _registry_auth(cfg: ServiceConfiguration) -> Iterator[Issue]:
     if not any(cfg.image or g.image for g in cfg.replica_groups):
         yield Issue(("registry_auth",), "no group sets `image`: the default images are public, nothing would use "
                                         "these credentials")
+
+
+def _volumes(cfg: ServiceConfiguration) -> Iterator[Issue]:
+    """A path is mounted once and a network volume once; and since EBS and PD attach a volume read-write to one
+    instance at a time (dstack's rule: only RunPod and Kubernetes volumes attach to several), a service with a network
+    volume runs one replica at most, over all its groups (every group mounts the service's volumes)."""
+    paths: dict[str, int] = {}
+    names: dict[str, int] = {}
+    for i, mount in enumerate(cfg.volumes):
+        if mount.path in paths:
+            yield Issue(("volumes", i, "path"), f"{mount.path} is mounted already (volumes[{paths[mount.path]}])")
+        paths.setdefault(mount.path, i)
+        if mount.name is not None and mount.name in names:
+            yield Issue(("volumes", i, "name"), f"volume {mount.name} is mounted already (volumes[{names[mount.name]}]); "
+                                                "a volume has one mount point")
+        names.setdefault(mount.name or "", i)
+    most = sum(g.count.max or 0 for g in cfg.replica_groups)
+    first = next((i for i, m in enumerate(cfg.volumes) if m.network), None)
+    if first is not None and most > 1:
+        yield Issue(("volumes", first, "name"), f"volume {cfg.volumes[first].name} is a network volume, which AWS and "
+                                                "GCP attach read-write to one instance at a time: the service may run "
+                                                f"one replica at most, and its groups' maximum counts add up to {most}",
+                    about=(("replicas",), ("groups",)))
+
+
+def validate_volume(cfg: VolumeConfiguration) -> list[Issue]:
+    """The rules of a `type: volume` file that span its fields."""
+    issues = []
+    if cfg.size is None and cfg.volume_id is None:
+        issues.append(Issue(("size",), "give `size` to make a new volume, or `volume_id` to register an existing one"))
+    if cfg.size is not None and cfg.volume_id is not None:
+        issues.append(Issue(("volume_id",), "`size` makes a new volume and `volume_id` registers an existing one: "
+                                            "give one of them"))
+    lo, hi = SIZE_LIMITS[cfg.backend]
+    if cfg.size is not None and not lo <= cfg.size <= hi:
+        kind = "an EBS gp3 volume" if cfg.backend == "aws" else "a pd-balanced persistent disk"
+        issues.append(Issue(("size",), f"{kind} is {lo}GB..{hi}GB, got {cfg.size}GB"))
+    zone = cfg.availability_zone
+    if zone is not None and not (zone.startswith(cfg.region) and len(zone) > len(cfg.region)):
+        issues.append(Issue(("availability_zone",), f"{zone} is not a zone of region {cfg.region}"))
+    if cfg.backend == "aws" and cfg.volume_id is not None and not re.fullmatch(r"vol-[0-9a-f]{8,17}", cfg.volume_id):
+        issues.append(Issue(("volume_id",), f"an EBS volume id is vol- and 8 or 17 hex digits, got {cfg.volume_id!r}"))
+    if cfg.backend == "gcp" and cfg.volume_id is not None and \
+            not re.fullmatch(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?", cfg.volume_id):
+        issues.append(Issue(("volume_id",), f"a persistent disk's name is lowercase letters, digits and '-', got "
+                                            f"{cfg.volume_id!r}"))
+    return issues
 
 
 def _probes_and_limits(cfg: ServiceConfiguration) -> Iterator[Issue]:

@@ -12,7 +12,7 @@ No ``from __future__ import annotations`` here: sqlmodel reads the field annotat
 from datetime import datetime
 from typing import Any, Optional
 
-from sqlalchemy import JSON, Column, DateTime, Index, Text
+from sqlalchemy import JSON, Boolean, Column, DateTime, Index, Text
 from sqlmodel import Field, SQLModel
 
 
@@ -66,4 +66,21 @@ class ServiceRow(SQLModel, table=True):
     view: dict = Field(sa_column=Column(JSON, nullable=False), description="models.run.ServiceStatus as JSON.")
 
 
-__all__ = ["DecisionLogEntry", "LedgerEntry", "ServiceRow"]
+class VolumeRow(SQLModel, table=True):
+    """A network volume (models.volumes.VolumeRecord): made or registered by `durastack apply -f` of a `type: volume`
+    file, looked up by name when a replica that mounts it is planned, placed and started."""
+
+    __tablename__ = "volumes"
+
+    name: str = Field(primary_key=True, description="The name services mount it by.")
+    backend: str = Field(description="aws or gcp.")
+    region: str = Field(description="Its region.")
+    zone: str = Field(description="Its zone.")
+    cloud_id: str = Field(description="AWS vol-…, the GCP disk's name.")
+    size_gb: int = Field(description="Its size in GB.")
+    registered: bool = Field(sa_column=Column(Boolean, nullable=False),
+                             description="Registered with `volume_id` (never deleted in the cloud).")
+    created_at: datetime = _when("When it was made or registered (UTC).")
+
+
+__all__ = ["DecisionLogEntry", "LedgerEntry", "ServiceRow", "VolumeRow"]

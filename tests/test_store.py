@@ -125,7 +125,7 @@ def test_migrations_on_an_empty_database_make_exactly_the_tables(url):
     assert store.current() == ""
     store.open()
     assert store.current() == "" and not sa.inspect(store.engine).get_table_names()  # upgrade=False: untouched
-    assert store.upgrade() == head_revision() == "0001"
+    assert store.upgrade() == head_revision() == "0002"
     assert diffs(store) == []
     # The comparison is live: a column the revisions lack is reported.
     wider = sa.MetaData()
@@ -138,7 +138,7 @@ def test_migrations_on_an_empty_database_make_exactly_the_tables(url):
         command.downgrade(alembic_config(c), "base")
         c.commit()
     assert store.current() == "" and set(sa.inspect(store.engine).get_table_names()) <= {"alembic_version"}
-    assert store.upgrade() == "0001" and diffs(store) == []
+    assert store.upgrade() == "0002" and diffs(store) == []
     store.close()
 
 
@@ -147,7 +147,7 @@ def test_workers_starting_together_migrate_once(url, tmp_path):
     # lock, that fails: "table … already exists" on SQLite, a unique violation in pg_type on PostgreSQL).
     setup = "from store import Store, head_revision\nimport alembic.command\nhead_revision()"
     results = run_children(setup, "print(Store(sys.argv[2]).open().current())", [url] * 4, tmp_path / "go")
-    assert [(r.returncode, r.stdout.strip()) for r in results] == [(0, "0001")] * 4, [r.stderr for r in results]
+    assert [(r.returncode, r.stdout.strip()) for r in results] == [(0, "0002")] * 4, [r.stderr for r in results]
     store = Store(url, upgrade=False)
     assert diffs(store) == []
     with store.engine.connect() as c:
@@ -371,8 +371,8 @@ def test_ps_shows_the_read_model_marked_stale_when_the_control_plane_is_down(cli
 
 def test_db_commands(cli_home):
     result = cli("db", "current", "--check")
-    assert result.exit_code == 1 and "(empty) (latest 0001)" in result.stdout
+    assert result.exit_code == 1 and "(empty) (latest 0002)" in result.stdout
     assert not (cli_home / "store.db").exists()  # reading never creates it
-    assert cli("db", "upgrade").stdout.strip() == f"{cli_home}/store.db: (empty) → 0001"
-    assert cli("db", "upgrade").stdout.strip() == f"{cli_home}/store.db: at 0001 already"
+    assert cli("db", "upgrade").stdout.strip() == f"{cli_home}/store.db: (empty) → 0002"
+    assert cli("db", "upgrade").stdout.strip() == f"{cli_home}/store.db: at 0002 already"
     assert cli("db", "current", "--check").exit_code == 0

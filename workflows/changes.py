@@ -30,7 +30,7 @@ IN_PLACE = {"replicas", "groups", "scaling", "stop_duration", "startup_timeout",
             "idle_duration"}
 # Applied by replacing the replicas whose job changes, one at a time per group.
 ROLLING = {"port", "probes", "resources", "docker", "image", "privileged", "python", "nvcc", "env",
-           "commands", "entrypoint", "working_dir", "user", "shell"}
+           "commands", "entrypoint", "working_dir", "user", "shell", "volumes"}
 # A group's reservation is where its replicas are placed: new ones go into the new one, one at a time, as dstack
 # redeploys the jobs whose requirements change. The service's `reservation` is not updatable, as in dstack.
 GROUP_ROLLING = {"reservation"}
@@ -106,6 +106,8 @@ def input_hash(inp: ReplicaInput, key: str = "") -> str:
     fields.update({name: getattr(inp, name) for name in INPUT_FIELDS})
     if inp.reservation:  # only when set: the hash of every replica without one stays what it was
         fields["reservation"] = inp.reservation
+    if inp.job.volumes:  # likewise
+        fields["job.volumes"] = inp.job.volumes
     payload = {"version": SPEC_VERSION, **{name: _plain(value) for name, value in fields.items()}}
     data = json.dumps(payload, sort_keys=True).encode()
     if key:

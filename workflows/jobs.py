@@ -38,7 +38,7 @@ def job_spec(config: ServiceConfiguration, service: str, group_name: str, replic
                    port=config.port.container_port,
                    python=group.python or config.python, image=group.image or config.image,
                    working_dir=config.working_dir, user=config.user, shell=config.shell,
-                   entrypoint=config.entrypoint,
+                   entrypoint=config.entrypoint, volumes=list(config.volumes),
                    registry_auth=config.registry_auth.resolved(env) if config.registry_auth else None,
                    **runtime_fields(config, group_name))
 
@@ -109,6 +109,10 @@ def placement_key(inp: ReplicaInput) -> str:
     """The replica's placement inputs, hashed (it is kept with every replica in the service's state)."""
     values = {name: getattr(inp, name) for name in PLACEMENT_FIELDS}
     values["resources"] = inp.resources.model_dump(mode="json")
-    if inp.reservation:  # an instance outside the group's (new) reservation is not its to take; unset: keys as before
+    # Only when set, so that the keys of services without them stay as they were: an instance outside the group's
+    # (new) reservation, or the zone of its (new) network volumes, is not its to take.
+    if inp.reservation:
         values["reservation"] = inp.reservation
+    if inp.job.volumes:
+        values["volumes"] = [v.model_dump(mode="json") for v in inp.job.volumes]
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

@@ -12,6 +12,7 @@ from typing import Optional
 
 from models.run import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
+from models.volumes import single_attach
 from workflows.addresses import late, readdressed, resolve
 
 # Resubmission back-off after failures in a row of a group. The first is
@@ -138,16 +139,24 @@ def _scale(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replic
 def _roll(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start,
           stale: frozenset = frozenset()) -> int:
     """Spec 6.5: at most one extra replica; an old one stops only when a new one serves. Old: of an earlier
-    deployment, or ``stale`` (an address it was started with moved). Returns how many it needed to start."""
+    deployment, or ``stale`` (an address it was started with moved). Returns how many it needed to start.
+
+    But replicas that mount a network volume, which attaches to one instance at a time, cannot run beside their
+    replacement: the old one is stopped first, and the next pass starts its replacement as for any replica stopped
+    (whose launch attaches the volume once the old one's teardown has detached it)."""
     # Replicas still terminating count, also when a newer submission reuses their number.
     unfinished = {r.replica_num for r in state.replicas if r.group == group.name and not r.finished}
-    surge = group.desired + 1 - len(unfinished)
+    extra = 0 if single_attach(state.config.volumes) else 1
+    surge = group.desired + extra - len(unfinished)
     if surge > 0 and can_start:
         plan.start += _starts(group.name, mine, surge, numbers)
     active = [r for r in mine if r.active]
-    idle_old = [r for r in active if (r.deployment_num < state.deployment_num or r.key in stale) and not r.serves]
+    old = [r for r in active if r.deployment_num < state.deployment_num or r.key in stale]
+    idle_old = [r for r in old if not r.serves]
     serving_now = [r for r in active if r.serves]
     to_stop = len(idle_old) + max(0, len(serving_now) - group.desired)
+    if not extra and not to_stop and surge <= 0:
+        to_stop = min(1, len(old))  # stop first: it makes room for its replacement
     if to_stop:
         for r in removal_order(active, state.deployment_num, stale)[-to_stop:]:
             plan.stop.append(Stop(r.replica_num, r.submission_num, "replaced"))

@@ -13,6 +13,12 @@
   (NoSuchResourceException for ``ec2``): each region's six codes answer a settable value (``set_quota``; a generous
   2048 vCPUs otherwise), in AWS's response shape, and ``deny_quotas`` answers AccessDeniedException as for a
   policy without ``servicequotas:GetServiceQuota``.
+* EBS volumes as EC2 attaches them, where moto attaches anything anywhere: AttachVolume of a volume attached to an
+  instance (VolumeInUse), in another zone (InvalidVolume.ZoneMismatch), to an instance that is not running
+  (IncorrectState) or at a device name in use (InvalidParameterValue) is refused with EC2's code and message;
+  DetachVolume of a volume attached nowhere is IncorrectState; CreateVolume honours its ClientToken (the same token
+  and parameters: the same volume; other parameters: IdempotentParameterMismatch). (Terminating an instance detaches
+  its volumes in moto already, as in EC2.)
 * Capacity Reservations and Capacity Blocks, which moto lacks: DescribeCapacityReservations answers as EC2 does,
   and a RunInstances targeting one (CapacityReservationSpecification) is refused with EC2's codes when the id is
   malformed or unknown, or when the reservation cannot take it (not active, another instance type, zone or
@@ -179,15 +185,14 @@ class EC2FaultMiddleware:
         params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True).items()}
         with self.lock:
             self.actions.append(params.get("Action", ""))
-        if params.get("Action") not in ("RunInstances", "DeleteSecurityGroup", "DescribeCapacityReservations"):
+        handlers = {"RunInstances": self._run_instances, "DeleteSecurityGroup": self._delete_group,
+                    "DescribeCapacityReservations": lambda _, p, r: self._describe_reservations(p, r),
+                    "AttachVolume": self._attach_volume, "DetachVolume": self._detach_volume,
+                    "CreateVolume": self._create_volume}
+        if params.get("Action") not in handlers:
             return self.app(environ, start_response)
         with self.lock:  # one after the other, as EC2 orders a launch into a group and that group's deletion
-            if params["Action"] == "RunInstances":
-                status, headers, out = self._run_instances(environ, params, region)
-            elif params["Action"] == "DeleteSecurityGroup":
-                status, headers, out = self._delete_group(environ, params, region)
-            else:
-                status, headers, out = self._describe_reservations(params, region)
+            status, headers, out = handlers[params["Action"]](environ, params, region)
         start_response(f"{status} {'OK' if status == 200 else 'ERROR'}", headers)
         return [out]
 
@@ -298,6 +303,49 @@ class EC2FaultMiddleware:
                 f'<requestId>{uuid.uuid4()}</requestId><capacityReservationSet>'
                 + "".join(r.xml() for r in found) + "</capacityReservationSet></DescribeCapacityReservationsResponse>")
         return 200, [("Content-Type", "text/xml")], body.encode()
+
+    def _attach_volume(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
+        ebs = _moto(region)
+        volume = ebs.volumes.get(params.get("VolumeId", ""))
+        try:
+            instance = ebs.get_instance(params.get("InstanceId", ""))
+        except Exception:  # noqa: BLE001 — moto's own error for an unknown instance follows
+            return self._moto_answer(environ)
+        if volume is None:
+            return self._moto_answer(environ)  # InvalidVolume.NotFound, as EC2
+        if volume.attachment is not None:
+            return _error("VolumeInUse", f"{volume.id} is already attached to an instance")
+        if volume.zone.name != instance.placement.zone:
+            return _error("InvalidVolume.ZoneMismatch", f"The volume '{volume.id}' is not in the same availability "
+                                                        f"zone as instance '{instance.id}'")
+        if instance.state not in ("running", "stopped"):
+            return _error("IncorrectState", f"Instance '{instance.id}' is not 'running'.")
+        device = params.get("Device", "")
+        if device in instance.block_device_mapping:
+            return _error("InvalidParameterValue", f"Invalid value '{device}' for unixDevice. Attachment point "
+                                                   f"{device} is already in use")
+        return self._moto_answer(environ)
+
+    def _detach_volume(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
+        volume = _moto(region).volumes.get(params.get("VolumeId", ""))
+        if volume is not None and volume.attachment is None:
+            return _error("IncorrectState", f"Volume '{volume.id}' is in the 'available' state.")
+        return self._moto_answer(environ)
+
+    def _create_volume(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
+        """CreateVolume under a ClientToken: once (moto ignores the token and makes another volume each time)."""
+        token = params.get("ClientToken", "")
+        fingerprint = tuple(sorted((k, v) for k, v in params.items() if k != "ClientToken"))
+        cache_key = (region, "CreateVolume", token)
+        if token and cache_key in self.launches:
+            done = self.launches[cache_key]
+            if done.fingerprint != fingerprint:
+                return _error("IdempotentParameterMismatch", "The client token was used with other parameters")
+            return 200, done.headers, done.body
+        status, headers, out = self._moto_answer(environ)
+        if status == 200 and token:
+            self.launches[cache_key] = _Launch(fingerprint, out, headers)
+        return status, headers, out
 
     def _delete_group(self, environ, params: dict, region: str) -> tuple[int, list, bytes]:
         if _group_in_use(region, params.get("GroupId", "")):

@@ -4,7 +4,9 @@ registry has the private repositories ``$FAKE_REGISTRY`` lists, pulled only with
 
 A "container" is the group's commands run by a supervisor process in the host's network namespace, with the
 env of ``--env-file``/``-e``, the working dir of ``-w``, and its ``-v SRC:/durastack`` mount seen at SRC (the
-job file is copied with that path rewritten: there is no mount namespace here). It is on the host's network,
+job file is copied with that path rewritten: there is no mount namespace here). Every other ``-v SRC:DST`` is seen
+the same way: DST is rewritten to SRC in the job file and the env values, and SRC, a path of the host (under
+``$FAKE_HOST_ROOT``, where the simulated host keeps its files), is made if missing, as Docker makes a bind's source. It is on the host's network,
 as ``--network=host`` puts it (the flags it was given are kept in ``spec.json``). State lives under ``$FAKE_DOCKER_DIR/<name>``.
 """
 
@@ -68,9 +70,11 @@ def _run(args: list[str]) -> int:
         k, _, v = kv.partition("=")
         env[k] = v
     mount = next((v.split(":")[0] for v in opts.get("-v", []) if ":/durastack" in v), None)
+    binds = _binds([v for v in opts.get("-v", []) if ":/durastack" not in v])
+    env = {k: _seen_at(v, binds) for k, v in env.items()}
     argv = rest
     if mount and rest[:1] == ["-c"]:
-        job = (Path(mount) / "job.sh").read_text().replace("/durastack/", f"{mount}/")
+        job = _seen_at((Path(mount) / "job.sh").read_text().replace("/durastack/", f"{mount}/"), binds)
         (d / "job.sh").write_text(job)
         argv = ["-c", rest[1].replace("/durastack/job.sh", str(d / "job.sh"))]
     spec = {"image": image, "argv": argv, "env": env, "cwd": opts.get("-w", [str(d)])[0], "flags": sorted(flags),
@@ -87,6 +91,26 @@ def _run(args: list[str]) -> int:
         time.sleep(0.01)
     print(name)
     return 0
+
+
+def _binds(volumes: list[str]) -> list[tuple[str, str]]:
+    """(container path, host path) of each ``-v SRC:DST[:ro]``, longest first; each source made if missing."""
+    root = os.environ.get("FAKE_HOST_ROOT", "")
+    binds = []
+    for volume in volumes:
+        source, target = volume.split(":")[:2]
+        if root and not (source + "/").startswith(root.rstrip("/") + "/"):
+            source = root.rstrip("/") + source  # a path of the simulated host, kept under its root
+        Path(source).mkdir(parents=True, exist_ok=True)
+        binds.append((target, source))
+    return sorted(binds, key=lambda b: -len(b[0]))
+
+
+def _seen_at(text: str, binds: list[tuple[str, str]]) -> str:
+    """``text`` with each container path of ``binds`` (a whole path component) replaced by its host path."""
+    for target, source in binds:
+        text = re.sub(re.escape(target) + r"(?![\w.-])", lambda _: source, text)
+    return text
 
 
 def _supervise(name: str) -> int:

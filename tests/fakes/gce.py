@@ -12,6 +12,13 @@ ThreadingHTTPServer on 127.0.0.1:<ephemeral>; ``gce`` is the fixture (import it 
 Images: get and getFromFamily, of ``PUBLIC_IMAGES`` and those a test adds; an insert whose boot image does not
 resolve (a retired family, an obsolete image) is refused as Compute refuses it (400 invalid).
 
+Persistent disks (insert, get, delete) and instances attachDisk / detachDisk: a disk attached read-write to an
+instance is refused to another one (and to the same one again) in the attach's operation,
+RESOURCE_IN_USE_BY_ANOTHER_RESOURCE, "The disk resource '…' is already being used by '…'", as Compute answers it; its
+deletion synchronously (400 resourceInUseByAnotherResource). A disk of another zone, an unknown disk or instance, or a
+detach of a device name the instance has not are refused (400 invalid, 404 notFound); deleting an instance detaches
+its disks (they are not auto-deleted).
+
 Reservations (get, list and aggregatedList, filtered by name, status and specificReservationRequired): an insert
 whose reservationAffinity is SPECIFIC_RESERVATION consumes one VM of the named reservation of its zone, held until
 the instance is deleted, and is refused as Compute refuses it: a reservation without specificReservationRequired
@@ -37,7 +44,10 @@ from tests.fakes import ServedInThread, gce_zones
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ZONE_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/(?P<kind>instances|operations)"
-                        r"(?:/(?P<name>[^/]+))?(?P<wait>/wait|/setLabels)?$")
+                        r"(?:/(?P<name>[^/]+))?(?P<wait>/wait|/setLabels)?(?:/(?P<action>attachDisk|detachDisk))?$")
+_DISK_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/disks(?:/(?P<name>[^/]+))?$")
+_DISK_SOURCE = re.compile(r"(?:.*/compute/v1/)?projects/(?P<p>[^/]+)/zones/(?P<z>[^/]+)/disks/(?P<name>[^/]+)$")
+MIN_DISK_GB = 10  # pd-balanced
 _GLOBAL_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/global/(?P<kind>firewalls|operations)"
                           r"(?:/(?P<name>[^/]+))?(?P<wait>/wait)?$")
 _REGION_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/regions/(?P<r>[^/]+)$")
@@ -61,7 +71,7 @@ _RESERVATION_PATH = re.compile(r"^/compute/v1/projects/(?P<p>[^/]+)/zones/(?P<z>
 _TERM = re.compile(r'\(?\s*(labels\.[a-z0-9_-]+|status|name|specificReservationRequired)\s*(=|!=)\s*"?([^")\s]*)"?'
                    r'\s*\)?')
 _AFFINITY_KEY = "compute.googleapis.com/reservation-name"
-_OP_ERRORS = {503: "SERVICE UNAVAILABLE", 403: "FORBIDDEN", 412: "PRECONDITION FAILED"}
+_OP_ERRORS = {503: "SERVICE UNAVAILABLE", 403: "FORBIDDEN", 412: "PRECONDITION FAILED", 400: "BAD REQUEST"}
 _REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "alreadyExists",
             429: "rateLimitExceeded", 500: "backendError", 503: "backendError"}
 
@@ -172,6 +182,7 @@ class FakeGCE(ServedInThread):
             self.region_refusal: Optional[tuple[int, str]] = None  # (status, reason) regions.get answers
             self.reservations: dict[tuple[str, str, str], dict] = {}
             self.consumed: dict[tuple[str, str, str], tuple[str, str, str]] = {}  # instance → its reservation
+            self.disks: dict[tuple[str, str, str], dict] = {}
 
     # --- test controls ----------------------------------------------------------------------------
 
@@ -289,13 +300,18 @@ class FakeGCE(ServedInThread):
         m = _RESERVATION_PATH.match(path)
         if m and method == "GET":
             return self._reservations(m["p"], m["z"], m["name"], query.get("filter", ""))
-        m = _ZONE_PATH.match(path)
+        m = _ZONE_PATH.match(path) or _DISK_PATH.match(path)
         if not m:
             return _http_error(404, f"no route {method} {path}")
         p, z, name = m["p"], m["z"], m["name"]
         if z not in self.machine_types:
             return _http_error(404 if method == "GET" else 400, f"Invalid value for field 'zone': '{z}'. "
                                                                  "Unknown zone.", "invalid")
+        if m.re is _DISK_PATH:
+            return self._disk(method, p, z, name, body, query.get("requestId", ""))
+        if m["action"] and method == "POST":
+            return self._attach(p, z, name, body, query) if m["action"] == "attachDisk" else \
+                self._detach(p, z, name, query.get("deviceName", ""))
         if m["kind"] == "operations" and name:
             return self._operation(p, z, name, wait=m["wait"] == "/wait")
         if m["wait"] == "/setLabels" and method == "POST":
@@ -309,8 +325,11 @@ class FakeGCE(ServedInThread):
             return (200, inst) if inst else _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/"
                                                               f"{name}' was not found")
         if method == "DELETE":
-            if self.instances.pop((p, z, name), None) is None:
+            deleted = self.instances.pop((p, z, name), None)
+            if deleted is None:
                 return _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/{name}' was not found")
+            for disk in self.disks.values():  # its disks stay, detached
+                disk["users"] = [u for u in disk.get("users", []) if u != deleted["selfLink"]]
             if (p, z, name) in self.consumed:
                 self._consume(self.consumed[(p, z, name)], (p, z, name), -1)
             return 200, self._new_op(p, z, "delete", name)
@@ -371,6 +390,88 @@ class FakeGCE(ServedInThread):
             self.lose -= 1
             return _http_error(503, "response lost (injected; the instance was created)")
         return 200, op
+
+    def all_disks(self) -> list[dict]:
+        with self.lock:
+            return [dict(d) for d in self.disks.values()]
+
+    def _disk(self, method: str, p: str, z: str, name: Optional[str], body: dict, request_id: str
+              ) -> tuple[int, dict]:
+        """disks.insert, get and delete."""
+        path = f"projects/{p}/zones/{z}/disks/{name or body.get('name', '')}"
+        if method == "POST" and not name:
+            disk_name, size = body.get("name", ""), int(body.get("sizeGb") or 0)
+            if not _NAME.match(disk_name):
+                return _http_error(400, f"Invalid value for field 'resource.name': '{disk_name}'.", "invalid")
+            if request_id and (p, z, request_id) in self.request_ids:
+                return 200, self.operations[(p, z, self.request_ids[(p, z, request_id)])]
+            if (p, z, disk_name) in self.disks:
+                return _http_error(409, f"The resource '{path}' already exists")
+            if size < MIN_DISK_GB:
+                return _http_error(400, f"Invalid value for field 'resource.sizeGb': '{size}'. Disk size cannot be "
+                                        f"smaller than {MIN_DISK_GB} GB.", "invalid")
+            self.disks[(p, z, disk_name)] = {
+                **body, "kind": "compute#disk", "id": str(next(self.ids)), "sizeGb": str(size), "status": "READY",
+                "zone": f"{self.url}/compute/v1/projects/{p}/zones/{z}", "users": [],
+                "type": f"{self.url}/compute/v1/projects/{p}/zones/{z}/diskTypes/"
+                        f"{body.get('type', 'pd-standard').rsplit('/', 1)[-1]}",
+                "creationTimestamp": "2026-01-01T00:00:00.000-00:00", "selfLink": f"{self.url}/compute/v1/{path}"}
+            return 200, self._new_op(p, z, "insert", disk_name, request_id)
+        disk = self.disks.get((p, z, name or ""))
+        if disk is None:
+            return _http_error(404, f"The resource '{path}' was not found")
+        if method == "GET":
+            return 200, disk
+        if method == "DELETE":
+            if disk["users"]:
+                return _http_error(400, f"The disk resource '{path}' is already being used by "
+                                        f"'{_short_link(disk['users'][0])}'", "resourceInUseByAnotherResource")
+            del self.disks[(p, z, name)]
+            return 200, self._new_op(p, z, "delete", name or "")
+        return _http_error(405, f"{method} not supported")
+
+    def _attach(self, p: str, z: str, name: str, body: dict, query: dict) -> tuple[int, dict]:
+        """instances.attachDisk: a disk of the instance's zone, attached read-write to no other instance."""
+        instance = self.instances.get((p, z, name))
+        if instance is None:
+            return _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/{name}' was not found")
+        request_id = query.get("requestId", "")
+        if request_id and (p, z, request_id) in self.request_ids:
+            return 200, self.operations[(p, z, self.request_ids[(p, z, request_id)])]
+        m = _DISK_SOURCE.match(body.get("source", ""))
+        if m is None or (m["p"], m["z"]) != (p, z):
+            return _http_error(400, f"Invalid value for field 'resource.source': '{body.get('source')}'. The disk "
+                                    "must be in the same zone as the instance.", "invalid")
+        disk = self.disks.get((p, z, m["name"]))
+        if disk is None:
+            return _http_error(404, f"The resource 'projects/{p}/zones/{z}/disks/{m['name']}' was not found")
+        if disk["users"] and body.get("mode", "READ_WRITE") == "READ_WRITE":
+            return 200, self._new_op(p, z, "attachDisk", name, request_id, error=(
+                400, "RESOURCE_IN_USE_BY_ANOTHER_RESOURCE", f"The disk resource 'projects/{p}/zones/{z}/disks/"
+                f"{m['name']}' is already being used by '{_short_link(disk['users'][0])}'"))
+        attached = instance.setdefault("disks", [])
+        attached.append({"kind": "compute#attachedDisk", "type": "PERSISTENT", "mode": body.get("mode", "READ_WRITE"),
+                         "source": disk["selfLink"], "deviceName": body.get("deviceName") or m["name"],
+                         "index": len(attached), "boot": False, "autoDelete": bool(body.get("autoDelete", False)),
+                         "interface": "SCSI"})
+        disk["users"] = disk["users"] + [instance["selfLink"]]
+        return 200, self._new_op(p, z, "attachDisk", name, request_id)
+
+    def _detach(self, p: str, z: str, name: str, device: str) -> tuple[int, dict]:
+        instance = self.instances.get((p, z, name))
+        if instance is None:
+            return _http_error(404, f"The resource 'projects/{p}/zones/{z}/instances/{name}' was not found")
+        found = next((d for d in instance.get("disks", []) if d.get("deviceName") == device and not d.get("boot")),
+                     None)
+        if found is None:
+            return _http_error(400, f"Invalid value for field 'deviceName': '{device}'. No attached disk found with "
+                                    f"device name '{device}'", "invalid")
+        instance["disks"] = [d for d in instance["disks"] if d is not found]
+        m = _DISK_SOURCE.match(found["source"])
+        disk = self.disks.get((m["p"], m["z"], m["name"])) if m else None
+        if disk is not None:
+            disk["users"] = [u for u in disk["users"] if u != instance["selfLink"]]
+        return 200, self._new_op(p, z, "detachDisk", name)
 
     def _reserved(self, p: str, z: str, body: dict, name: str, request_id: str
                   ) -> tuple[Optional[tuple], Optional[tuple]]:
@@ -553,6 +654,11 @@ class FakeGCE(ServedInThread):
         except ValueError as e:
             return _http_error(400, str(e))
         return 200, {"kind": f"compute#{kind[:-1]}AggregatedList", "items": scopes}
+
+
+def _short_link(link: str) -> str:
+    """``projects/…`` of a resource URL, as Compute's messages name resources."""
+    return link[link.index("projects/"):] if "projects/" in link else link
 
 
 @pytest.fixture

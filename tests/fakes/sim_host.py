@@ -49,7 +49,9 @@ def main() -> None:
     root = Path(args.root)
     env = {"PATH": f"{root / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": str(root / "home"),
            "DURASTACK_DIR": str(root / "opt"), "DURASTACK_ETC": str(root / "etc"),
-           "FAKE_DOCKER_DIR": str(root / "containers"), "LANG": "C.UTF-8"}
+           "FAKE_DOCKER_DIR": str(root / "containers"), "LANG": "C.UTF-8",
+           # Its devices (tests/fakes/blockdev.py), and where the host's own paths are (fake docker's -v sources).
+           "DURASTACK_DEV": str(root / "dev"), "FAKE_HOST_ROOT": str(root)}
 
     async def handle(process: asyncssh.SSHServerProcess) -> None:
         proc = await asyncio.create_subprocess_exec(

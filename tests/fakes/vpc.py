@@ -11,6 +11,9 @@
   (``socket_factory``, what ``activities.ssh.SSHClient`` is given), and the host serves only SSH there: the app is
   on the host's loopback, reachable through the SSH tunnel alone — as with a real cloud's firewall. The gateway's
   address is 172.31.255.254, or 10.255.255.254 towards a host in 10.0.0.0/8 (GCE's ranges): inside the VPC.
+* The cloud's disks: the VPC keeps each one's contents in a directory (``disks/<cloud id>``), and a host shows it at
+  the device path a real instance would only while the cloud says it is attached there (``Booter``'s ``list_disks``;
+  tests/fakes/blockdev.py): a file written by one host is read by the next one after a detach and an attach.
 * The cloud's firewall is honoured: a host booted with ``admits`` (what ``moto_instances`` / ``gce_instances`` read
   from the security groups and firewall rules, refreshed by the Booter as they change) takes TCP and UDP on its
   interface only from those sources, protocols and ports; the rest is dropped, as the cloud drops it. No
@@ -39,6 +42,8 @@ from typing import Iterator, Optional, Sequence
 
 import asyncssh
 from ruamel.yaml import YAML
+
+from tests.fakes import blockdev
 
 ROOT = Path(__file__).resolve().parents[2]
 BRIDGE_ADDRESS = "172.31.255.254"  # the VPC's own (the gateway's side); hosts get /32 routes, whatever range
@@ -189,8 +194,9 @@ class SimulatedVPC:
         if public:
             self._publish(netns, public)
         root = self.workdir / name
-        for d in ("opt", "etc", "home", "bin", "containers"):
+        for d in ("opt", "etc", "home", "bin", "containers", "dev"):
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
+        blockdev.install(root / "bin")
         docker = root / "bin" / "docker"
         docker.write_text(f"#!/bin/sh\nFAKE_REGISTRY={self.registry} exec {sys.executable} "
                           f"{ROOT / 'tests/fakes/fake_docker.py'} \"$@\"\n")
@@ -218,6 +224,15 @@ class SimulatedVPC:
         host = SimHost(name=name, netns=netns, veth=veth, address=address, root=root, server=server, public=public)
         self.hosts[name] = host
         return host
+
+    @property
+    def disks(self) -> Path:
+        """Each cloud disk's contents, by cloud id (tests/fakes/blockdev.py)."""
+        return self.workdir / "disks"
+
+    def show_disks(self, name: str, attached: dict[str, str]) -> None:
+        """Host ``name`` shows exactly the disks ``attached`` (device path under /dev → cloud id)."""
+        blockdev.show(self.hosts[name].root / "dev", self.disks, attached)
 
     def firewall(self, name: str, admits: Sequence[Admit]) -> None:
         """Bring host ``name``'s firewall to ``admits`` (the cloud's rules changed)."""
@@ -428,13 +443,38 @@ def gce_instances(gce) -> list[tuple[str, str, str, list[Admit]]]:
     return found
 
 
-class Booter:
-    """Boots a simulated host for every instance the fake cloud runs (polled in a thread), as a cloud would."""
+def moto_disks(region: str = "us-east-1") -> dict[str, dict[str, str]]:
+    """Instance id → {device path under /dev → volume id} of the EBS volumes moto has attached: a Nitro instance
+    shows each as an NVMe device named by the volume's id (with its dash dropped)."""
+    import boto3
 
-    def __init__(self, vpc: SimulatedVPC, list_instances, interval: float = 0.2):
+    volumes = boto3.client("ec2", region_name=region).describe_volumes()["Volumes"]
+    out: dict[str, dict[str, str]] = {}
+    for volume in volumes:
+        for a in volume.get("Attachments", []):
+            if a.get("State") == "attached":
+                device = f"disk/by-id/nvme-Amazon_Elastic_Block_Store_{volume['VolumeId'].replace('-', '')}"
+                out.setdefault(a["InstanceId"], {})[device] = volume["VolumeId"]
+    return out
+
+
+def gce_disks(gce) -> dict[str, dict[str, str]]:
+    """Instance name → {device path under /dev → disk name} of the persistent disks attached to it: GCE names each
+    ``google-<device name>``."""
+    return {i["name"]: {f"disk/by-id/google-{d['deviceName']}": d["source"].rsplit("/", 1)[-1]
+                        for d in i.get("disks", []) if not d.get("boot") and d.get("deviceName")}
+            for i in gce.all_instances()}
+
+
+class Booter:
+    """Boots a simulated host for every instance the fake cloud runs (polled in a thread), as a cloud would; with
+    ``list_disks`` (``moto_disks``, ``gce_disks``), shows each host the disks attached to its instance."""
+
+    def __init__(self, vpc: SimulatedVPC, list_instances, interval: float = 0.2, list_disks=None):
         import threading
 
         self.vpc, self.list_instances, self.interval = vpc, list_instances, interval
+        self.list_disks = list_disks
         self.errors: list[str] = []
         self.user_data: dict[str, str] = {}  # what each booted instance was given
         self._stop = threading.Event()
@@ -462,8 +502,12 @@ class Booter:
                         self.vpc.boot(name, address, user_data, admits, public)
                     elif admits is not None:
                         self.vpc.firewall(name, admits)  # the rules changed, or its peers did
+                if self.list_disks is not None:
+                    attached = self.list_disks()
+                    for name in list(self.vpc.hosts):
+                        self.vpc.show_disks(name, attached.get(name, {}))
             except Exception as e:  # noqa: BLE001 — reported by the test, never swallowed silently
                 self.errors.append(f"{type(e).__name__}: {e}")
             self._stop.wait(self.interval)
 __all__ = ["Admit", "Booter", "SimHost", "SimulatedVPC", "available", "boot_script_of", "gateway_address",
-           "gce_instances", "moto_instances"]
+           "gce_disks", "gce_instances", "moto_disks", "moto_instances"]
