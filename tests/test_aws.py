@@ -359,13 +359,16 @@ def test_ami_lookup_is_cached_and_overridable(aws, fake_ec2):
     assert next(i for i in all_instances() if i["InstanceId"] == inst.instance_id)["ImageId"] == image_id
 
 
-def test_gpu_instances_get_the_newest_ubuntu_24_04_base_oss_ami_of_their_arch(aws, fake_ec2):
+def test_gpu_instances_get_the_newest_ubuntu_24_04_base_oss_ami_of_their_arch(fake_ec2):
+    # Registered oldest first, none seeded before: moto dates each image when it is registered (to the second),
+    # and the lookup takes the newest date, then the greatest name (DLAMI names end in their date).
     ids = {name: ec2().register_image(Name=name, Description=name)["ImageId"] for name in (
         "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20260929",  # older, same line
+        GPU_AMI,  # 24.04, 20261006
         "Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006",
         "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20261110")}  # newer, the older Ubuntu
-    newest = ec2().describe_images(Owners=["self"], Filters=[{"Name": "name", "Values": [GPU_AMI]}])["Images"]
-    assert aws._ami("us-east-1", G5)["ImageId"] == newest[0]["ImageId"]  # GPU_AMI: 24.04, 20261006
+    aws = AWSBackend(AWSConfig(regions=["us-east-1"], ami_owners=["self"], gateway_cidrs=["203.0.113.7/32"]))
+    assert aws._ami("us-east-1", G5)["ImageId"] == ids[GPU_AMI]
     arm = G5.model_copy(update={"instance_type": "g5g.xlarge", "cpu_arch": "arm"})
     assert aws._ami("us-east-1", arm)["ImageId"] == \
         ids["Deep Learning ARM64 Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006"]
