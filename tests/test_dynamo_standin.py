@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -134,7 +135,14 @@ def test_workers_wait_for_etcd_register_serve_and_leave():
     # A 2 s lease (renewed every 0.7 s): with 1 s, one stall of a loaded CI machine let a live worker's lease lapse.
     workers = {mode: run("worker", "--disaggregation-mode", mode, "--host", "127.0.0.1", "--lease-ttl", "2",
                          env={**env, "DURASTACK_REPLICA": "7"}) for mode in ("prefill", "decode")}
-    f = Frontend(etcd_port)  # after the workers: they try until etcd answers
+    # Each worker tries until etcd answers: the frontend (its etcd) starts once both said they wait for it, not
+    # merely after they were started (a loaded machine can start a Python process in longer than the frontend).
+    for mode, worker in workers.items():
+        ready, _, _ = select.select([worker.stdout], [], [], 20)
+        assert ready, f"{mode}: nothing said in 20 s"
+        said = worker.stdout.readline()
+        assert said.startswith("waiting for etcd"), f"{mode}: {said}{end(worker)}"
+    f = Frontend(etcd_port)
     try:
         until(lambda: sorted(i["disaggregation_mode"] for i in f.instances()) == ["decode", "prefill"], 20, 0.05,
               "both workers registered")
@@ -164,6 +172,6 @@ def test_workers_wait_for_etcd_register_serve_and_leave():
         workers["prefill"].wait(10)
         until(lambda: f.instances() == [], 10, 0.05, "the dead worker's lease expired")
     finally:
-        logs = {mode: end(w) for mode, w in workers.items()}
+        for w in workers.values():
+            end(w)
         end(f.proc)
-    assert "waiting for etcd" in logs["prefill"] + logs["decode"]
