@@ -108,6 +108,10 @@ class GroupState(BaseModel):
     name: str = Field(description="Group name.")
     desired: int = Field(description="Replicas the group should have now.")
     last_scaled_at: Optional[datetime] = Field(None, description="This group's last scaling event (not retries).")
+    below_since: Optional[datetime] = Field(None, description=(
+        "Since when the group's metric has asked for fewer replicas than it has, without a break (its scale-down "
+        "waits for the whole down-delay of it); None when it asks for as many or more."))
+    below_most: int = Field(0, description="The most replicas the metric asked for since below_since.")
     failures: int = Field(0, description="Replica failures in a row (each within FAILURE_MEMORY of the end of the last back-off); "
                                          "sets the resubmission back-off.")
     last_failed_at: Optional[datetime] = Field(None, description="When a replica of this group last failed.")

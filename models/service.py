@@ -205,7 +205,9 @@ class ScalingSpec(Model):
         "Window over which the metric is measured: `rps` 30s, 60s or 300s (the gateway's windows); an engine "
         f"signal, read every second, any window from {ENGINE_WINDOWS[0]}s to {ENGINE_WINDOWS[1]}s."))
     scale_up_delay: Duration = Field(300, description="Time since this group's last scaling before scaling up.")
-    scale_down_delay: Duration = Field(600, description="Time since this group's last scaling before scaling down.")
+    scale_down_delay: Duration = Field(600, description=(
+        "How long the metric must ask for fewer replicas without a break, and the time since this group's last "
+        "scaling, before scaling down; then to the most it asked for in that time."))
 
     @field_validator("window")
     @classmethod

@@ -10,7 +10,7 @@ from activities.stats import changed, snapshot_of
 from models.gateway import ServiceStats, StatsReport, StatsWindow
 from models.run import GroupWatch, StatsSnapshot, StatsWatch
 from models.service import ScalingSpec
-from workflows.autoscaler import decide, next_check, wanted
+from workflows.autoscaler import Below, below, decide, next_check, wanted
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 SPEC = ScalingSpec(metric="rps", target=10, window=60, scale_up_delay=300, scale_down_delay=600)
@@ -79,6 +79,55 @@ def test_next_check_tells_when_a_held_decision_is_due():
     assert next_check(2, 5, SPEC, 0, 5, ago(60)) == 600
     assert next_check(2, 20, SPEC, 0, 5, ago(60)) is None
     assert next_check(0, 20, SPEC, 0, 5, ago(60)) is None  # from zero is never held
+
+
+def steady_walk(current: int, readings: list[tuple[int, float]], last: int = 3600) -> list[tuple[int, int, str]]:
+    """Feed readings (seconds after NOW, total) to below/decide as the workflow does: the counts it moves to."""
+    span, last_at, out = None, NOW - timedelta(seconds=last), []
+    for at, total in readings:
+        now = NOW + timedelta(seconds=at)
+        span = below(span, current, total, SPEC, 0, 5, now)
+        d = decide(current, total, SPEC, 0, 5, last_at, now, span, steady=True)
+        if d.new != current:
+            out.append((at, d.new, d.reason))
+            current, last_at, span = d.new, now, below(None, d.new, total, SPEC, 0, 5, now)
+    return out
+
+
+def test_a_steady_scale_down_waits_for_the_whole_delay_below_the_target():
+    # Long after the last scaling, a dip below the target is not enough: the group must want fewer for 600 s.
+    assert steady_walk(3, [(0, 15), (599, 15)]) == []
+    assert steady_walk(3, [(0, 15), (600, 15)]) == [(600, 2, "target")]
+    # A reading back at the target in between starts the wait again.
+    assert steady_walk(3, [(0, 15), (300, 30), (400, 15), (900, 15)]) == []
+    assert steady_walk(3, [(0, 15), (300, 30), (400, 15), (1000, 15)]) == [(1000, 2, "target")]
+
+
+def test_a_steady_scale_down_goes_to_the_most_wanted_meanwhile():
+    moves = steady_walk(5, [(0, 5), (100, 35), (200, 5), (600, 5)])
+    assert moves == [(600, 4, "the most wanted over the last 600s")]
+    # Then it waits a whole delay again before the next step.
+    assert steady_walk(5, [(0, 5), (100, 35), (200, 5), (600, 5), (1199, 5), (1200, 5)])[1:] == \
+        [(1200, 1, "target")]
+
+
+def test_a_steady_scale_down_still_waits_for_the_delay_since_the_last_scaling():
+    assert steady_walk(3, [(0, 15), (700, 15)], last=0) == [(700, 2, "target")]
+    assert steady_walk(3, [(0, 15), (599, 15)], last=0) == []
+
+
+def test_below_ends_when_the_group_wants_as_many():
+    span = below(None, 3, 15, SPEC, 0, 5, NOW)
+    assert span == Below(NOW, 2)
+    assert below(span, 3, 5, SPEC, 0, 5, NOW + timedelta(seconds=9)) == Below(NOW, 2)
+    assert below(span, 3, 25, SPEC, 0, 5, NOW) is None
+    assert below(span, 3, None, SPEC, 0, 5, NOW) is None
+
+
+def test_next_check_of_a_steady_scale_down_counts_from_the_span():
+    span = Below(NOW - timedelta(seconds=100), 2)  # below for 100 s, last scaled 3600 s ago
+    assert next_check(3, 15, SPEC, 0, 5, ago(3600), span, steady=True) == 3600 - 100 + 600
+    assert next_check(3, 15, SPEC, 0, 5, ago(60), Below(NOW - timedelta(seconds=60), 2), steady=True) == 600
 
 
 def test_wanted_clamps():

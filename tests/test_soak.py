@@ -32,7 +32,7 @@ from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks, sleep_watched
-from workflows.autoscaler import decide, next_check
+from workflows.autoscaler import below, decide, next_check
 from workflows.names import REPLICA_CHANGED
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -115,7 +115,7 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
     queue: list[tuple[datetime, int, int]] = [(start + timedelta(hours=h, seconds=1), 1, -1) for h in range(DAYS * 24)]
     queue += [(t, 0, count) for t, count in manual.items()]
     heapq.heapify(queue)
-    desired, last, rps = lo, None, None
+    desired, last, rps, span = lo, None, None, None
     out = []
     while queue and queue[0][0] < end:
         t, kind, count = heapq.heappop(queue)
@@ -124,14 +124,15 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
         elif kind == 0:
             if count != desired:
                 out.append((t, f"{desired} → {count} (manual scale)"))
-            desired, last = count, t
+            desired, last, span = count, t, None
         if rps is None:
             continue
-        d = decide(desired, rps, scaling, lo, hi, last, t)
+        span = below(span, desired, rps, scaling, lo, hi, t)
+        d = decide(desired, rps, scaling, lo, hi, last, t, span, steady=True)
         if d.new != desired:
             out.append((t, f"{desired} → {d.new}: {d.reason}"))
-            desired, last = d.new, t
-        wait = next_check(desired, rps, scaling, lo, hi, last)
+            desired, last, span = d.new, t, below(None, d.new, rps, scaling, lo, hi, t)
+        wait = next_check(desired, rps, scaling, lo, hi, last, span, steady=True)
         if wait is not None and last is not None and last + timedelta(seconds=wait) > t:
             heapq.heappush(queue, (last + timedelta(seconds=wait), 2, -1))
     return out

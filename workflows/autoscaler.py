@@ -8,8 +8,11 @@ could not be read counts as an average one of those that were: neither idle nor 
 (just started) is not counted.
 
 Where durastack differs from dstack (DESIGN.md): the delays count from *this group's* last
-scaling event, not from any replica start or stop anywhere in the service; and a request held at
-the gateway for a scaled-to-zero service counts as traffic, so the group wakes at once.
+scaling event, not from any replica start or stop anywhere in the service; a scale-down also waits until the
+group has wanted fewer replicas for the whole down-delay, and then goes to the most it wanted in that time
+(a short dip, or a reading just under the target, does not take a replica away that the next second needs
+back: the replica removed would come back only after its cold start); and a request held at the gateway for a
+scaled-to-zero service counts as traffic, so the group wakes at once.
 """
 
 from __future__ import annotations
@@ -52,9 +55,32 @@ def engine_total(read_sum: float, read: int, counted: int) -> Optional[float]:
     return read_sum * max(counted, read) / read
 
 
+@dataclass(frozen=True)
+class Below:
+    """Since when a group has wanted fewer replicas than it has, without a break, and the most it wanted since."""
+    since: datetime
+    most: int
+
+
+def below(prev: Optional[Below], current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
+          now: datetime) -> Optional[Below]:
+    """The span ``prev`` carried on by this reading: None once the group wants as many as it has (or has no
+    reading)."""
+    if total is None:
+        return None
+    new, _ = wanted(total, scaling.target, lo, hi)
+    if new >= current:
+        return None
+    return Below(now, new) if prev is None else Below(prev.since, max(prev.most, new))
+
+
 def decide(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
-           last_scaled_at: Optional[datetime], now: datetime) -> Decision:
-    """The group's desired count given its metric's total over its window. None means no reading: no change."""
+           last_scaled_at: Optional[datetime], now: datetime, span: Optional[Below] = None,
+           steady: bool = False) -> Decision:
+    """The group's desired count given its metric's total over its window. None means no reading: no change.
+    ``steady``: a scale-down waits until the group has wanted fewer for the whole down-delay (``span``, from
+    ``below``) and goes to the most it wanted meanwhile; without it (histories written before), the down-delay
+    counts from the last scaling event only."""
     if total is None:
         return Decision(current, "no stats")
     new, why = wanted(total, scaling.target, lo, hi)
@@ -64,13 +90,22 @@ def decide(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, 
             return Decision(new, "from zero")
         if since is not None and since < scaling.scale_up_delay:
             return Decision(current, f"up-delay holds ({scaling.scale_up_delay}s)")
-    elif new < current and since is not None and since < scaling.scale_down_delay:
-        return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s)")
+    elif new < current:
+        if since is not None and since < scaling.scale_down_delay:
+            return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s)")
+        if steady:
+            low = (now - span.since).total_seconds() if span is not None else 0.0
+            if low < scaling.scale_down_delay:
+                return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s below the target: "
+                                         f"{low:.0f}s so far)")
+            if span.most > new:
+                return Decision(span.most, f"the most wanted over the last {scaling.scale_down_delay}s")
     return Decision(new, why)
 
 
 def next_check(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
-               last_scaled_at: Optional[datetime]) -> Optional[float]:
+               last_scaled_at: Optional[datetime], span: Optional[Below] = None,
+               steady: bool = False) -> Optional[float]:
     """Seconds after ``last_scaled_at`` at which a held decision becomes due, or None if none is held."""
     if total is None or last_scaled_at is None:
         return None
@@ -78,5 +113,8 @@ def next_check(current: int, total: Optional[float], scaling: ScalingSpec, lo: i
     if new > current > 0:
         return scaling.scale_up_delay
     if new < current:
+        if steady and span is not None:
+            return max(scaling.scale_down_delay,
+                       (span.since - last_scaled_at).total_seconds() + scaling.scale_down_delay)
         return scaling.scale_down_delay
     return None

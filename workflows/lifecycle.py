@@ -18,7 +18,7 @@ from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event,
                         RouteInput, ServiceState)
 from models.service import SUMMED_METRICS, ServiceConfiguration
 from workflows import addresses, idle
-from workflows.autoscaler import decide, engine_total, next_check
+from workflows.autoscaler import Below, below, decide, engine_total, next_check
 from workflows.changes import classify, spec_hash
 from workflows.planner import Plan, count_failure, sync_groups
 
@@ -82,7 +82,7 @@ def rescale(state: ServiceState, group_name: str, count: int, now: datetime) -> 
     """A manual scale: the count holds until the group's scaling delay, and the group's back-off ends."""
     group = state.groups[group_name]
     notes = [Note("scale", f"{group.desired} → {count} (manual scale)", group_name)] if group.desired != count else []
-    group.desired, group.last_scaled_at = count, now
+    group.desired, group.last_scaled_at, group.below_since = count, now, None
     _forgive(group)
     return notes
 
@@ -187,21 +187,26 @@ def not_retried(config: ServiceConfiguration, group: GroupState, reason: str, no
     return ""
 
 
-def autoscale(state: ServiceState, now: datetime, fresh: bool) -> list[Note]:
+def autoscale(state: ServiceState, now: datetime, fresh: bool, steady: bool = False) -> list[Note]:
     """The autoscaler applied to every group with `scaling`, each decision noted with what its metric read.
-    ``fresh``: a new reading arrived, so a decision held by a delay is worth noting once."""
+    ``fresh``: a new reading arrived, so a decision held by a delay is worth noting once. ``steady``: a scale-down
+    waits for the group to have wanted fewer for its whole down-delay (autoscaler.decide)."""
     notes = []
     for spec in state.config.replica_groups:
         if spec.scaling is None:
             continue
         group, scaling = state.groups[spec.name], spec.scaling
         total, seen = group_signal(state, spec.name)
-        d = decide(group.desired, total, scaling, spec.count.min or 0, spec.count.max or 0, group.last_scaled_at, now)
+        lo, hi = spec.count.min or 0, spec.count.max or 0
+        span = below(span_of(group), group.desired, total, scaling, lo, hi, now) if steady else None
+        d = decide(group.desired, total, scaling, lo, hi, group.last_scaled_at, now, span, steady)
         if d.new != group.desired:
             notes.append(Note("scale", f"{group.desired} → {d.new}: {d.reason}; {seen}", group.name))
             group.desired, group.last_scaled_at = d.new, now
+            span = below(None, d.new, total, scaling, lo, hi, now) if steady else None  # counted from here
         elif fresh and "delay" in d.reason:
             notes.append(Note("hold", f"stays at {group.desired}: {d.reason}; {seen}", group.name))
+        group.below_since, group.below_most = (span.since, span.most) if span else (None, 0)
     return notes
 
 
@@ -230,6 +235,11 @@ def on_engines(state: ServiceState, snapshots: list[EngineSnapshot]) -> list[Not
             elif s.value is not None and was is not None and was.unreadable:
                 notes.append(Note("engine", f"replica {s.replica_num}: engine read again", s.group))
     return notes
+
+
+def span_of(group: GroupState) -> Optional[Below]:
+    """Since when the group has wanted fewer replicas than it has, as autoscale last saw it."""
+    return Below(group.below_since, group.below_most) if group.below_since is not None else None
 
 
 def group_signal(state: ServiceState, name: str) -> tuple[Optional[float], str]:
@@ -344,7 +354,7 @@ def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
         if spec.scaling is None or group.last_scaled_at is None:
             continue
         delay = next_check(group.desired, group_signal(state, spec.name)[0], spec.scaling, spec.count.min or 0,
-                           spec.count.max or 0, group.last_scaled_at)
+                           spec.count.max or 0, group.last_scaled_at, span_of(group), group.below_since is not None)
         if delay is not None:
             dues.append(group.last_scaled_at + timedelta(seconds=delay))
     return min((d for d in dues if d > now), default=None)

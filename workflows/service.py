@@ -50,6 +50,7 @@ VALIDATE_START = "validate-start"  # each run judges its own configuration first
 JUDGED_ONCE = "judged-once"  # asked only by continued runs: they are not judged again
 ROUTER_SYNC = "router-sync"  # an sglang router's worker list is kept; workers leave it before they stop
 FLEET_MONITOR = "fleet-monitor"  # serving replicas are watched by their backend's fleet monitor (workflows/fleet.py)
+STEADY_DOWN = "steady-down"  # a scale-down waits for the metric to ask for fewer over its whole down-delay
 # What a replica may leave its instance idle for: its group shrank or rolled, so a replica of it may soon need one.
 IDLE_REASONS = ("scaled_down", "replaced")
 
@@ -99,6 +100,7 @@ class ServiceRunWorkflow:
         self.router_sync = False  # an sglang router's worker list is kept (set in _begin)
         self.bytes_bound = False  # history bytes count toward continue-as-new too (set in _begin)
         self.keep_timer = False  # the idle timer is kept, never cancelled (set in _begin)
+        self.steady_down = False  # a scale-down waits out its delay below the target (set in _begin)
         self.tick: Optional[asyncio.Future] = None  # that timer, and when it fires
         self.tick_at: Optional[datetime] = None
         self.start_bytes = 0  # the history's size when this run began (its carried state)
@@ -238,6 +240,8 @@ class ServiceRunWorkflow:
         self.route.say_unavailable = workflow.patched(ROUTE_UNAVAILABLE)
         self.bytes_bound = workflow.patched(HISTORY_BYTES)
         self.keep_timer = workflow.patched(IDLE_TIMER_KEPT)
+        # Asked of every service, scaled or not: an apply may give a group `scaling` later in the run.
+        self.steady_down = workflow.patched(STEADY_DOWN)
         self.start_bytes = workflow.info().get_current_history_size()
         if routers.synced(state.config) is not None:  # asked only where it matters: no marker in other services
             self.router_sync = self.watchers.sync_router = workflow.patched(ROUTER_SYNC)
@@ -296,7 +300,8 @@ class ServiceRunWorkflow:
         if self.state.failure:
             return
         lifecycle.end_backoffs(self.state, workflow.now())
-        self._note(lifecycle.autoscale(self.state, workflow.now(), fresh=snapshot is not None or bool(engines)))
+        self._note(lifecycle.autoscale(self.state, workflow.now(), fresh=snapshot is not None or bool(engines),
+                                       steady=self.steady_down))
         plan = reconcile(self.state, workflow.now())
         self._note(lifecycle.remember_waits(self.state, plan))
         if plan:
