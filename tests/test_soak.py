@@ -102,8 +102,9 @@ def config(router: int = 1, router_v: str = "v0", decode_v: str = "v0") -> Servi
 
 
 def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: datetime,
-                           manual: dict[datetime, int]) -> list[tuple[datetime, str]]:
-    """The decode group's scaling decisions over the month, from the autoscaler's pure functions.
+                           manual: dict[datetime, int]) -> tuple[list[tuple[datetime, str]], list[datetime]]:
+    """The decode group's scaling decisions over the month, from the autoscaler's pure functions, and when a
+    reading finds a decision held by a delay (a `hold` event).
 
     As the workflow sees the world: each hourly change one second after the hour (the fake stats watcher
     looks then), each held decision when its delay ends, and the manual overrides (which reset the delays).
@@ -116,7 +117,8 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
     queue += [(t, 0, count) for t, count in manual.items()]
     heapq.heapify(queue)
     desired, last, rps, span = lo, None, None, None
-    out = []
+    out: list[tuple[datetime, str]] = []
+    holds: list[datetime] = []
     while queue and queue[0][0] < end:
         t, kind, count = heapq.heappop(queue)
         if kind == 1:
@@ -129,13 +131,15 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
             continue
         span = below(span, desired, rps, scaling, lo, hi, t)
         d = decide(desired, rps, scaling, lo, hi, last, t, span, steady=True)
+        if kind == 1 and "delay" in d.reason:
+            holds.append(t)
         if d.new != desired:
             out.append((t, f"{desired} → {d.new}: {d.reason}"))
             desired, last, span = d.new, t, below(None, d.new, rps, scaling, lo, hi, t)
         wait = next_check(desired, rps, scaling, lo, hi, last, span, steady=True)
         if wait is not None and last is not None and last + timedelta(seconds=wait) > t:
             heapq.heappush(queue, (last + timedelta(seconds=wait), 2, -1))
-    return out
+    return out, holds
 
 
 @pytest.fixture
@@ -262,15 +266,16 @@ def check_decision_log(cloud: FakeCloud, start: datetime, manual: dict[datetime,
     assert [e.at for e in log] == sorted(e.at for e in log)
     assert {int((e.at - start) // timedelta(days=1)) for e in log} == set(range(DAYS + 1))
     assert log[-1].message == "service stopped"
-    expected = expected_decode_scales(config(), start, start + timedelta(days=DAYS), manual)
+    expected, holds = expected_decode_scales(config(), start, start + timedelta(days=DAYS), manual)
     seen = [(e.at, e.message.split(";")[0]) for e in log if e.kind == "scale" and e.group == "decode"]
     assert [m for _, m in seen] == [m for _, m in expected]
     late = [(s, x) for s, x in zip(seen, expected) if abs(s[0] - x[0]) > timedelta(seconds=10)]
     assert not late, late[:5]
     assert any(m.endswith(": from zero") for _, m in seen) and any(m.startswith("1 → 0") for _, m in seen)
-    # A hold is logged only while a manual override's delay runs; the one on day 8 is the traffic drop at 18:00.
+    # A hold is logged only where a reading finds a delay running: a manual override's, or a drop in traffic that
+    # must last the down-delay; the one on day 8 is the traffic drop at 18:00, 3 minutes after a manual scale.
     held = [e.at for e in log if e.kind == "hold" and e.group == "decode"]
-    assert all(any(t <= h <= t + timedelta(minutes=10) for t in manual) for h in held), held
+    assert all(any(abs(h - t) < timedelta(seconds=10) for t in holds) for h in held), held
     assert any(abs(h - (start + at(8, 18) + timedelta(seconds=1))) < timedelta(seconds=10) for h in held), held
     # The router's counts and the rollouts (one apply each, after the submission), and the crashes.
     applies = [e for e in log if e.kind == "apply"]
