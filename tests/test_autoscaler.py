@@ -10,7 +10,7 @@ from activities.stats import changed, snapshot_of
 from models.gateway import ServiceStats, StatsReport, StatsWindow
 from models.run import GroupWatch, StatsSnapshot, StatsWatch
 from models.service import ScalingSpec
-from workflows.autoscaler import Below, below, decide, next_check, wanted
+from rules.autoscaler import Below, below, decide, next_check, wanted
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 SPEC = ScalingSpec(metric="rps", target=10, window=60, scale_up_delay=300, scale_down_delay=600)

@@ -32,8 +32,8 @@ from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks, sleep_watched
-from workflows.autoscaler import below, decide, next_check
-from workflows.names import REPLICA_CHANGED
+from rules.autoscaler import below, decide, next_check
+from rules.names import REPLICA_CHANGED
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.long]

@@ -12,7 +12,7 @@ from temporalio.common import RetryPolicy, SearchAttributeKey
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.run import GroupView, Replica, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
-    from workflows import lifecycle
+    from rules import lifecycle
 
 SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")

@@ -1,7 +1,7 @@
 """The long activities a service keeps running while it serves: one stats watcher while some group
 autoscales, one replica monitor per backend that has serving replicas, one engine watcher per backend that has
 serving replicas of a group scaling on an engine signal, and one router sync while a router whose worker list
-durastack keeps runs (``workflows/routers.py``).
+durastack keeps runs (``rules/routers.py``).
 
 With the fleet monitor (``fleet``, workflows/fleet.py), a backend's monitor is not the service's activity: the
 service tells the backend's fleet monitor what it watches and hears back by signal (``heard``); a backend whose
@@ -29,12 +29,12 @@ with workflow.unsafe.imports_passed_through():
     from models.router import RouterView
     from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, FleetDowns, GroupWatch,
                             MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched)
-    from workflows import routers
-    from workflows.autoscaler import wanted
-    from workflows.lifecycle import group_signal
-    from workflows.jobs import replica_workflow_id
+    from rules import routers
+    from rules.autoscaler import wanted
+    from rules.lifecycle import group_signal
+    from rules.jobs import replica_workflow_id
     from workflows.fleet import FleetMonitorWorkflow
-    from workflows.names import backend_queue, fleet_workflow_id
+    from rules.names import backend_queue, fleet_workflow_id
 
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 ENGINES = "engines/"  # a backend's engine watcher's key

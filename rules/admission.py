@@ -11,7 +11,7 @@ from models.loader import render_path
 from models.run import ScaleRequest
 from models.service import ServiceConfiguration
 from models.validation import validate_service
-from workflows.changes import classify
+from rules.changes import classify
 
 
 class Refused(Exception):

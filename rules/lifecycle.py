@@ -17,10 +17,10 @@ from models.gateway import RouteRateLimit
 from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
                         RouteInput, ServiceState)
 from models.service import SUMMED_METRICS, ServiceConfiguration
-from workflows import addresses, idle
-from workflows.autoscaler import Below, below, decide, engine_total, next_check
-from workflows.changes import classify, spec_hash
-from workflows.planner import Plan, count_failure, sync_groups
+from rules import addresses, idle
+from rules.autoscaler import Below, below, decide, engine_total, next_check
+from rules.changes import classify, spec_hash
+from rules.planner import Plan, count_failure, sync_groups
 
 MAX_EVENTS = 200  # the latest decisions kept in state; the store's decision log keeps them all
 MAX_UNRECORDED = 2000  # while the store is unreachable; older ones are then dropped from the log

@@ -13,7 +13,7 @@ from typing import Optional
 from models.run import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
 from models.volumes import single_attach
-from workflows.addresses import late, readdressed, resolve
+from rules.addresses import late, readdressed, resolve
 
 # Resubmission back-off after failures in a row of a group. The first is
 # replaced at once (a replica that served for hours and crashed should not wait); from the second in a
