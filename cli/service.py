@@ -32,6 +32,7 @@ from models.secrets import REVEAL
 from models.service import SERVICE_NAME_RE, ServiceConfiguration
 from models.settings import Settings
 from rules.addresses import NO_NETWORK
+from rules.autoscaler import bounds
 from rules.changes import classify
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
@@ -102,7 +103,7 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
         offers[g.name or ""] = found
     places: list[str] = []
     if reach_each_other(config) and not problems:
-        places, why = one_place(offers, {g.name or "": g.count.min or 0 for g in config.replica_groups})
+        places, why = one_place(offers, {g.name or "": bounds(g)[0] for g in config.replica_groups})
         if why:
             problems.append(why)
         else:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Optional
 
-from models.service import ScalingSpec
+from models.service import ReplicaGroup, ScalingSpec
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class Decision:
 
     def changed(self, current: int) -> bool:
         return self.new != current
+
+
+def bounds(group: ReplicaGroup) -> tuple[int, int]:
+    """The group's replica count range as the rules read it: an unset end is 0."""
+    return group.count.min or 0, group.count.max or 0
 
 
 def wanted(total: float, target: float, lo: int, hi: int) -> tuple[int, str]:
@@ -62,59 +67,72 @@ class Below:
     most: int
 
 
-def below(prev: Optional[Below], current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
-          now: datetime) -> Optional[Below]:
-    """The span ``prev`` carried on by this reading: None once the group wants as many as it has (or has no
-    reading)."""
-    if total is None:
+@dataclass(frozen=True)
+class GroupScaler:
+    """One group's autoscaler: its `scaling` and its count range, fixed by the configuration it runs."""
+    scaling: ScalingSpec
+    lo: int
+    hi: int
+
+    @classmethod
+    def of(cls, group: ReplicaGroup) -> GroupScaler:
+        """The scaler of a group that has `scaling`."""
+        assert group.scaling is not None, group.name
+        return cls(group.scaling, *bounds(group))
+
+    def wanted(self, total: float) -> tuple[int, str]:
+        return wanted(total, self.scaling.target, self.lo, self.hi)
+
+    def below(self, prev: Optional[Below], current: int, total: Optional[float], now: datetime) -> Optional[Below]:
+        """The span ``prev`` carried on by this reading: None once the group wants as many as it has (or has no
+        reading)."""
+        if total is None:
+            return None
+        new, _ = self.wanted(total)
+        if new >= current:
+            return None
+        return Below(now, new) if prev is None else Below(prev.since, max(prev.most, new))
+
+    def decide(self, current: int, total: Optional[float], last_scaled_at: Optional[datetime], now: datetime,
+               span: Optional[Below] = None, steady: bool = False) -> Decision:
+        """The group's desired count given its metric's total over its window. None means no reading: no change.
+        ``steady``: a scale-down waits until the group has wanted fewer for the whole down-delay (``span``, from
+        ``below``) and goes to the most it wanted meanwhile; without it (histories written before), the
+        down-delay counts from the last scaling event only."""
+        if total is None:
+            return Decision(current, "no stats")
+        scaling = self.scaling
+        new, why = self.wanted(total)
+        since = (now - last_scaled_at).total_seconds() if last_scaled_at else None
+        if new > current:
+            if current == 0:
+                return Decision(new, "from zero")
+            if since is not None and since < scaling.scale_up_delay:
+                return Decision(current, f"up-delay holds ({scaling.scale_up_delay}s)")
+        elif new < current:
+            if since is not None and since < scaling.scale_down_delay:
+                return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s)")
+            if steady:
+                low = (now - span.since).total_seconds() if span is not None else 0.0
+                if low < scaling.scale_down_delay:
+                    return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s below the target: "
+                                             f"{low:.0f}s so far)")
+                if span.most > new:
+                    return Decision(span.most, f"the most wanted over the last {scaling.scale_down_delay}s")
+        return Decision(new, why)
+
+    def next_check(self, current: int, total: Optional[float], last_scaled_at: Optional[datetime],
+                   span: Optional[Below] = None, steady: bool = False) -> Optional[float]:
+        """Seconds after ``last_scaled_at`` at which a held decision becomes due, or None if none is held."""
+        if total is None or last_scaled_at is None:
+            return None
+        scaling = self.scaling
+        new, _ = self.wanted(total)
+        if new > current > 0:
+            return scaling.scale_up_delay
+        if new < current:
+            if steady and span is not None:
+                return max(scaling.scale_down_delay,
+                           (span.since - last_scaled_at).total_seconds() + scaling.scale_down_delay)
+            return scaling.scale_down_delay
         return None
-    new, _ = wanted(total, scaling.target, lo, hi)
-    if new >= current:
-        return None
-    return Below(now, new) if prev is None else Below(prev.since, max(prev.most, new))
-
-
-def decide(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
-           last_scaled_at: Optional[datetime], now: datetime, span: Optional[Below] = None,
-           steady: bool = False) -> Decision:
-    """The group's desired count given its metric's total over its window. None means no reading: no change.
-    ``steady``: a scale-down waits until the group has wanted fewer for the whole down-delay (``span``, from
-    ``below``) and goes to the most it wanted meanwhile; without it (histories written before), the down-delay
-    counts from the last scaling event only."""
-    if total is None:
-        return Decision(current, "no stats")
-    new, why = wanted(total, scaling.target, lo, hi)
-    since = (now - last_scaled_at).total_seconds() if last_scaled_at else None
-    if new > current:
-        if current == 0:
-            return Decision(new, "from zero")
-        if since is not None and since < scaling.scale_up_delay:
-            return Decision(current, f"up-delay holds ({scaling.scale_up_delay}s)")
-    elif new < current:
-        if since is not None and since < scaling.scale_down_delay:
-            return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s)")
-        if steady:
-            low = (now - span.since).total_seconds() if span is not None else 0.0
-            if low < scaling.scale_down_delay:
-                return Decision(current, f"down-delay holds ({scaling.scale_down_delay}s below the target: "
-                                         f"{low:.0f}s so far)")
-            if span.most > new:
-                return Decision(span.most, f"the most wanted over the last {scaling.scale_down_delay}s")
-    return Decision(new, why)
-
-
-def next_check(current: int, total: Optional[float], scaling: ScalingSpec, lo: int, hi: int,
-               last_scaled_at: Optional[datetime], span: Optional[Below] = None,
-               steady: bool = False) -> Optional[float]:
-    """Seconds after ``last_scaled_at`` at which a held decision becomes due, or None if none is held."""
-    if total is None or last_scaled_at is None:
-        return None
-    new, _ = wanted(total, scaling.target, lo, hi)
-    if new > current > 0:
-        return scaling.scale_up_delay
-    if new < current:
-        if steady and span is not None:
-            return max(scaling.scale_down_delay,
-                       (span.since - last_scaled_at).total_seconds() + scaling.scale_down_delay)
-        return scaling.scale_down_delay
-    return None
