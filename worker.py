@@ -59,7 +59,7 @@ from models.reaper import ReaperInput, ReapTarget
 from models.run import FleetInput
 from models.settings import Settings
 from store import Store, StoreLedger, database_url
-from workflows import names
+from rules import names
 from workflows.fleet import FleetMonitorWorkflow
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
@@ -86,10 +86,11 @@ HEARTBEAT_THROTTLE = timedelta(seconds=5)
 WORKFLOW_TASK_POLLS = 20
 # The sandbox imports a workflow's module again for each run it holds, and with it builds that module's pydantic
 # models again: 150 services (1,050 cached runs) took 425 MiB, 309 MiB with the modules shared (bench/scale_out.py).
-# Our workflow modules keep no module-level state (their globals are constants). A shared module's calls are not
-# checked (datetime.now() passes), so the tests' workers and the replayer keep the default sandbox: a forbidden
-# call fails there.
-SANDBOX = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
+# Our workflow modules and the rules they apply (rules/) keep no module-level state (their globals are constants).
+# A shared module's calls are not checked (datetime.now() passes), so the tests' workers and the replayer keep the
+# default sandbox: a forbidden call fails there.
+SANDBOX = SandboxedWorkflowRunner(
+    restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows", "rules"))
 
 
 @dataclass

@@ -27,7 +27,7 @@ from activities.interface import implements
 from activities.probes import Connect, client_for
 from activities.watch import watch_until_down
 from models.run import NOT_READ_YET, EngineGroupWatch, EngineSnapshot, EngineWatch, ReplicaSignal, Watched
-from workflows.autoscaler import engine_total, wanted
+from rules.autoscaler import engine_total, wanted
 
 TIMEOUT = 2.0
 FORGET_SECONDS = 600.0  # a replica no watcher read for this long is forgotten

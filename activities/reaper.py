@@ -35,12 +35,12 @@ from models.backends import CLOUDS, CloudInstance, config_path, load_backends_co
 from models.reaper import ReapAction, ReapRequest, ReapResult, ReplicaReapResult
 from models.run import Event, Placement, StopRequest
 from store import INTENT, TERMINATED, StoreLedger
-from workflows import names
+from rules import names
 
 log = logging.getLogger("durastack.reaper")
 RUNNING_REPLICAS = "WorkflowType='ReplicaWorkflow' AND ExecutionStatus='Running'"
 RUNNING_SERVICES = "WorkflowType='ServiceRunWorkflow' AND ExecutionStatus='Running'"
-# workflows.jobs.replica_workflow_id: service/<service>/<group>/r<N>-s<M> (names cannot hold '/').
+# rules.jobs.replica_workflow_id: service/<service>/<group>/r<N>-s<M> (names cannot hold '/').
 _REPLICA_ID = re.compile(r"^service/([^/]+)/([^/]+)/r(\d+)-s(\d+)$")
 QUERIES_AT_ONCE = 16
 
@@ -241,7 +241,7 @@ class ReaperActivities:
         event = Event(at=self.now(), kind="reap", message=f"terminated orphan {action.backend} instance "
                                                           f"{action.instance_id} ({action.owner}): {action.reason}")
         try:
-            await self.client.get_workflow_handle(f"service/{action.service}").signal("record_event", event)
+            await self.client.get_workflow_handle(f"service/{action.service}").signal(names.RECORD_EVENT, event)
         except Exception as e:  # noqa: BLE001 — the service is gone: the ledger and the log keep it
             log.info("reaper: could not tell service %s: %s", action.service, e)
 

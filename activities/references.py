@@ -1,4 +1,4 @@
-"""A placed replica's late references (workflows/addresses.py): asked of its service until each one resolves.
+"""A placed replica's late references (rules/addresses.py): asked of its service until each one resolves.
 
 The launch calls ``resolve_late`` between placing the replica and running its commands. The replica's own
 address goes to the service first (its `running` report): a reference to it, its own included, resolves from

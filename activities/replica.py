@@ -1,7 +1,7 @@
 """The activities of a replica's life, and of a service's gateway route.
 
 A replica's life is three activities, each on its backend's task queue ``<queue>-<backend>``
-(``workflows.names.backend_queue``), so the workflow picks the backend by picking the queue:
+(``rules.names.backend_queue``), so the workflow picks the backend by picking the queue:
 
 * the launch, in three steps: ``place_replica`` (exactly once: a retried attempt reuses what an earlier one made),
   ``start_replica`` (its image and commands, once), ``await_ready`` (probes, then the gateway) — reporting to the

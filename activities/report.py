@@ -23,6 +23,7 @@ from temporalio.service import RPCError
 from activities.liveness import progress
 from models.replica import JobSpec
 from models.run import Event, Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
+from rules.names import RECORD_EVENT, REPLICA_CHANGED
 
 if TYPE_CHECKING:
     from models.run import AddressAnswer
@@ -54,21 +55,16 @@ def replica_update(job: JobSpec, seq: int, status: ReplicaStatus, *, ready: bool
 
 
 async def send_report(client, service_workflow_id: str, update: ReplicaUpdate) -> None:
-    # Imported here, not at the top: the workflow modules import the activity interface, so a top-level import
-    # would make activity and workflow modules import each other.
-    from workflows.service import ServiceRunWorkflow
-
-    await client.get_workflow_handle(service_workflow_id).signal(ServiceRunWorkflow.replica_changed, update)
+    # By name, not by the workflow's method: activities sit below the workflows and never import them.
+    await client.get_workflow_handle(service_workflow_id).signal(REPLICA_CHANGED, update)
 
 
 async def record_event(service_workflow_id: str, job: JobSpec, kind: str, message: str) -> None:
     """Put ``message`` in the service's log (`durastack events`, the replica's group), from inside an activity; as a
     report, never failing the work it tells of."""
-    from workflows.service import ServiceRunWorkflow  # here: see send_report
-
     event = Event(at=datetime.now(timezone.utc), kind=kind, group=job.group, message=message)
     try:
-        await activity.client().get_workflow_handle(service_workflow_id).signal(ServiceRunWorkflow.record_event, event)
+        await activity.client().get_workflow_handle(service_workflow_id).signal(RECORD_EVENT, event)
     except Exception as e:  # noqa: BLE001 — see the module doc
         log.warning("%s: could not tell %s %r: %s", job.replica_id, service_workflow_id, message, e)
 

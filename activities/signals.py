@@ -12,8 +12,8 @@ from activities.interface import implements, judge_signal as judge_stub
 from models.loader import load_config_data, render_path
 from models.validation import broken_rules, validate_service
 from models.run import ApplyRequest, ScaleRequest, SignalInput, Verdict
-from workflows.admission import Refused, check_apply, check_scale
-from workflows.changes import classify
+from rules.admission import Refused, check_apply, check_scale
+from rules.changes import classify
 
 
 @implements(judge_stub)

@@ -21,7 +21,7 @@ from activities import interface
 from activities.interface import implements
 from models.gateway import StatsReport
 from models.run import StatsSnapshot, StatsWatch
-from workflows.autoscaler import wanted
+from rules.autoscaler import wanted
 
 T = TypeVar("T")
 

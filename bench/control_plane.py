@@ -36,7 +36,7 @@ from typing import Optional
 from bench.stack import (BASE_PATH, BenchStack, code_note, cpu_spent, free_port, load_avg, load_note, median,
                          ready_replicas, replica_python, stack_cpu)
 from activities.report import SERVING
-from workflows import names
+from rules import names
 
 SERVICE = """\
 type: service

@@ -45,7 +45,7 @@ from activities.local_host import MARKER
 from cli.inspect import watchers_of
 from bench.control_plane import SERVICE, own_start, run_once
 from bench.stack import ROOT, BenchStack, code_note, load_avg, load_note, median, until
-from workflows.jobs import replica_workflow_id
+from rules.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
 
 LAUNCH_STEPS = {f.__name__ for f in (interface.place_replica, interface.start_replica, interface.await_ready)}

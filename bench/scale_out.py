@@ -57,7 +57,7 @@ from models.replica import LocalInstance
 from models.run import (Down, FleetInput, Launched, LaunchInput, MonitorInput, Placement, RouteInput, ServiceRecord,
                         ServiceState, TeardownInput)
 from models.settings import Settings
-from workflows.names import backend_queue
+from rules.names import backend_queue
 
 GROUPS, PER_GROUP = ("router", "prefill", "decode"), 2
 FLEET = 0  # InstantBackend.watching's key of the fleet watch

@@ -26,8 +26,8 @@ from cli.render import ps_table, status_json, store_note
 from models.run import ServiceStatus
 from models.settings import Settings
 from workflows.fleet import FleetMonitorWorkflow
-from workflows.jobs import replica_workflow_id
-from workflows.names import fleet_workflow_id
+from rules.jobs import replica_workflow_id
+from rules.names import fleet_workflow_id
 from workflows.service import ServiceRunWorkflow, service_workflow_id
 
 

@@ -31,8 +31,9 @@ from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, Se
 from models.secrets import REVEAL
 from models.service import SERVICE_NAME_RE, ServiceConfiguration
 from models.settings import Settings
-from workflows.addresses import NO_NETWORK
-from workflows.changes import classify
+from rules.addresses import NO_NETWORK
+from rules.autoscaler import bounds
+from rules.changes import classify
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 
@@ -73,7 +74,7 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
     from activities.runtime import group_runtime_fields, local_limits
     from cli.volumes import plan as volume_plan
     from models.backends import load_backends_config
-    from workflows.addresses import one_place as reach_each_other
+    from rules.addresses import one_place as reach_each_other
 
     out.print(f"[bold]Service[/bold] {config.name}  port {config.port.container_port}  "
               f"auth {'on' if config.auth else 'off'}")
@@ -102,7 +103,7 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
         offers[g.name or ""] = found
     places: list[str] = []
     if reach_each_other(config) and not problems:
-        places, why = one_place(offers, {g.name or "": g.count.min or 0 for g in config.replica_groups})
+        places, why = one_place(offers, {g.name or "": bounds(g)[0] for g in config.replica_groups})
         if why:
             problems.append(why)
         else:

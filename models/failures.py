@@ -3,7 +3,7 @@
 The code that detects a failure builds its reason from these prefixes (workflows/replica.py and
 workflows/children.py: no capacity; activities/cloud.py: the cloud's offers; activities/replica_cloud.py:
 a spot interruption); the service reads a reason back with ``retry_event`` to decide whether the
-configuration's `retry` replaces the replica (workflows/lifecycle.py).
+configuration's `retry` replaces the replica (rules/lifecycle.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ its own, which another replica cannot guess.
 ``$${{`` is dstack's escape: a literal ``${{`` in the command run, never a reference.
 
 Used by the configuration's rules (models.validation) and by the workflow, which substitutes the values
-when it builds a replica's input (workflows.addresses).
+when it builds a replica's input (rules.addresses).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 SGLang's model gateway starts with no workers and learns them through its worker API; durastack keeps that list
 equal to the service's ready, not-stopping workers (``activities/router.py`` does the calls,
-``workflows/routers.py`` decides what the list should be).
+``rules/routers.py`` decides what the list should be).
 """
 
 from __future__ import annotations

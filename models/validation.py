@@ -441,7 +441,7 @@ def _references(cfg: ServiceConfiguration) -> Iterator[Issue]:
     """Replica addresses (``${{ groups[i].replicas[j].IP_ADDRESS }}``, models.interpolation): only in
     commands, of a replica that always exists. They may form cycles (a group naming its own replicas[0], a router
     and its workers naming each other): every replica has its address once placed, before its commands run
-    (workflows/addresses.py)."""
+    (rules/addresses.py)."""
     for key, value in cfg.env.items():
         if value is not None and any(True for _ in find(value)):
             yield Issue(("env", key), "`${{ … }}` expressions may appear only in `commands`, never in `env`; "

@@ -138,7 +138,7 @@ def network_names(mounts: Iterable[VolumeMount]) -> list[str]:
 
 def single_attach(mounts: Iterable[VolumeMount]) -> bool:
     """Whether replicas with these mounts hold a volume that EBS and PD attach read-write to one instance at a time:
-    no two of them can run at once, so a rollout stops the old replica before its replacement (workflows/planner.py)."""
+    no two of them can run at once, so a rollout stops the old replica before its replacement (rules/planner.py)."""
     return bool(network_names(mounts))
 
 

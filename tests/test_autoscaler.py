@@ -9,11 +9,12 @@ import pytest
 from activities.stats import changed, snapshot_of
 from models.gateway import ServiceStats, StatsReport, StatsWindow
 from models.run import GroupWatch, StatsSnapshot, StatsWatch
-from models.service import ScalingSpec
-from workflows.autoscaler import Below, below, decide, next_check, wanted
+from models.service import ReplicaGroup, ScalingSpec
+from rules.autoscaler import Below, GroupScaler, bounds, wanted
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 SPEC = ScalingSpec(metric="rps", target=10, window=60, scale_up_delay=300, scale_down_delay=600)
+SCALER = GroupScaler(SPEC, 0, 5)
 
 
 def ago(seconds):
@@ -33,7 +34,7 @@ def ago(seconds):
     (2, 0, 3600, 0),          # to zero
 ])
 def test_worked_examples_of_spec_3_6(current, requests, last, expected):
-    d = decide(current, requests / 60, SPEC, 0, 5, ago(last), NOW)
+    d = SCALER.decide(current, requests / 60, ago(last), NOW)
     assert d.new == expected
 
 
@@ -41,44 +42,52 @@ def test_worked_examples_of_spec_3_6(current, requests, last, expected):
 def test_window_choice(window, expected):
     snap = StatsSnapshot(rps={30: 900 / 30, 60: 1200 / 60, 300: 1500 / 300})
     spec = SPEC.model_copy(update={"window": window})
-    assert decide(1, snap.rate(window), spec, 0, 5, ago(3600), NOW).new == expected
+    assert GroupScaler(spec, 0, 5).decide(1, snap.rate(window), ago(3600), NOW).new == expected
 
 
 def test_reasons_name_the_rule():
-    assert decide(2, 1000, SPEC, 0, 5, ago(3600), NOW).reason == "clamped to max 5"
-    assert decide(0, 5, SPEC, 0, 5, ago(1), NOW).reason == "from zero"
-    assert "up-delay" in decide(1, 20, SPEC, 0, 5, ago(60), NOW).reason
-    assert "down-delay" in decide(2, 5, SPEC, 0, 5, ago(60), NOW).reason
-    assert decide(3, 0, SPEC, 2, 5, ago(3600), NOW) .reason == "clamped to min 2"
+    assert SCALER.decide(2, 1000, ago(3600), NOW).reason == "clamped to max 5"
+    assert SCALER.decide(0, 5, ago(1), NOW).reason == "from zero"
+    assert "up-delay" in SCALER.decide(1, 20, ago(60), NOW).reason
+    assert "down-delay" in SCALER.decide(2, 5, ago(60), NOW).reason
+    assert GroupScaler(SPEC, 2, 5).decide(3, 0, ago(3600), NOW) .reason == "clamped to min 2"
 
 
 def test_no_stats_means_no_change():
-    d = decide(3, None, SPEC, 0, 5, ago(3600), NOW)
+    d = SCALER.decide(3, None, ago(3600), NOW)
     assert d.new == 3 and d.reason == "no stats"
 
 
 def test_constant_load_never_oscillates():
     # At 25 rps and target 10 the group wants 3; once there, the same load keeps it there.
-    assert decide(2, 25, SPEC, 0, 5, ago(3600), NOW).new == 3
-    assert all(decide(3, 25, SPEC, 0, 5, ago(s), NOW).new == 3 for s in (0, 1, 599, 601, 3600))
+    assert SCALER.decide(2, 25, ago(3600), NOW).new == 3
+    assert all(SCALER.decide(3, 25, ago(s), NOW).new == 3 for s in (0, 1, 599, 601, 3600))
 
 
 def test_last_scaled_none_disables_delays():
-    assert decide(1, 50, SPEC, 0, 5, None, NOW).new == 5
-    assert decide(5, 0, SPEC, 0, 5, None, NOW).new == 0
+    assert SCALER.decide(1, 50, None, NOW).new == 5
+    assert SCALER.decide(5, 0, None, NOW).new == 0
 
 
 def test_raising_min_waits_for_the_up_delay_unless_from_zero():
-    assert decide(1, 0, SPEC, 2, 5, ago(60), NOW).new == 1
-    assert decide(1, 0, SPEC, 2, 5, ago(301), NOW).new == 2
-    assert decide(0, 0, SPEC, 2, 5, ago(60), NOW).new == 2
+    assert GroupScaler(SPEC, 2, 5).decide(1, 0, ago(60), NOW).new == 1
+    assert GroupScaler(SPEC, 2, 5).decide(1, 0, ago(301), NOW).new == 2
+    assert GroupScaler(SPEC, 2, 5).decide(0, 0, ago(60), NOW).new == 2
+
+
+def test_a_groups_scaler_reads_its_bounds_once():
+    group = ReplicaGroup.model_validate({"name": "g", "count": {"min": 1, "max": 3}, "commands": ["true"],
+                                         "scaling": {"metric": "rps", "target": 10}})
+    scaler = GroupScaler.of(group)
+    assert (scaler.lo, scaler.hi, scaler.scaling) == (1, 3, group.scaling) and bounds(group) == (1, 3)
+    assert scaler.decide(1, 1000, None, NOW).reason == "clamped to max 3"
 
 
 def test_next_check_tells_when_a_held_decision_is_due():
-    assert next_check(1, 20, SPEC, 0, 5, ago(60)) == 300
-    assert next_check(2, 5, SPEC, 0, 5, ago(60)) == 600
-    assert next_check(2, 20, SPEC, 0, 5, ago(60)) is None
-    assert next_check(0, 20, SPEC, 0, 5, ago(60)) is None  # from zero is never held
+    assert SCALER.next_check(1, 20, ago(60)) == 300
+    assert SCALER.next_check(2, 5, ago(60)) == 600
+    assert SCALER.next_check(2, 20, ago(60)) is None
+    assert SCALER.next_check(0, 20, ago(60)) is None  # from zero is never held
 
 
 def steady_walk(current: int, readings: list[tuple[int, float]], last: int = 3600) -> list[tuple[int, int, str]]:
@@ -86,11 +95,11 @@ def steady_walk(current: int, readings: list[tuple[int, float]], last: int = 360
     span, last_at, out = None, NOW - timedelta(seconds=last), []
     for at, total in readings:
         now = NOW + timedelta(seconds=at)
-        span = below(span, current, total, SPEC, 0, 5, now)
-        d = decide(current, total, SPEC, 0, 5, last_at, now, span, steady=True)
+        span = SCALER.below(span, current, total, now)
+        d = SCALER.decide(current, total, last_at, now, span, steady=True)
         if d.new != current:
             out.append((at, d.new, d.reason))
-            current, last_at, span = d.new, now, below(None, d.new, total, SPEC, 0, 5, now)
+            current, last_at, span = d.new, now, SCALER.below(None, d.new, total, now)
     return out
 
 
@@ -117,17 +126,17 @@ def test_a_steady_scale_down_still_waits_for_the_delay_since_the_last_scaling():
 
 
 def test_below_ends_when_the_group_wants_as_many():
-    span = below(None, 3, 15, SPEC, 0, 5, NOW)
+    span = SCALER.below(None, 3, 15, NOW)
     assert span == Below(NOW, 2)
-    assert below(span, 3, 5, SPEC, 0, 5, NOW + timedelta(seconds=9)) == Below(NOW, 2)
-    assert below(span, 3, 25, SPEC, 0, 5, NOW) is None
-    assert below(span, 3, None, SPEC, 0, 5, NOW) is None
+    assert SCALER.below(span, 3, 5, NOW + timedelta(seconds=9)) == Below(NOW, 2)
+    assert SCALER.below(span, 3, 25, NOW) is None
+    assert SCALER.below(span, 3, None, NOW) is None
 
 
 def test_next_check_of_a_steady_scale_down_counts_from_the_span():
     span = Below(NOW - timedelta(seconds=100), 2)  # below for 100 s, last scaled 3600 s ago
-    assert next_check(3, 15, SPEC, 0, 5, ago(3600), span, steady=True) == 3600 - 100 + 600
-    assert next_check(3, 15, SPEC, 0, 5, ago(60), Below(NOW - timedelta(seconds=60), 2), steady=True) == 600
+    assert SCALER.next_check(3, 15, ago(3600), span, steady=True) == 3600 - 100 + 600
+    assert SCALER.next_check(3, 15, ago(60), Below(NOW - timedelta(seconds=60), 2), steady=True) == 600
 
 
 def test_wanted_clamps():
@@ -137,7 +146,7 @@ def test_wanted_clamps():
 
 def test_held_requests_count_as_traffic():
     snap = StatsSnapshot(rps={60: 0.0}, held=1)
-    assert snap.rate(60) > 0 and decide(0, snap.rate(60), SPEC, 0, 5, None, NOW).new == 1
+    assert snap.rate(60) > 0 and SCALER.decide(0, snap.rate(60), None, NOW).new == 1
 
 
 def test_watcher_returns_only_when_a_groups_wanted_count_changes():

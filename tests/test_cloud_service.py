@@ -58,8 +58,8 @@ from tests.fakes.activity_env import FakeClient, activity_env, no_capacity_of
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 from tests.test_ssh_path import APP
-from workflows import names
-from workflows.jobs import job_spec, replica_workflow_id
+from rules import names
+from rules.jobs import job_spec, replica_workflow_id
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import no_capacity_reason
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

@@ -9,7 +9,7 @@ import pytest
 
 from models.loader import MAX_FILE_BYTES, load_config_file, load_config_text
 from models.service import ServiceConfiguration
-from workflows.addresses import late
+from rules.addresses import late
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -551,7 +551,7 @@ def test_user_and_working_dir_syntax():
 
 
 def test_working_dir_and_user_reach_the_job():
-    from workflows.jobs import job_spec
+    from rules.jobs import job_spec
     cfg = ok(BASE + "commands: [x]\nuser: app\nworking_dir: src\n")
     job = job_spec(cfg, "svc", "0", 0, 0)
     assert (job.working_dir, job.user) == ("src", "app")
@@ -583,7 +583,7 @@ def test_reference_by_index_or_name_is_valid(expr):
 
 
 def test_dollar_dollar_is_a_literal_left_as_the_expression_in_the_command_run():
-    from workflows.jobs import job_spec
+    from rules.jobs import job_spec
     # Even a malformed or unknown expression is no reference once escaped: it passes validation as text.
     cfg = ok(PD % ("'echo $${{ groups[9].replicas[0].NOPE }} ${{ groups[router].replicas[0].IP_ADDRESS }}'",
                    "'echo $${{ x }}'"))

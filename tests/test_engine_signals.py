@@ -16,7 +16,7 @@ from activities.engine_metrics import Reading, UnknownNames, over_window, quanti
 from activities.engines import EngineActivities, changed
 from models.replica import LocalInstance
 from models.run import NOT_READ_YET, EngineGroupWatch, EngineWatch, ReplicaSignal, Watched
-from workflows.autoscaler import engine_total, wanted
+from rules.autoscaler import engine_total, wanted
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0]

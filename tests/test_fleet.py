@@ -16,7 +16,7 @@ from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from tests.test_service_workflow import _true, start, wait_ready
 from workflows.fleet import FleetMonitorWorkflow
-from workflows.names import fleet_workflow_id
+from rules.names import fleet_workflow_id
 from workflows.service import ServiceRunWorkflow
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

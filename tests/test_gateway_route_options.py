@@ -17,7 +17,7 @@ from models.loader import load_config_text
 from models.run import RouteInput, ServiceState
 from tests.conftest import eventually, upstreams_for as allowed
 from tests.fakes.upstream import serve
-from workflows import lifecycle
+from rules import lifecycle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
 

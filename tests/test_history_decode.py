@@ -12,7 +12,7 @@ from connect.codec import data_converter
 from models.history import lenient
 from models.loader import load_config_text
 from models.run import ApplyRequest, ServiceState
-from workflows.admission import Refused, check_apply
+from rules.admission import Refused, check_apply
 from workflows.service import ServiceRunInput
 
 CONFIG = """

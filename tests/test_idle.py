@@ -1,4 +1,4 @@
-"""The idle-instance rules (workflows/idle.py): which idle instance a new replica gets, and when one ends."""
+"""The idle-instance rules (rules/idle.py): which idle instance a new replica gets, and when one ends."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 from models.loader import load_config_text
 from models.backends import CloudInstance
 from models.run import Placement, Replica, ReplicaUpdate, ServiceState, Step
-from workflows import idle, lifecycle
-from workflows.jobs import placement_key, replica_input
-from workflows.planner import sync_groups
+from rules import idle, lifecycle
+from rules.jobs import placement_key, replica_input
+from rules.planner import sync_groups
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 CONFIG = """

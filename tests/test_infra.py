@@ -25,7 +25,7 @@ from ruamel.yaml import YAML
 from gateway.app import GatewayServer
 from models.backends import CLOUDS, load_backends_config
 from models.settings import SEARCH_ATTRIBUTES, TASK_QUEUE, Settings
-from workflows.names import backend_queue
+from rules.names import backend_queue
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"

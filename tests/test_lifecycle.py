@@ -10,10 +10,10 @@ import pytest
 from models.loader import load_config_text
 from models.run import Down, Placement, ReplicaInput, ReplicaUpdate
 from tests.test_planner import NOW, replica, state
-from workflows import lifecycle
-from workflows.admission import Refused, check_apply
-from workflows.changes import classify, input_hash, spec_hash
-from workflows.jobs import replica_input
+from rules import lifecycle
+from rules.admission import Refused, check_apply
+from rules.changes import classify, input_hash, spec_hash
+from rules.jobs import replica_input
 
 
 def update(num: int, status: str, seq: int, sub: int = 0, **kw) -> ReplicaUpdate:
@@ -146,7 +146,7 @@ def test_spec_hash_ignores_new_optional_fields_and_sees_real_changes():
 
 
 def test_a_wait_for_an_address_and_a_moved_address_are_noted_once():
-    from workflows.planner import Plan
+    from rules.planner import Plan
     st = state()
     plan = Plan(waits={"b": "groups[a].replicas[0] has no replica yet"})
     assert [n.message for n in lifecycle.remember_waits(st, plan)] == [
@@ -160,7 +160,7 @@ def test_a_wait_for_an_address_and_a_moved_address_are_noted_once():
 
 def test_new_replicas_carry_their_addresses_and_whether_they_are_routed():
     from tests.test_planner import ROUTER_IP, ROUTER_PORT, pd_state
-    from workflows.planner import Plan, Start
+    from rules.planner import Plan, Start
     st = pd_state()
     plan = Plan(start=[Start("router", 0, 0), Start("decode", 1, 0)],
                 refs={"decode": {ROUTER_IP: "10.0.0.7", ROUTER_PORT: "8000"}})
@@ -301,7 +301,7 @@ def test_a_failed_service_shows_terminating_then_failed():
 
 
 def test_retry_and_max_duration_change_in_place_and_restart_nothing():
-    from workflows.admission import check_apply
+    from rules.admission import check_apply
     st = retrying("true", replicas=[replica(0, "a"), replica(1, "b")])
     for r in st.replicas:
         r.spec_hash = spec_hash(st.config, r.group)

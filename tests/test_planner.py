@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 from models.loader import load_config_text
 from models.run import GroupState, Placement, Replica, ServiceState
-from workflows.planner import (FAILURE_MEMORY, KEEP_FINISHED, Start, Stop, backoff_until, count_failure, prune,
+from rules.planner import (FAILURE_MEMORY, KEEP_FINISHED, Start, Stop, backoff_until, count_failure, prune,
                                reconcile, removal_order, sync_groups)
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
@@ -188,7 +188,7 @@ def test_groups_roll_independently_and_up_to_date_groups_scale():
 
 
 def test_classify_changes_and_spec_hash():
-    from workflows.changes import classify, spec_hash
+    from rules.changes import classify, spec_hash
     old = load_config_text(CONFIG.format(a="2", b="1..4")).config
     counts = load_config_text(CONFIG.format(a="3", b="1..4")).config
     assert classify(old, counts).in_place == ["groups.a.count"] and not classify(old, counts).rolling
@@ -213,7 +213,7 @@ def test_renamed_group_starts_new_replicas_and_drops_the_old_ones():
 
 
 def test_reordering_named_groups_changes_no_replica():
-    from workflows.changes import spec_hash
+    from rules.changes import spec_hash
     before = load_config_text(CONFIG.format(a="2", b="1..4")).config
     swapped = before.model_copy(update={"groups": list(reversed(before.groups))})
     assert all(spec_hash(before, g) == spec_hash(swapped, g) for g in ("a", "b"))
@@ -311,7 +311,7 @@ def test_without_isolation_a_reference_is_the_host_and_the_replicas_own_port():
 
 
 def test_substitution_into_the_job():
-    from workflows.jobs import replica_input
+    from rules.jobs import replica_input
     st = pd_state()
     inp = replica_input(st.config, "svc", "service/svc", "decode", 3, 0, 0, {ROUTER_IP: "10.0.0.7",
                                                                             ROUTER_PORT: "8000"})
@@ -339,7 +339,7 @@ def test_a_moved_reference_does_not_roll_before_the_new_address_is_known():
 
 
 def test_moving_adding_or_retyping_the_router_is_not_updatable():
-    from workflows.changes import classify
+    from rules.changes import classify
     old = load_config_text(PD).config
     for text in (PD.replace("router: {type: sglang}", "router: {type: dynamo}"),
                  PD.replace("    router: {type: sglang}\n", "")):
@@ -387,7 +387,7 @@ groups:
 
 
 def test_workers_behind_a_dynamo_router_wait_for_it_then_get_its_address_in_their_env():
-    from workflows.jobs import job_spec
+    from rules.jobs import job_spec
     config = load_config_text(DYNAMO).config
     st = ServiceState(name="svc", config=config)
     st.groups = sync_groups(config, {})
@@ -443,7 +443,7 @@ def test_a_reference_is_bound_to_its_replica_not_its_index():
 
 
 def test_one_place_the_first_replica_is_placed_before_the_others_start_and_they_follow_it():
-    from workflows import lifecycle
+    from rules import lifecycle
     from models.run import ReplicaUpdate
     config = load_config_text(DYNAMO.replace("type: dynamo", "type: sglang")).config
     st = ServiceState(name="svc", config=config, one_place=True)

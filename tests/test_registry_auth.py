@@ -16,8 +16,8 @@ from models.loader import load_config_text
 from models.registry import DOCKER_HUB, docker_config, registry_of
 from models.replica import JobSpec
 from temporalio.api.common.v1 import Payload
-from workflows.changes import classify, spec_hash
-from workflows.jobs import job_spec
+from rules.changes import classify, spec_hash
+from rules.jobs import job_spec
 
 TOKEN = "nvapi-Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Jh1"
 NGC = """\

@@ -21,7 +21,7 @@ from temporalio.workflow import NondeterminismError
 
 from tests.conftest import DATA_CONVERTER
 from tests.fakes.changed_workflow import ExtraActivityFirst
-from workflows import admission
+from rules import admission
 from workflows.fleet import FleetMonitorWorkflow
 from workflows.reaper import ReaperWorkflow
 from workflows.replica import ReplicaWorkflow

@@ -29,7 +29,7 @@ from models.failures import NOT_READY_YET
 from models.run import Down, LaunchInput, LaunchStep, MonitorInput, NoCapacity, ReplicaInput, Step, TeardownInput, Watched
 from tests.conftest import eventually
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, no_capacity_of as _no_capacity
-from workflows.jobs import replica_input, replica_workflow_id
+from rules.jobs import replica_input, replica_workflow_id
 
 CONFIG = """
 type: service

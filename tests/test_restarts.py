@@ -38,7 +38,7 @@ from activities.local_host import MARKER, is_alive, proc_stat
 from models.settings import Settings
 from tests.e2e import Load, Stack, evidence, running_stack, until
 from activities import interface
-from workflows.jobs import replica_workflow_id
+from rules.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]

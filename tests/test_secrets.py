@@ -31,8 +31,8 @@ from models.secrets import ENCRYPTED_MARK, REDACT, SECRET_MARK
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
-from workflows.changes import classify, spec_hash
-from workflows.jobs import job_spec
+from rules.changes import classify, spec_hash
+from rules.jobs import job_spec
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 HF = "hf_" + "Q7rT9xLp2VwK4mZs8NbYc3Hd6Jf1GaUe"  # from the caller's environment

@@ -28,7 +28,7 @@ from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus, 
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import HUNG_IMAGE, fake_cloud_worker
-from workflows.jobs import replica_input
+from rules.jobs import replica_input
 from workflows.reaper import ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

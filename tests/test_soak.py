@@ -32,8 +32,8 @@ from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks, sleep_watched
-from workflows.autoscaler import below, decide, next_check
-from workflows.names import REPLICA_CHANGED
+from rules.autoscaler import GroupScaler
+from rules.names import REPLICA_CHANGED
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.long]
@@ -111,12 +111,12 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
     """
     group = spec.group("decode")
     assert group is not None and group.scaling is not None
-    scaling, lo, hi = group.scaling, group.count.min or 0, group.count.max or 0
+    scaler = GroupScaler.of(group)
     rps_at = traffic(start)
     queue: list[tuple[datetime, int, int]] = [(start + timedelta(hours=h, seconds=1), 1, -1) for h in range(DAYS * 24)]
     queue += [(t, 0, count) for t, count in manual.items()]
     heapq.heapify(queue)
-    desired, last, rps, span = lo, None, None, None
+    desired, last, rps, span = scaler.lo, None, None, None
     out: list[tuple[datetime, str]] = []
     holds: list[datetime] = []
     while queue and queue[0][0] < end:
@@ -129,14 +129,14 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
             desired, last, span = count, t, None
         if rps is None:
             continue
-        span = below(span, desired, rps, scaling, lo, hi, t)
-        d = decide(desired, rps, scaling, lo, hi, last, t, span, steady=True)
+        span = scaler.below(span, desired, rps, t)
+        d = scaler.decide(desired, rps, last, t, span, steady=True)
         if kind == 1 and "delay" in d.reason:
             holds.append(t)
         if d.new != desired:
             out.append((t, f"{desired} → {d.new}: {d.reason}"))
-            desired, last, span = d.new, t, below(None, d.new, rps, scaling, lo, hi, t)
-        wait = next_check(desired, rps, scaling, lo, hi, last, span, steady=True)
+            desired, last, span = d.new, t, scaler.below(None, d.new, rps, t)
+        wait = scaler.next_check(desired, rps, last, span, steady=True)
         if wait is not None and last is not None and last + timedelta(seconds=wait) > t:
             heapq.heappush(queue, (last + timedelta(seconds=wait), 2, -1))
     return out, holds

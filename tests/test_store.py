@@ -33,9 +33,9 @@ from store.tables import LedgerEntry
 from tests.conftest import eventually
 from tests.test_server import free_ports
 from tests.fakes.cloud import FakeCloud
-from workflows.names import backend_queue
+from rules.names import backend_queue
 from workflows.replica import ReplicaWorkflow
-from workflows.names import backend_queue
+from rules.names import backend_queue
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ from store.db import Store, head_revision
 from tests.conftest import eventually
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.test_store import _pg_admin, url  # noqa: F401 — `url`: the SQLite / PostgreSQL fixture
-from workflows.names import backend_queue
+from rules.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id
 

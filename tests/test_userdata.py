@@ -22,7 +22,7 @@ from activities.userdata import BootKeys, boot_script, cloud_init, job_upload, s
 from connect.ssh_keys import SSHKeys
 from models.loader import load_config_text
 from models.replica import JobSpec
-from workflows.jobs import job_spec
+from rules.jobs import job_spec
 
 GOLDEN = Path(__file__).with_name("golden")
 SECRET = "hf_secret'value"

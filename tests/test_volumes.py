@@ -19,9 +19,9 @@ from models.loader import load_config_text, load_volume_file
 from models.run import GroupState, Replica, ServiceState
 from models.volumes import VolumeRecord, Where, placement, single_attach
 from tests.fakes import blockdev
-from workflows.changes import classify, spec_hash
-from workflows.jobs import job_spec
-from workflows.planner import Start, Stop, reconcile, sync_groups
+from rules.changes import classify, spec_hash
+from rules.jobs import job_spec
+from rules.planner import Start, Stop, reconcile, sync_groups
 
 BASE = "type: service\nname: svc\nport: 8000\ncommands: [serve]\n"
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=timezone.utc)

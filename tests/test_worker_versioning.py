@@ -19,7 +19,7 @@ from tests.fakes.changed_workflow import PatchedInV2
 from tests.fakes.cloud import FakeCloud
 from tests.conftest import eventually
 from tests.test_service_workflow import deployments, rolling_config, status_of, wait_ready
-from workflows import names
+from rules import names
 from workflows.reaper import ReaperWorkflow
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

@@ -14,9 +14,9 @@ with workflow.unsafe.imports_passed_through():
     from models.failures import NO_OFFERS
     from models.run import (Down, IdleInstance, Release, Replica, ReplicaInput, ReplicaUpdate, ServiceState, Step,
                             StopRequest, TeardownInput)
-    from workflows import idle, lifecycle
-    from workflows.jobs import job_spec, placement_key, replica_input, replica_workflow_id
-    from workflows.names import backend_queue
+    from rules import idle, lifecycle
+    from rules.jobs import job_spec, placement_key, replica_input, replica_workflow_id
+    from rules.names import backend_queue
     from workflows.replica import ReplicaWorkflow
 
 SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")

@@ -20,7 +20,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from models.reaper import ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
-    from workflows import names
+    from rules import names
 
 REAPER_ID = "durastack/reaper"
 REAP_REPLICAS = "reap-replicas"  # patch: each pass also stops replica workflows no service run owns

@@ -30,7 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS, NOT_READY_YET, not_ready_within
     from models.run import (READY_ATTEMPT_SECONDS, Instance, Launched, LaunchInput, LaunchStep, NoCapacity, Placement,
                             Release, ReplicaInput, ReplicaStatus, ReplicaUpdate, Step, StopRequest, TeardownInput)
-    from workflows.names import REPLICA_CHANGED, backend_queue
+    from rules.names import REPLICA_CHANGED, backend_queue
 
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
 # beside a launch that went on.

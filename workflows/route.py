@@ -13,7 +13,7 @@ from temporalio.exceptions import ActivityError
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.run import RouteInput, ServiceState
-    from workflows import lifecycle
+    from rules import lifecycle
 
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 

@@ -22,13 +22,14 @@ with workflow.unsafe.imports_passed_through():
     from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, FleetDowns, Replica,
                             ReplicaUpdate, ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
     from models.service import ServiceConfiguration
-    from workflows import addresses, idle, lifecycle, routers, views
-    from workflows.admission import Refused, check_apply, check_scale
+    from rules import addresses, idle, lifecycle, routers
+    from workflows import views
+    from rules.admission import Refused, check_apply, check_scale
     from workflows.children import Children
-    from workflows.jobs import replica_workflow_id
-    from workflows.planner import Plan, Stop, prune, reconcile, sync_groups
-    from workflows.names import REPLICA_CHANGED
-    from workflows.replica import KEEP_IDLE  # asked only by services with `idle_duration` (workflows/idle.py)
+    from rules.jobs import replica_workflow_id
+    from rules.planner import Plan, Stop, prune, reconcile, sync_groups
+    from rules.names import RECORD_EVENT, REPLICA_CHANGED
+    from workflows.replica import KEEP_IDLE  # asked only by services with `idle_duration` (rules/idle.py)
     from workflows.route import Route
     from workflows.watchers import Watchers
 
@@ -143,7 +144,7 @@ class ServiceRunWorkflow:
             self._note([lifecycle.Note("stop", "stop requested")])
             self.dirty = True
 
-    @workflow.signal
+    @workflow.signal(name=RECORD_EVENT)
     def record_event(self, event: Event) -> None:
         """An event from outside the workflow (e.g. the reaper), kept in the decision log."""
         lifecycle.log(self.state, event)

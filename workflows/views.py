@@ -12,7 +12,8 @@ from temporalio.common import RetryPolicy, SearchAttributeKey
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.run import GroupView, Replica, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
-    from workflows import lifecycle
+    from rules import lifecycle
+    from rules.autoscaler import bounds
 
 SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
 SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
@@ -144,7 +145,8 @@ def _group_view(state: ServiceState, name: str, latest: list[Replica], asked: bo
         rollout = f"failed: {g.rollout_failed}" if g and g.rollout_failed else "rolling"
     router = state.config.router_group
     role = "" if router is None else "router" if name == router else "worker"
-    return GroupView(name=name, desired=g.desired if g else 0, min=spec.count.min or 0, max=spec.count.max or 0,
+    lo, hi = bounds(spec)
+    return GroupView(name=name, desired=g.desired if g else 0, min=lo, max=hi,
                      resources=spec.resources.summary(), rollout=rollout, retry_after=g.retry_after if g else None,
                      role=role, waiting=g.waiting if g else "", signal=_signal(state, name, asked),
                      idle=[f"{i.instance_id} until {i.until:%H:%M:%S} UTC" for i in state.idle if i.group == name],

@@ -1,7 +1,7 @@
 """The long activities a service keeps running while it serves: one stats watcher while some group
 autoscales, one replica monitor per backend that has serving replicas, one engine watcher per backend that has
 serving replicas of a group scaling on an engine signal, and one router sync while a router whose worker list
-durastack keeps runs (``workflows/routers.py``).
+durastack keeps runs (``rules/routers.py``).
 
 With the fleet monitor (``fleet``, workflows/fleet.py), a backend's monitor is not the service's activity: the
 service tells the backend's fleet monitor what it watches and hears back by signal (``heard``); a backend whose
@@ -29,12 +29,12 @@ with workflow.unsafe.imports_passed_through():
     from models.router import RouterView
     from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, FleetDowns, GroupWatch,
                             MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched)
-    from workflows import routers
-    from workflows.autoscaler import wanted
-    from workflows.lifecycle import group_signal
-    from workflows.jobs import replica_workflow_id
+    from rules import routers
+    from rules.autoscaler import GroupScaler, bounds, wanted
+    from rules.lifecycle import group_signal
+    from rules.jobs import replica_workflow_id
     from workflows.fleet import FleetMonitorWorkflow
-    from workflows.names import backend_queue, fleet_workflow_id
+    from rules.names import backend_queue, fleet_workflow_id
 
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 ENGINES = "engines/"  # a backend's engine watcher's key
@@ -204,17 +204,16 @@ def _engine_watches(state: ServiceState, by_backend: dict[str, list[Watched]]) -
         snap = state.engines.get(backend)
         groups = []
         for name, spec in specs.items():
-            scaling = spec.scaling
-            assert scaling is not None
+            scaler = GroupScaler.of(spec)
+            scaling = scaler.scaling
             others = [s for b, e in state.engines.items() if b != backend for s in e.replicas
                       if s.group == name and (s.replica_num, s.submission_num) in serving[name]]
             read = [s.value for s in others if s.value is not None]
             total = group_signal(state, name)[0]
-            now = wanted(total, scaling.target, spec.count.min or 0, spec.count.max or 0)[0] if total is not None \
-                else -1
+            now = scaler.wanted(total)[0] if total is not None else -1
             groups.append(EngineGroupWatch(
-                name=name, metric=scaling.metric, target=scaling.target, window=scaling.window, lo=spec.count.min or 0,
-                hi=spec.count.max or 0, path=spec.metrics.path if spec.metrics else "/metrics",
+                name=name, metric=scaling.metric, target=scaling.target, window=scaling.window, lo=scaler.lo,
+                hi=scaler.hi, path=spec.metrics.path if spec.metrics else "/metrics",
                 others=sum(read), others_read=len(read), others_counted=len(read) + sum(s.unreadable for s in others),
                 wanted=now))
         known = [s for s in snap.replicas if (s.replica_num, s.submission_num) in serving.get(s.group, set())] \
@@ -229,7 +228,7 @@ def _stats_watch(state: ServiceState) -> Optional[StatsWatch]:
     for g in state.config.replica_groups:
         if g.scaling is None:
             continue
-        lo, hi = g.count.min or 0, g.count.max or 0
+        lo, hi = bounds(g)
         if g.scaling.engine:  # the gateway only says whether requests arrive, for a group that may sleep
             if lo != 0:
                 continue

@@ -45,7 +45,7 @@ def group_queries(service, spot_policy: Optional[str] = None, max_price: Optiona
                   backends: Optional[list[str]] = None, regions: Optional[list[str]] = None,
                   reservation: Optional[str] = None) -> list[GroupQuery]:
     """One query per replica group of a ``ServiceConfiguration``; a group's spot_policy and reservation win over
-    the service's, as in the replica's input (workflows/jobs.py). Reservations are not looked up yet."""
+    the service's, as in the replica's input (rules/jobs.py). Reservations are not looked up yet."""
     return [GroupQuery(name=g.name or "", resources=g.resources,
                        spot_policy=spot_policy or g.spot_policy or service.spot_policy or "on-demand",
                        max_price=max_price if max_price is not None else service.max_price,

@@ -39,7 +39,7 @@ from models.run import (Down, EngineSnapshot, EngineWatch, Event, FleetInput, La
                         Placement, RecordResult, ReplicaInput, ReplicaSignal, ReplicaUpdate, RouteInput,
                         ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
 from workflows.fleet import FleetMonitorWorkflow
-from workflows.names import backend_queue
+from rules.names import backend_queue
 from workflows.replica import ReplicaWorkflow
 from workflows.service import ServiceRunWorkflow
 

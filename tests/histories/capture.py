@@ -56,8 +56,8 @@ from models.settings import SEARCH_ATTRIBUTES
 from tests.conftest import DATA_CONVERTER, _time_skipping_env, eventually, last_run_result, run_histories, tool
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
 from tests.fakes.timeskip import ChildLocks
-from workflows import names
-from workflows.jobs import replica_input
+from rules import names
+from rules.jobs import replica_input
 from workflows.fleet import FleetMonitorWorkflow
 from workflows.reaper import REAPER_ID, ReaperWorkflow
 from workflows.replica import ReplicaWorkflow

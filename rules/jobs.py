@@ -9,7 +9,7 @@ from typing import Optional
 from models.replica import JobSpec
 from models.run import ReplicaInput
 from models.service import ProbeSpec, ReplicaGroup, ServiceConfiguration
-from workflows.addresses import commands as resolved_commands, late, router_key
+from rules.addresses import commands as resolved_commands, late, router_key
 
 # The replica's coordinates, in its env on every backend. Its own address (DURASTACK_REPLICA_IP) is set by
 # the backend that places it: only the backend knows it before the commands run.
@@ -23,7 +23,7 @@ def replica_workflow_id(service: str, group: str, replica_num: int, submission_n
 
 def job_spec(config: ServiceConfiguration, service: str, group_name: str, replica_num: int,
              submission_num: int, refs: Optional[dict[str, str]] = None) -> JobSpec:
-    """``refs``: the values of the replica addresses its commands name (workflows.addresses); None leaves
+    """``refs``: the values of the replica addresses its commands name (rules.addresses); None leaves
     the expressions as written (a job rebuilt only to find or tear down its instance)."""
     group = config.group(group_name)
     assert group is not None, group_name

@@ -2,7 +2,7 @@
 
 A replica scaled down or replaced in a rolling deployment may leave its cloud instance idle instead of terminating
 it; the service keeps it in ``ServiceState.idle`` and gives it to the next replica of the same group whose
-placement inputs are equal (workflows.jobs.placement_key), so that the replica needs no new VM and no image pull.
+placement inputs are equal (rules.jobs.placement_key), so that the replica needs no new VM and no image pull.
 The pool is the service's own: an instance never passes to another service.
 """
 

@@ -17,10 +17,10 @@ from models.gateway import RouteRateLimit
 from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
                         RouteInput, ServiceState)
 from models.service import SUMMED_METRICS, ServiceConfiguration
-from workflows import addresses, idle
-from workflows.autoscaler import Below, below, decide, engine_total, next_check
-from workflows.changes import classify, spec_hash
-from workflows.planner import Plan, count_failure, sync_groups
+from rules import addresses, idle
+from rules.autoscaler import Below, GroupScaler, engine_total
+from rules.changes import classify, spec_hash
+from rules.planner import Plan, count_failure, sync_groups
 
 MAX_EVENTS = 200  # the latest decisions kept in state; the store's decision log keeps them all
 MAX_UNRECORDED = 2000  # while the store is unreachable; older ones are then dropped from the log
@@ -195,15 +195,14 @@ def autoscale(state: ServiceState, now: datetime, fresh: bool, steady: bool = Fa
     for spec in state.config.replica_groups:
         if spec.scaling is None:
             continue
-        group, scaling = state.groups[spec.name], spec.scaling
+        group, scaler = state.groups[spec.name], GroupScaler.of(spec)
         total, seen = group_signal(state, spec.name)
-        lo, hi = spec.count.min or 0, spec.count.max or 0
-        span = below(span_of(group), group.desired, total, scaling, lo, hi, now) if steady else None
-        d = decide(group.desired, total, scaling, lo, hi, group.last_scaled_at, now, span, steady)
+        span = scaler.below(span_of(group), group.desired, total, now) if steady else None
+        d = scaler.decide(group.desired, total, group.last_scaled_at, now, span, steady)
         if d.new != group.desired:
             notes.append(Note("scale", f"{group.desired} → {d.new}: {d.reason}; {seen}", group.name))
             group.desired, group.last_scaled_at = d.new, now
-            span = below(None, d.new, total, scaling, lo, hi, now) if steady else None  # counted from here
+            span = scaler.below(None, d.new, total, now) if steady else None  # counted from here
         elif fresh and "delay" in d.reason:
             notes.append(Note("hold", f"stays at {group.desired}: {d.reason}; {seen}", group.name))
         group.below_since, group.below_most = (span.since, span.most) if span else (None, 0)
@@ -353,8 +352,8 @@ def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
         group = state.groups[spec.name]
         if spec.scaling is None or group.last_scaled_at is None:
             continue
-        delay = next_check(group.desired, group_signal(state, spec.name)[0], spec.scaling, spec.count.min or 0,
-                           spec.count.max or 0, group.last_scaled_at, span_of(group), group.below_since is not None)
+        delay = GroupScaler.of(spec).next_check(group.desired, group_signal(state, spec.name)[0], group.last_scaled_at,
+                                                span_of(group), group.below_since is not None)
         if delay is not None:
             dues.append(group.last_scaled_at + timedelta(seconds=delay))
     return min((d for d in dues if d > now), default=None)

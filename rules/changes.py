@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from models.secrets import REVEAL
 from models.service import ServiceConfiguration
 from models.run import ReplicaInput
-from workflows.jobs import COORDINATES, replica_input
+from rules.jobs import COORDINATES, replica_input
 
 # Applied by changing counts and decisions only: no replica restarts.
 # `secrets` only changes which values are encrypted in history: what replicas run stays the same.

@@ -14,8 +14,8 @@ from typing import Optional
 from models.router import RouterLeave, RouterSyncInput, RouterTarget, RouterView, RouterWorker
 from models.run import Replica, ServiceState
 from models.service import ServiceConfiguration
-from workflows.addresses import peer_ip, peer_port
-from workflows.lifecycle import Note
+from rules.addresses import peer_ip, peer_port
+from rules.lifecycle import Note
 
 
 def synced(config: ServiceConfiguration) -> Optional[str]:

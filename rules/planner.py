@@ -13,7 +13,8 @@ from typing import Optional
 from models.run import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
 from models.volumes import single_attach
-from workflows.addresses import late, readdressed, resolve
+from rules.addresses import late, readdressed, resolve
+from rules.autoscaler import bounds
 
 # Resubmission back-off after failures in a row of a group. The first is
 # replaced at once (a replica that served for hours and crashed should not wait); from the second in a
@@ -56,7 +57,7 @@ def sync_groups(config: ServiceConfiguration, groups: dict[str, GroupState]) -> 
     """Groups of ``config``: new ones start at their min, known ones keep their desired count (clamped)."""
     out = {}
     for g in config.replica_groups:
-        lo, hi = g.count.min or 0, g.count.max or 0
+        lo, hi = bounds(g)
         old = groups.get(g.name)
         if old is None:
             out[g.name] = GroupState(name=g.name, desired=lo)

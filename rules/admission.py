@@ -11,7 +11,8 @@ from models.loader import render_path
 from models.run import ScaleRequest
 from models.service import ServiceConfiguration
 from models.validation import validate_service
-from workflows.changes import classify
+from rules.autoscaler import bounds
+from rules.changes import classify
 
 
 class Refused(Exception):
@@ -29,7 +30,7 @@ def check_scale(config: ServiceConfiguration, stopping: bool, request: ScaleRequ
     if spec is None:
         known = ", ".join(g.name for g in config.replica_groups)
         raise Refused("UnknownGroup", f"no replica group '{request.group}' (groups: {known})")
-    lo, hi = spec.count.min or 0, spec.count.max or 0
+    lo, hi = bounds(spec)
     if not lo <= request.count <= hi:
         raise Refused("OutOfRange", f"group '{request.group}' takes {lo}..{hi} replicas, not {request.count}")
 

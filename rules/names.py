@@ -14,6 +14,9 @@ RECORD_SERVICE = "record_service"  # a local activity: decision log + read model
 # The service's signal its replicas report on (ServiceRunWorkflow.replica_changed, payload ReplicaUpdate). Named
 # here because the replica workflow, which the service module imports, sends one too.
 REPLICA_CHANGED = "replica_changed"
+# Its signal for an event from outside (ServiceRunWorkflow.record_event, payload Event): the activities send it by
+# name, as they sit below the workflows.
+RECORD_EVENT = "record_event"
 
 
 def backend_queue(task_queue: str, backend: str) -> str:
