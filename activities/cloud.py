@@ -24,7 +24,7 @@ from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
 from models.resources import ResourcesSpec
-from models.run import Placement
+from models.state import Placement
 from store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
 
 log = logging.getLogger("durastack.cloud")
@@ -50,7 +50,7 @@ class CloudBackend(Protocol):
 
 class NoCapacity(Exception):
     """No offer could be provisioned: ``no offers: …`` or ``all offers failed: <reasons>``. Not retryable.
-    ``tried`` and ``reasons`` say the same for code (the launch's typed ``models.run.NoCapacity`` details)."""
+    ``tried`` and ``reasons`` say the same for code (the launch's typed ``models.messages.NoCapacity`` details)."""
 
     def __init__(self, message: str, *, tried: bool = False, reasons: Optional[list[str]] = None):
         super().__init__(message)

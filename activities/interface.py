@@ -14,25 +14,9 @@ from typing import Callable, Optional, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from models.run import (
-    EngineSnapshot,
-    FleetInput,
-    EngineWatch,
-    Down,
-    Launched,
-    LaunchInput,
-    LaunchStep,
-    MonitorInput,
-    NoCapacity,
-    RouteInput,
-    RecordResult,
-    ServiceRecord,
-    SignalInput,
-    StatsSnapshot,
-    StatsWatch,
-    TeardownInput,
-    Verdict,
-)
+from models.messages import (FleetInput, EngineWatch, Down, Launched, LaunchInput, LaunchStep, MonitorInput, NoCapacity,
+    RouteInput, RecordResult, ServiceRecord, SignalInput, StatsWatch, TeardownInput, Verdict)
+from models.state import EngineSnapshot, StatsSnapshot
 
 from models.router import RouterSyncInput, RouterView
 

@@ -33,7 +33,9 @@ from activities.cloud import CloudBackend, activity_error, list_tagged_all, term
 from activities.cloud_errors import CloudError
 from models.backends import CLOUDS, CloudInstance, config_path, load_backends_config, owner
 from models.reaper import ReapAction, ReapRequest, ReapResult, ReplicaReapResult
-from models.run import Event, Placement, StopRequest
+from models.messages import StopRequest
+from models.state import Placement
+from models.views import Event
 from store import INTENT, TERMINATED, StoreLedger
 from workflows import names
 

@@ -50,8 +50,10 @@ from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_ou
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
 from models.reservations import ReservationLookup
-from models.run import (READY_ATTEMPT_SECONDS, Down, FleetInput, Instance, Launched, LaunchInput, LaunchStep,
-                        MonitorInput, NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
+from models.messages import (READY_ATTEMPT_SECONDS, Down, FleetInput, Launched, LaunchInput, LaunchStep, MonitorInput,
+    NoCapacity, ReplicaInput, RouteInput, TeardownInput, Watched)
+from models.router import Instance
+from models.state import Placement
 from models.service import ProbeSpec
 
 log = logging.getLogger("durastack.replica")

@@ -49,8 +49,9 @@ from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
-from models.run import NoCapacity as NoCapacityDetails
-from models.run import Placement, ReplicaInput
+from models.messages import NoCapacity as NoCapacityDetails
+from models.messages import ReplicaInput
+from models.state import Placement
 from models.service import ProbeSpec
 from store import StoreLedger
 

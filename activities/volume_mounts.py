@@ -31,7 +31,7 @@ from activities.ssh import run
 from activities.volumes import VolumeBusy, VolumeError, disks_of
 from models.backends import CloudInstance, slug
 from models.replica import JobSpec
-from models.run import ReplicaInput
+from models.messages import ReplicaInput
 from models.volumes import VolumeRecord, Where, network_names, placement
 
 log = logging.getLogger("durastack.volumes")
@@ -98,7 +98,7 @@ class ReplicaVolumes:
         if not network_names(inp.job.volumes):
             return inp.regions, inp.zones
         from activities.interface import no_capacity
-        from models.run import NoCapacity
+        from models.messages import NoCapacity
 
         records = await asyncio.to_thread(self._records, inp.job)
         where, why = placement(Where(backends=inp.backends, regions=inp.regions, zones=inp.zones), records)

@@ -8,7 +8,8 @@ import pytest
 
 from activities.stats import changed, snapshot_of
 from models.gateway import ServiceStats, StatsReport, StatsWindow
-from models.run import GroupWatch, StatsSnapshot, StatsWatch
+from models.messages import GroupWatch, StatsWatch
+from models.state import StatsSnapshot
 from models.service import ScalingSpec
 from workflows.autoscaler import Below, below, decide, next_check, wanted
 

@@ -30,7 +30,7 @@ from models.backends import AWSConfig, BackendsConfig, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
+from models.messages import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
 from store import Store, StoreLedger
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
 from tests.fakes.ec2_faults import CPU_AMI, GPU_AMI, ec2_server, fake_ec2  # noqa: F401  (fixtures)

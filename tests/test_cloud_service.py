@@ -49,7 +49,8 @@ from models.loader import load_config_text
 from models.reaper import ReapRequest
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import Launched, LaunchInput, NoCapacity, ReplicaInput, ServiceState
+from models.messages import Launched, LaunchInput, NoCapacity, ReplicaInput
+from models.state import ServiceState
 from models.settings import SEARCH_ATTRIBUTES, Settings
 from store import INTENT
 from tests.conftest import DATA_CONVERTER, eventually, tool

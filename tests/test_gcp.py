@@ -28,7 +28,7 @@ from models.backends import BackendsConfig, GCPConfig, owner, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, ReplicaInput, TeardownInput
+from models.messages import LaunchInput, ReplicaInput, TeardownInput
 from store import Store, StoreLedger
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
 from tests.fakes.gce import gce  # noqa: F401  (fixture)

@@ -26,7 +26,8 @@ from activities.report import unless_quick
 from models.loader import load_config_text
 from models.replica import LocalInstance
 from models.failures import NOT_READY_YET
-from models.run import Down, LaunchInput, LaunchStep, MonitorInput, NoCapacity, ReplicaInput, Step, TeardownInput, Watched
+from models.messages import (Down, LaunchInput, LaunchStep, MonitorInput, NoCapacity, ReplicaInput, Step, TeardownInput,
+    Watched)
 from tests.conftest import eventually
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, no_capacity_of as _no_capacity
 from workflows.jobs import replica_input, replica_workflow_id

@@ -23,7 +23,7 @@ from activities.volumes import AWSDisks, GCPDisks, VolumeBusy, VolumeError
 from models.backends import AWSConfig, GCPConfig, provisioning_key
 from models.offers import InstanceOffer
 from models.replica import JobSpec
-from models.run import ReplicaInput
+from models.messages import ReplicaInput
 from models.volumes import VolumeConfiguration, VolumeMount
 from store import Store
 from store.volumes import VolumeStore

@@ -12,8 +12,8 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.failures import NO_OFFERS
-    from models.run import (Down, IdleInstance, Release, Replica, ReplicaInput, ReplicaUpdate, ServiceState, Step,
-                            StopRequest, TeardownInput)
+    from models.messages import Down, Release, ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput
+    from models.state import IdleInstance, Replica, ServiceState
     from workflows import idle, lifecycle
     from workflows.jobs import job_spec, placement_key, replica_input, replica_workflow_id
     from workflows.names import backend_queue

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Optional
 
-from models.run import GroupState, Replica, ServiceState
+from models.state import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
 from models.volumes import single_attach
 from workflows.addresses import late, readdressed, resolve

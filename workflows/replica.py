@@ -28,8 +28,10 @@ from temporalio.workflow import ActivityCancellationType
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS, NOT_READY_YET, not_ready_within
-    from models.run import (READY_ATTEMPT_SECONDS, Instance, Launched, LaunchInput, LaunchStep, NoCapacity, Placement,
-                            Release, ReplicaInput, ReplicaStatus, ReplicaUpdate, Step, StopRequest, TeardownInput)
+    from models.messages import (READY_ATTEMPT_SECONDS, Launched, LaunchInput, LaunchStep, NoCapacity, Release,
+        ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput)
+    from models.router import Instance
+    from models.state import Placement, ReplicaStatus
     from workflows.names import REPLICA_CHANGED, backend_queue
 
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down

@@ -12,7 +12,8 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import RouteInput, ServiceState
+    from models.messages import RouteInput
+    from models.state import ServiceState
     from workflows import lifecycle
 
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))

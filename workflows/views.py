@@ -11,11 +11,13 @@ from temporalio.common import RetryPolicy, SearchAttributeKey
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import GroupView, Replica, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
+    from models.messages import ServiceRecord
+    from models.state import Replica, ServiceState
+    from models.views import GroupView, ReplicaView, ServiceStatus
     from workflows import lifecycle
+    from workflows.children import SA_SERVICE
+    from workflows.replica import SA_STATUS
 
-SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
-SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 RECORD_RETRY = RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=2))
 
 # Replicas that hold (or will hold) an instance; finished ones leave the gauges.

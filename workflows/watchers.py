@@ -27,8 +27,9 @@ with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.replica import replica_id
     from models.router import RouterView
-    from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, FleetDowns, GroupWatch,
-                            MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched)
+    from models.messages import (Down, EngineGroupWatch, EngineWatch, FleetDowns, GroupWatch, MonitorInput, StatsWatch,
+        Watched)
+    from models.state import EngineSnapshot, ServiceState, StatsSnapshot
     from workflows import routers
     from workflows.autoscaler import wanted
     from workflows.lifecycle import group_signal

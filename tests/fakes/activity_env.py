@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
 
-from models.run import AddressAnswer, NoCapacity
+from models.messages import AddressAnswer, NoCapacity
 
 
 class FakeHandle:

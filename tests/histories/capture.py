@@ -51,7 +51,9 @@ from temporalio.worker import Worker
 
 from models.loader import load_config_text
 from models.reaper import ReapAction, ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
-from models.run import ApplyRequest, FleetInput, ScaleRequest, ServiceState, ServiceStatus
+from models.messages import ApplyRequest, FleetInput, ScaleRequest
+from models.state import ServiceState
+from models.views import ServiceStatus
 from models.settings import SEARCH_ATTRIBUTES
 from tests.conftest import DATA_CONVERTER, _time_skipping_env, eventually, last_run_result, run_histories, tool
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
