@@ -19,7 +19,7 @@ from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.quota import no_quota
 from models.backends import BackendsConfig, CloudInstance, provisioning_key
-from models.failures import ALL_OFFERS_FAILED, NO_OFFERS
+from models.failures import FailureKind
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
@@ -129,7 +129,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     if not found:
         why = (f"none of the {len(offers)} offers is on a configured cloud backend "
                f"({', '.join(sorted(backends)) or 'none configured'})")
-        raise NoCapacity(f"{NO_OFFERS}: {why}", reasons=[why])
+        raise NoCapacity(f"{FailureKind.NO_OFFERS}: {why}", reasons=[why])
     progress("reading the quotas of the offers' regions")
     lacking = _lacking_quota(found, backends, max_offers)
     candidates = found[:len(lacking)]
@@ -176,7 +176,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     text = "; ".join(reasons)
     if len(text) > MAX_REASONS_CHARS:
         text = text[:MAX_REASONS_CHARS - 1] + "…"
-    raise NoCapacity(f"{ALL_OFFERS_FAILED}: {text}", tried=True, reasons=reasons)
+    raise NoCapacity(f"{FailureKind.ALL_OFFERS_FAILED}: {text}", tried=True, reasons=reasons)
 
 
 def _lacking_quota(offers: list[InstanceOffer], backends: dict[str, CloudBackend], max_offers: int

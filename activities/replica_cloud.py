@@ -45,7 +45,7 @@ from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHCli
     tunnel_socket, wait_booted
 from activities.volume_mounts import ReplicaVolumes
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance, owner
-from models.failures import SPOT_INTERRUPTION
+from models.failures import FailureKind
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
@@ -446,7 +446,7 @@ class CloudReplicas:
             current = checked[1]
         if current.state in DOWN:
             # A spot instance going away is the cloud taking its capacity back: said so in the event.
-            return f"{SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
+            return f"{FailureKind.SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
         connection = await self._connection(instance)
         if connection is None:
             return None  # no SSH now (a lost tunnel reconnects; the replica is unrouted meanwhile)

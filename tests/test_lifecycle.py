@@ -184,14 +184,14 @@ def retrying(retry: str, max_duration: str = "off", replicas=()):
 
 
 def test_retry_event_classifies_the_reasons_durastack_builds():
-    from models.failures import SPOT_INTERRUPTION, retry_event
+    from models.failures import FailureKind, retry_event
     from models.messages import NoCapacity
     from workflows.replica import no_capacity_reason
     nothing_fits = NoCapacity(backend="local", tried=False, reasons=["this machine does not fit"])
     all_failed = NoCapacity(backend="aws", tried=True, reasons=["aws g5.xlarge: InsufficientInstanceCapacity"])
     for refusals in ([nothing_fits], [nothing_fits, all_failed], []):
         assert retry_event(no_capacity_reason(refusals)) == "no-capacity"
-    assert retry_event(f"{SPOT_INTERRUPTION} (instance terminated)") == "interruption"
+    assert retry_event(f"{FailureKind.SPOT_INTERRUPTION} (instance terminated)") == "interruption"
     for reason in ("exited (1)", "instance terminated", "container exited", "replica workflow terminated",
                    "could not start: already started", "failed", "", "exited (1): no offers in the log"):
         assert retry_event(reason) == "error", reason

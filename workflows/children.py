@@ -11,7 +11,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.failures import NO_OFFERS
+    from models.failures import FailureKind
     from models.messages import Down, Release, ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput
     from models.state import IdleInstance, Replica, ServiceState
     from workflows import idle, lifecycle
@@ -48,7 +48,7 @@ class Children:
                 inp.reuse = replica.reuse.instance
                 inp.launch_on.sort(key=lambda backend: backend != replica.reuse.backend)
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for
-            return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
+            return self._failed(replica, f"{FailureKind.NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
                                          f"($DURASTACK_HOME/config.yml; this deployment serves "
                                          f"{', '.join(state.backends) or 'none'})")
         for _ in range(TAKEN_IDS):

@@ -27,7 +27,7 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS, NOT_READY_YET, not_ready_within
+    from models.failures import NOT_READY_YET, FailureKind, not_ready_within
     from models.messages import (READY_ATTEMPT_SECONDS, Launched, LaunchInput, LaunchStep, NoCapacity, Release,
         ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput)
     from models.router import Instance
@@ -80,8 +80,8 @@ def no_capacity_reason(refusals: list[NoCapacity]) -> str:
     tried offers and each failed (the user may retry later), else "no offers: …" (nothing fits: the spec must
     change); each backend's reasons in the order the backends were tried."""
     if not refusals:
-        return NO_BACKEND
-    head = ALL_OFFERS_FAILED if any(r.tried for r in refusals) else NO_OFFERS
+        return FailureKind.NO_BACKEND.value
+    head = FailureKind.ALL_OFFERS_FAILED if any(r.tried for r in refusals) else FailureKind.NO_OFFERS
     return f"{head}: " + "; ".join("; ".join(r.reasons) or f"{r.backend}: no capacity" for r in refusals)
 
 
