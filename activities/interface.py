@@ -14,7 +14,8 @@ from typing import Callable, Optional, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from models.messages import (FleetInput, EngineWatch, Down, Launched, LaunchInput, LaunchStep, MonitorInput, NoCapacity,
+from models.failures import NO_CAPACITY_ERROR
+from models.messages import (FleetInput, EngineWatch, Down, Launched, LaunchInput, LaunchStep, MonitorInput, PlacementRefusal,
     RouteInput, RecordResult, ServiceRecord, SignalInput, StatsWatch, TeardownInput, Verdict)
 from models.state import EngineSnapshot, StatsSnapshot
 
@@ -33,13 +34,13 @@ def implements(stub: Callable) -> Callable[[F], F]:
     return bind
 
 
-def no_capacity(details: NoCapacity) -> ApplicationError:
+def refusal_error(details: PlacementRefusal) -> ApplicationError:
     """The error ``place_replica`` raises when its backend cannot place the replica. The workflow reads
-    ``NoCapacity.model_validate(error.details[0])`` (never the message, which is for people) and tries the next
+    ``PlacementRefusal.model_validate(error.details[0])`` (never the message, which is for people) and tries the next
     backend; non-retryable, because nothing was made and asking the same backend again gives the same answer."""
     what = "every offer failed" if details.tried else "nothing fits"
     message = f"{details.backend}: {what}" + (f": {'; '.join(details.reasons)}" if details.reasons else "")
-    return ApplicationError(message, details.model_dump(mode="json"), type="NoCapacity", non_retryable=True)
+    return ApplicationError(message, details.model_dump(mode="json"), type=NO_CAPACITY_ERROR, non_retryable=True)
 
 
 @activity.defn

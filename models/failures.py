@@ -37,6 +37,7 @@ class FailureKind(StrEnum):
         return "interruption" if self is FailureKind.SPOT_INTERRUPTION else "no-capacity"
 
 
+NO_CAPACITY_ERROR = "NoCapacity"  # the type of the error a launch raises when its backend cannot place it
 NOT_READY_YET = "NotReadyYet"  # the type of a readiness attempt's end: still loading, try again
 LAST_LINES = 5  # of a replica's output, told with the reason it exited before it was ready
 LAST_OUTPUT_CHARS = 400

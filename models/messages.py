@@ -242,7 +242,7 @@ class LaunchStep(BaseModel):
     launched: Launched = Field(description="Its placement and instance (and, once started, its late references).")
 
 
-class NoCapacity(BaseModel):
+class PlacementRefusal(BaseModel):
     """Details of the typed ``NoCapacity`` ApplicationError a launch raises when a backend cannot place it."""
 
     backend: str

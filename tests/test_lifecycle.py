@@ -185,10 +185,10 @@ def retrying(retry: str, max_duration: str = "off", replicas=()):
 
 def test_retry_event_classifies_the_reasons_durastack_builds():
     from models.failures import FailureKind, retry_event
-    from models.messages import NoCapacity
+    from models.messages import PlacementRefusal
     from workflows.replica import no_capacity_reason
-    nothing_fits = NoCapacity(backend="local", tried=False, reasons=["this machine does not fit"])
-    all_failed = NoCapacity(backend="aws", tried=True, reasons=["aws g5.xlarge: InsufficientInstanceCapacity"])
+    nothing_fits = PlacementRefusal(backend="local", tried=False, reasons=["this machine does not fit"])
+    all_failed = PlacementRefusal(backend="aws", tried=True, reasons=["aws g5.xlarge: InsufficientInstanceCapacity"])
     for refusals in ([nothing_fits], [nothing_fits, all_failed], []):
         assert retry_event(no_capacity_reason(refusals)) == "no-capacity"
     assert retry_event(f"{FailureKind.SPOT_INTERRUPTION} (instance terminated)") == "interruption"

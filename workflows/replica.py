@@ -27,8 +27,8 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.failures import NOT_READY_YET, FailureKind, not_ready_within
-    from models.messages import (READY_ATTEMPT_SECONDS, Launched, LaunchInput, LaunchStep, NoCapacity, Release,
+    from models.failures import NO_CAPACITY_ERROR, NOT_READY_YET, FailureKind, not_ready_within
+    from models.messages import (READY_ATTEMPT_SECONDS, Launched, LaunchInput, LaunchStep, PlacementRefusal, Release,
         ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput)
     from models.router import Instance
     from models.state import Placement, ReplicaStatus
@@ -75,7 +75,7 @@ def reason_of(error: BaseException) -> str:
     return str(cause.message if isinstance(cause, ApplicationError) else cause) or type(cause).__name__
 
 
-def no_capacity_reason(refusals: list[NoCapacity]) -> str:
+def no_capacity_reason(refusals: list[PlacementRefusal]) -> str:
     """Why no backend placed the replica, as `ps` and `events` show it: "all offers failed: …" once some backend
     tried offers and each failed (the user may retry later), else "no offers: …" (nothing fits: the spec must
     change); each backend's reasons in the order the backends were tried."""
@@ -85,11 +85,11 @@ def no_capacity_reason(refusals: list[NoCapacity]) -> str:
     return f"{head}: " + "; ".join("; ".join(r.reasons) or f"{r.backend}: no capacity" for r in refusals)
 
 
-def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Optional[NoCapacity]:
+def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Optional[PlacementRefusal]:
     """A launch no worker took in time (its schedule-to-start timeout: a cloud worker that is not running, a queue
     name that differs): that backend is given up, with why, and the next one tried, not waited on for ever."""
     if no_worker_took(error):
-        return NoCapacity(backend=backend, tried=True, reasons=[
+        return PlacementRefusal(backend=backend, tried=True, reasons=[
             f"{backend}: no worker took the launch within {seconds} s (is a worker serving {queue} running?)"])
     return None
 
@@ -106,11 +106,11 @@ def never_taken(error: ActivityError) -> bool:
     return no_worker_took(error) and error.cause.cause is None
 
 
-def no_capacity(error: ActivityError) -> Optional[NoCapacity]:
+def refusal_of(error: ActivityError) -> Optional[PlacementRefusal]:
     """The typed details of a backend that could not place the replica; None for any other failure."""
     cause = error.cause
-    if isinstance(cause, ApplicationError) and cause.type == "NoCapacity" and cause.details:
-        return NoCapacity.model_validate(cause.details[0])
+    if isinstance(cause, ApplicationError) and cause.type == NO_CAPACITY_ERROR and cause.details:
+        return PlacementRefusal.model_validate(cause.details[0])
     return None
 
 
@@ -157,7 +157,7 @@ class ReplicaWorkflow:
 
     async def _launch(self) -> str:
         """Each backend in turn until one places the replica; '' once it serves, else why it failed."""
-        refusals: list[NoCapacity] = []
+        refusals: list[PlacementRefusal] = []
         for backend in self.inp.launch_on:
             self.tried.append(backend)
             queue = backend_queue(workflow.info().task_queue, backend)
@@ -178,7 +178,7 @@ class ReplicaWorkflow:
                     await self._report_serving(self.launched)
                 return ""
             except ActivityError as e:
-                details = no_capacity(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
+                details = refusal_of(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
                 if details is None:
                     return reason_of(e)
                 if never_taken(e) and workflow.patched(UNTAKEN_MADE_NOTHING):
