@@ -19,7 +19,7 @@ from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.quota import no_quota
 from models.backends import BackendsConfig, CloudInstance, provisioning_key
-from models.failures import NO_CAPACITY_ERROR, FailureKind
+from models.failures import FailureKind
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
@@ -255,18 +255,15 @@ def gpu_label(offer: InstanceOffer) -> str:
     return f"{offer.gpu_name or 'GPU'}×{offer.gpu_count}" if offer.gpu_count else ""
 
 
-def activity_error(error: Exception, *, teardown: bool = False) -> Exception:
-    """How an activity should raise ``error``. Provision: OffersExhausted and FATAL are non-retryable (the replica
-    fails with the message), TRANSIENT retryable (Temporal backs off). Teardown (``teardown=True``): always
+def activity_error(error: CloudError, *, teardown: bool = False) -> Exception:
+    """How an activity should raise a cloud's ``error``. Provision: FATAL is non-retryable (the replica fails with
+    the message), TRANSIENT retryable (Temporal backs off); OffersExhausted is not raised through here (a launch
+    turns it into interface.refusal_error). Teardown (``teardown=True``): always
     retryable — a leaked instance costs money, so termination keeps trying until, e.g., credentials are fixed."""
     from temporalio.exceptions import ApplicationError
 
-    if isinstance(error, OffersExhausted):
-        return ApplicationError(str(error), type=NO_CAPACITY_ERROR, non_retryable=not teardown)
-    if isinstance(error, CloudError):
-        return ApplicationError(error.message, type=f"Cloud{error.kind.value.title()}",
-                                non_retryable=not teardown and error.kind is not ErrorKind.TRANSIENT)
-    return error
+    return ApplicationError(error.message, type=f"Cloud{error.kind.value.title()}",
+                            non_retryable=not teardown and error.kind is not ErrorKind.TRANSIENT)
 
 
 def heartbeat_from_thread() -> Callable[[str], None]:
