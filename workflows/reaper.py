@@ -26,6 +26,8 @@ REAPER_ID = "durastack/reaper"
 REAP_REPLICAS = "reap-replicas"  # patch: each pass also stops replica workflows no service run owns
 REAP_CLOSED = "reap-closed"  # patch: between passes, a quick one over the replicas of services whose run closed
 HISTORY_LIMIT = 5000
+# A pass's activity: a few quick tries, then the next pass tries again.
+REAP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3)
 
 
 @workflow.defn
@@ -92,7 +94,7 @@ class ReaperWorkflow:
                 task_queue=self.inp.replicas_queue,
                 schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
                 start_to_close_timeout=timedelta(minutes=10),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3), summary=summary)
+                retry_policy=REAP_RETRY, summary=summary)
         except ActivityError as e:
             return ReplicaReapResult(error=str(getattr(e.cause or e, "message", e.cause or e)))
 
@@ -104,7 +106,7 @@ class ReaperWorkflow:
                 # Bounded: a target whose worker is gone must not hold up the others' next pass.
                 schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
                 start_to_close_timeout=timedelta(minutes=10),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3),
+                retry_policy=REAP_RETRY,
                 summary=f"reap {', '.join(target.backends)}")
         except ActivityError as e:
             cause = e.cause or e

@@ -16,6 +16,7 @@ with workflow.unsafe.imports_passed_through():
     from models.state import ServiceState
     from workflows import lifecycle
 
+# The retry of the service's helper activities (its route, its watchers): never gives up, waits at most 30 s.
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 
 

@@ -20,7 +20,6 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
@@ -36,8 +35,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.jobs import replica_workflow_id
     from workflows.fleet import FleetMonitorWorkflow
     from workflows.names import backend_queue, fleet_workflow_id
+    from workflows.route import RETRY
 
-RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 ENGINES = "engines/"  # a backend's engine watcher's key
 
 
