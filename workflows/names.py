@@ -1,5 +1,13 @@
 """Activity names the workflows still spell (the replica's activities are called by reference to their stubs in
-activities/interface.py, which name them), and the task queue of each backend."""
+activities/interface.py, which name them), the search attributes they set, and the task queue of each backend."""
+
+from temporalio.common import SearchAttributeKey
+
+from models.settings import SEARCH_ATTRIBUTES
+
+# The keys of the search attributes the workflows set, one per name the server registers (SEARCH_ATTRIBUTES, in
+# that order): the service and group a replica workflow belongs to, the backend it ran on, its final status.
+SA_SERVICE, SA_GROUP, SA_BACKEND, SA_STATUS = (SearchAttributeKey.for_keyword(name) for name in SEARCH_ATTRIBUTES)
 
 # The stubs' names: the implementations take them (``@implements``), so a workflow scheduling by these names and
 # one calling the stubs by reference run the same activities.

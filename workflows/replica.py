@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Optional
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import (ActivityError, ApplicationError, RetryState, TimeoutError as ActivityTimeout,
                                    TimeoutType)
 from temporalio.workflow import ActivityCancellationType
@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
         ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput)
     from models.router import Instance
     from models.state import Placement, ReplicaStatus
-    from workflows.names import REPLICA_CHANGED, backend_queue
+    from workflows.names import REPLICA_CHANGED, SA_BACKEND, SA_STATUS, backend_queue
 
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
 # beside a launch that went on.
@@ -49,8 +49,6 @@ KEEP_IDLE = "keep-idle"
 # A kept instance whose service never releases it (the service is gone) is terminated this long after its idle
 # time, unless another replica runs on it by then.
 IDLE_GRACE = timedelta(minutes=10)
-SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
-SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
 # The launch in three steps, each its own activity and budget, so that a retry resumes at the step that failed, on
 # the same instance, with its image and whatever it loaded. Runs recorded before it made one activity of all three.

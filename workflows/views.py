@@ -15,8 +15,7 @@ with workflow.unsafe.imports_passed_through():
     from models.state import Replica, ServiceState
     from models.views import GroupView, ReplicaView, ServiceStatus
     from workflows import lifecycle
-    from workflows.children import SA_SERVICE
-    from workflows.replica import SA_STATUS
+    from workflows.names import SA_SERVICE, SA_STATUS
 
 RECORD_RETRY = RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=2))
 
