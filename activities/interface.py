@@ -15,6 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from models.failures import NO_CAPACITY_ERROR
+from models.reaper import ReapRequest, ReapResult, ReplicaReapResult
 from models.messages import (FleetInput, EngineWatch, Down, Launched, LaunchInput, LaunchStep, MonitorInput, PlacementRefusal,
     RouteInput, RecordResult, ServiceRecord, SignalInput, StatsWatch, TeardownInput, Verdict)
 from models.state import EngineSnapshot, StatsSnapshot
@@ -153,3 +154,19 @@ async def judge_signal(inp: SignalInput) -> Verdict:
     """Validate a `scale` or `apply` signal's raw payload as the updates' validators would. A local
     activity: its verdict is recorded, so replay never judges the signal again with newer rules."""
     raise NotImplementedError
+
+
+@activity.defn
+async def reap_orphans(req: ReapRequest) -> ReapResult:
+    """Terminate the cloud instances of ``req.backends`` no replica owns (older than its grace); on the main queue
+    and on each cloud worker's queue, for the clouds it holds the credentials of."""
+
+
+@activity.defn
+async def reap_replicas(grace_seconds: int) -> ReplicaReapResult:
+    """Stop the replica workflows no service run owns (started more than ``grace_seconds`` ago)."""
+
+
+@activity.defn
+async def reap_closed() -> ReplicaReapResult:
+    """Stop at once the replica workflows of services whose run closed without stopping them."""

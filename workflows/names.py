@@ -13,9 +13,6 @@ SA_SERVICE, SA_GROUP, SA_BACKEND, SA_STATUS = (SearchAttributeKey.for_keyword(na
 # one calling the stubs by reference run the same activities.
 ENSURE_ROUTE = "ensure_route"
 REMOVE_ROUTE = "remove_route"
-REAP_ORPHANS = "reap_orphans"
-REAP_REPLICAS = "reap_replicas"
-REAP_CLOSED = "reap_closed"
 
 # The service's signal its replicas report on (ServiceRunWorkflow.replica_changed, payload ReplicaUpdate). Named
 # here because the replica workflow, which the service module imports, sends one too.

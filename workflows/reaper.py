@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Awaitable, Callable
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -20,7 +21,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from models.reaper import ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
-    from workflows import names
+    from activities import interface
 
 REAPER_ID = "durastack/reaper"
 REAP_REPLICAS = "reap-replicas"  # patch: each pass also stops replica workflows no service run owns
@@ -58,7 +59,7 @@ class ReaperWorkflow:
             self.reconfigured = False
             self.results = list(await asyncio.gather(*(self._reap(t) for t in self.inp.targets)))
             if self.inp.replicas_queue and workflow.patched(REAP_REPLICAS):
-                self.replicas = await self._reap_replicas(names.REAP_REPLICAS, [self.inp.grace_seconds],
+                self.replicas = await self._reap_replicas(interface.reap_replicas, [self.inp.grace_seconds],
                                                           "stop replicas no service run owns")
             await self._until_next_pass()
             info = workflow.info()
@@ -75,7 +76,7 @@ class ReaperWorkflow:
             if not await self._wait(min(left, self.inp.closed_seconds) if quick else left) or not quick \
                     or workflow.now() >= end:
                 return
-            closed = await self._reap_replicas(names.REAP_CLOSED, [], "stop replicas of closed services")
+            closed = await self._reap_replicas(interface.reap_closed, [], "stop replicas of closed services")
             if closed.stopped or closed.error:
                 self.replicas = closed
 
@@ -87,10 +88,11 @@ class ReaperWorkflow:
             return True
         return False
 
-    async def _reap_replicas(self, activity: str, args: list, summary: str) -> ReplicaReapResult:
+    async def _reap_replicas(self, activity: Callable[..., Awaitable[ReplicaReapResult]], args: list,
+                             summary: str) -> ReplicaReapResult:
         try:
             return await workflow.execute_activity(
-                activity, args=args, result_type=ReplicaReapResult,
+                activity, args=args,
                 task_queue=self.inp.replicas_queue,
                 schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
                 start_to_close_timeout=timedelta(minutes=10),
@@ -101,8 +103,8 @@ class ReaperWorkflow:
     async def _reap(self, target: ReapTarget) -> ReapResult:
         try:
             return await workflow.execute_activity(
-                names.REAP_ORPHANS, ReapRequest(backends=target.backends, grace_seconds=self.inp.grace_seconds),
-                result_type=ReapResult, task_queue=target.task_queue,
+                interface.reap_orphans, ReapRequest(backends=target.backends, grace_seconds=self.inp.grace_seconds),
+                task_queue=target.task_queue,
                 # Bounded: a target whose worker is gone must not hold up the others' next pass.
                 schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
                 start_to_close_timeout=timedelta(minutes=10),
