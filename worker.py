@@ -56,7 +56,7 @@ from connect.ssh_keys import SSHKeys, SSHKeysError
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget
-from models.run import FleetInput
+from models.messages import FleetInput
 from models.settings import Settings
 from store import Store, StoreLedger, database_url
 from rules import names

@@ -19,12 +19,12 @@ from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.quota import no_quota
 from models.backends import BackendsConfig, CloudInstance, provisioning_key
-from models.failures import ALL_OFFERS_FAILED, NO_OFFERS
+from models.failures import FailureKind
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
 from models.resources import ResourcesSpec
-from models.run import Placement
+from models.state import Placement
 from store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
 
 log = logging.getLogger("durastack.cloud")
@@ -48,9 +48,9 @@ class CloudBackend(Protocol):
     def retag(self, instance: CloudInstance, job: JobSpec) -> None: ...
 
 
-class NoCapacity(Exception):
+class OffersExhausted(Exception):
     """No offer could be provisioned: ``no offers: …`` or ``all offers failed: <reasons>``. Not retryable.
-    ``tried`` and ``reasons`` say the same for code (the launch's typed ``models.run.NoCapacity`` details)."""
+    ``tried`` and ``reasons`` say the same for code (the launch's typed ``models.messages.PlacementRefusal`` details)."""
 
     def __init__(self, message: str, *, tried: bool = False, reasons: Optional[list[str]] = None):
         super().__init__(message)
@@ -124,12 +124,12 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
                     progress: Callable[[str], None] = lambda _: None) -> tuple[InstanceOffer, CloudInstance]:
     """Launch ``job`` on the first offer that works (see the module doc). ``offers`` should already be
     filtered by the replica's spot policy, max price, backends and regions; ``progress`` is called before each
-    cloud call (pass a heartbeat). Raises NoCapacity, or CloudError (TRANSIENT: retry; FATAL: fail)."""
+    cloud call (pass a heartbeat). Raises OffersExhausted, or CloudError (TRANSIENT: retry; FATAL: fail)."""
     found = cloud_offers(offers, resources, backends)
     if not found:
         why = (f"none of the {len(offers)} offers is on a configured cloud backend "
                f"({', '.join(sorted(backends)) or 'none configured'})")
-        raise NoCapacity(f"{NO_OFFERS}: {why}", reasons=[why])
+        raise OffersExhausted(f"{FailureKind.NO_OFFERS}: {why}", reasons=[why])
     progress("reading the quotas of the offers' regions")
     lacking = _lacking_quota(found, backends, max_offers)
     candidates = found[:len(lacking)]
@@ -176,7 +176,7 @@ def provision_cloud(job: JobSpec, resources: ResourcesSpec, offers: list[Instanc
     text = "; ".join(reasons)
     if len(text) > MAX_REASONS_CHARS:
         text = text[:MAX_REASONS_CHARS - 1] + "…"
-    raise NoCapacity(f"{ALL_OFFERS_FAILED}: {text}", tried=True, reasons=reasons)
+    raise OffersExhausted(f"{FailureKind.ALL_OFFERS_FAILED}: {text}", tried=True, reasons=reasons)
 
 
 def _lacking_quota(offers: list[InstanceOffer], backends: dict[str, CloudBackend], max_offers: int
@@ -255,18 +255,15 @@ def gpu_label(offer: InstanceOffer) -> str:
     return f"{offer.gpu_name or 'GPU'}×{offer.gpu_count}" if offer.gpu_count else ""
 
 
-def activity_error(error: Exception, *, teardown: bool = False) -> Exception:
-    """How an activity should raise ``error``. Provision: NoCapacity and FATAL are non-retryable (the replica
-    fails with the message), TRANSIENT retryable (Temporal backs off). Teardown (``teardown=True``): always
+def activity_error(error: CloudError, *, teardown: bool = False) -> Exception:
+    """How an activity should raise a cloud's ``error``. Provision: FATAL is non-retryable (the replica fails with
+    the message), TRANSIENT retryable (Temporal backs off); OffersExhausted is not raised through here (a launch
+    turns it into interface.refusal_error). Teardown (``teardown=True``): always
     retryable — a leaked instance costs money, so termination keeps trying until, e.g., credentials are fixed."""
     from temporalio.exceptions import ApplicationError
 
-    if isinstance(error, NoCapacity):
-        return ApplicationError(str(error), type="NoCapacity", non_retryable=not teardown)
-    if isinstance(error, CloudError):
-        return ApplicationError(error.message, type=f"Cloud{error.kind.value.title()}",
-                                non_retryable=not teardown and error.kind is not ErrorKind.TRANSIENT)
-    return error
+    return ApplicationError(error.message, type=f"Cloud{error.kind.value.title()}",
+                            non_retryable=not teardown and error.kind is not ErrorKind.TRANSIENT)
 
 
 def heartbeat_from_thread() -> Callable[[str], None]:
@@ -279,6 +276,6 @@ def heartbeat_from_thread() -> Callable[[str], None]:
     return lambda message: loop.call_soon_threadsafe(progress, message, context=context)
 
 
-__all__ = ["CloudBackend", "NoCapacity", "activity_error", "cloud_offers", "heartbeat_from_thread", "list_tagged_all",
+__all__ = ["CloudBackend", "OffersExhausted", "activity_error", "cloud_offers", "heartbeat_from_thread", "list_tagged_all",
            "make_backends", "placement_of", "provision_cloud", "reservation_in", "terminate_cloud",
            "terminate_replica", "terminate_service"]

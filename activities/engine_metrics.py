@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from activities.probes import Connect, client_for
-from models.run import UNKNOWN_NAMES
+from models.state import UNKNOWN_NAMES
 from models.service import SUMMED_METRICS
 
 # Requests the engine is working on, and requests waiting for a slot: running + waiting is what is in flight.

@@ -26,7 +26,8 @@ from activities.engine_metrics import Reading, UnknownNames, over_window, read
 from activities.interface import implements
 from activities.probes import Connect, client_for
 from activities.watch import watch_until_down
-from models.run import NOT_READ_YET, EngineGroupWatch, EngineSnapshot, EngineWatch, ReplicaSignal, Watched
+from models.messages import EngineGroupWatch, EngineWatch, Watched
+from models.state import NOT_READ_YET, EngineSnapshot, ReplicaSignal
 from rules.autoscaler import engine_total, wanted
 
 TIMEOUT = 2.0

@@ -19,7 +19,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.liveness import heartbeating, progress
-from models.run import Down, FleetChanges, FleetDowns, FleetInput, MonitorInput, Watched
+from models.messages import Down, FleetChanges, FleetDowns, FleetInput, MonitorInput, Watched
 
 log = logging.getLogger("durastack.fleet")
 

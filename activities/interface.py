@@ -14,25 +14,11 @@ from typing import Callable, Optional, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from models.run import (
-    EngineSnapshot,
-    FleetInput,
-    EngineWatch,
-    Down,
-    Launched,
-    LaunchInput,
-    LaunchStep,
-    MonitorInput,
-    NoCapacity,
-    RouteInput,
-    RecordResult,
-    ServiceRecord,
-    SignalInput,
-    StatsSnapshot,
-    StatsWatch,
-    TeardownInput,
-    Verdict,
-)
+from models.failures import NO_CAPACITY_ERROR
+from models.reaper import ReapRequest, ReapResult, ReplicaReapResult
+from models.messages import (FleetInput, EngineWatch, Down, Launched, LaunchInput, LaunchStep, MonitorInput, PlacementRefusal,
+    RouteInput, RecordResult, ServiceRecord, SignalInput, StatsWatch, TeardownInput, Verdict)
+from models.state import EngineSnapshot, StatsSnapshot
 
 from models.router import RouterSyncInput, RouterView
 
@@ -49,13 +35,13 @@ def implements(stub: Callable) -> Callable[[F], F]:
     return bind
 
 
-def no_capacity(details: NoCapacity) -> ApplicationError:
+def refusal_error(details: PlacementRefusal) -> ApplicationError:
     """The error ``place_replica`` raises when its backend cannot place the replica. The workflow reads
-    ``NoCapacity.model_validate(error.details[0])`` (never the message, which is for people) and tries the next
+    ``PlacementRefusal.model_validate(error.details[0])`` (never the message, which is for people) and tries the next
     backend; non-retryable, because nothing was made and asking the same backend again gives the same answer."""
     what = "every offer failed" if details.tried else "nothing fits"
     message = f"{details.backend}: {what}" + (f": {'; '.join(details.reasons)}" if details.reasons else "")
-    return ApplicationError(message, details.model_dump(mode="json"), type="NoCapacity", non_retryable=True)
+    return ApplicationError(message, details.model_dump(mode="json"), type=NO_CAPACITY_ERROR, non_retryable=True)
 
 
 @activity.defn
@@ -168,3 +154,19 @@ async def judge_signal(inp: SignalInput) -> Verdict:
     """Validate a `scale` or `apply` signal's raw payload as the updates' validators would. A local
     activity: its verdict is recorded, so replay never judges the signal again with newer rules."""
     raise NotImplementedError
+
+
+@activity.defn
+async def reap_orphans(req: ReapRequest) -> ReapResult:
+    """Terminate the cloud instances of ``req.backends`` no replica owns (older than its grace); on the main queue
+    and on each cloud worker's queue, for the clouds it holds the credentials of."""
+
+
+@activity.defn
+async def reap_replicas(grace_seconds: int) -> ReplicaReapResult:
+    """Stop the replica workflows no service run owns (started more than ``grace_seconds`` ago)."""
+
+
+@activity.defn
+async def reap_closed() -> ReplicaReapResult:
+    """Stop at once the replica workflows of services whose run closed without stopping them."""

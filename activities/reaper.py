@@ -31,9 +31,13 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.catalog import load_catalog
 from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
 from activities.cloud_errors import CloudError
+from activities import interface
+from activities.interface import implements
 from models.backends import CLOUDS, CloudInstance, config_path, load_backends_config, owner
 from models.reaper import ReapAction, ReapRequest, ReapResult, ReplicaReapResult
-from models.run import Event, Placement, StopRequest
+from models.messages import StopRequest
+from models.state import Placement
+from models.views import Event
 from store import INTENT, TERMINATED, StoreLedger
 from rules import names
 
@@ -102,7 +106,7 @@ class ReaperActivities:
             out[name] = sorted(set(backend.regions) | set(current or []))
         return out
 
-    @activity.defn(name=names.REAP_ORPHANS)
+    @implements(interface.reap_orphans)
     async def reap_orphans(self, req: ReapRequest) -> ReapResult:
         backends = {n: b for n, b in self.backends.items() if n in req.backends}
         result = ReapResult(task_queue=activity.info().task_queue)
@@ -144,7 +148,7 @@ class ReaperActivities:
         result.error = "; ".join(errors)[:2000]
         return result
 
-    @activity.defn(name=names.REAP_REPLICAS)
+    @implements(interface.reap_replicas)
     async def reap_replicas(self, grace_seconds: int) -> ReplicaReapResult:
         """Stop the running replica workflows no service run owns: its service was terminated (its children are
         abandoned, by design, so that they outlive a continue-as-new) or reset to a point before it started them.
@@ -161,7 +165,7 @@ class ReaperActivities:
                 await self._stop_all(service, [r for r in replicas if r not in owned], why, owned == set(), result)
         return result
 
-    @activity.defn(name=names.REAP_CLOSED)
+    @implements(interface.reap_closed)
     async def reap_closed(self) -> ReplicaReapResult:
         """The quick pass: stop at once the running replica workflows of a service whose run has closed without
         stopping them (terminated from the Web UI, timed out), its route with them. No grace and no query: the

@@ -16,7 +16,9 @@ from temporalio import activity
 from activities.liveness import progress
 from activities.report import FIRST_POLL_SECONDS, MAX_POLL_SECONDS, ask_addresses, report_placed
 from models.interpolation import fill
-from models.run import AddressQuery, Instance, Placement, ReplicaInput
+from models.messages import AddressQuery, ReplicaInput
+from models.router import Instance
+from models.state import Placement
 
 log = logging.getLogger("durastack.references")
 

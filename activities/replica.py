@@ -32,7 +32,7 @@ from activities import interface
 from activities.catalog import local_offer
 from activities.engines import EngineActivities
 from activities.fleet import FleetWatch, closed_workflows, down_of, merged
-from activities.interface import implements, no_capacity
+from activities.interface import implements, refusal_error
 from activities.liveness import heartbeating, keeps_alive, progress
 from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
 from activities.local_cgroup import Limits, limits_for
@@ -50,8 +50,10 @@ from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_ou
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
 from models.reservations import ReservationLookup
-from models.run import (READY_ATTEMPT_SECONDS, Down, FleetInput, Instance, Launched, LaunchInput, LaunchStep,
-                        MonitorInput, NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
+from models.messages import (READY_ATTEMPT_SECONDS, Down, FleetInput, Launched, LaunchInput, LaunchStep, MonitorInput,
+    PlacementRefusal, ReplicaInput, RouteInput, TeardownInput, Watched)
+from models.router import Instance
+from models.state import Placement
 from models.service import ProbeSpec
 
 log = logging.getLogger("durastack.replica")
@@ -112,7 +114,7 @@ class LocalReplicas:
 
     async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, LocalInstance]:
         if not self.enabled:
-            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[
+            raise refusal_error(PlacementRefusal(backend="local", tried=False, reasons=[
                 "this worker runs no replicas on its own machine (DURASTACK_LOCAL_REPLICAS=off)"]))
         # The local machine has no spot market: the spot policy does not apply to it.
         offers = [local_offer()]
@@ -123,7 +125,7 @@ class LocalReplicas:
         if not match_offers(offers, inp.resources, **filters):
             provisioning_failed("local", "no_offers")
             why = describe_mismatch(offers, inp.resources, **filters)
-            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[
+            raise refusal_error(PlacementRefusal(backend="local", tried=False, reasons=[
                 f"this machine does not fit ({why or inp.resources.summary()})"]))
         job = inp.job
         cannot, _ = local_limits({**{n: (getattr(job, n), n) for n in ("docker", "privileged", "nvcc", "image",
@@ -131,14 +133,14 @@ class LocalReplicas:
                                   "commands": (job.commands, "commands")})
         if cannot:  # said at plan time too (`durastack apply`); here for a service submitted another way
             provisioning_failed("local", "unsupported")
-            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=cannot))
+            raise refusal_error(PlacementRefusal(backend="local", tried=False, reasons=cannot))
         since = activity.info().scheduled_time.timestamp() - CLOCK_SKEW_SECONDS  # the launch's first attempt
         try:  # with late references, its commands wait in the replica for ``start``
             instance = await self._blocking(self._start_once, inp.job, since, bool(inp.late_refs),
                                             limits_for(inp.resources))
         except UnsupportedJobError as e:
             provisioning_failed("local", "unsupported")
-            raise no_capacity(NoCapacity(backend="local", tried=False, reasons=[str(e)])) from e
+            raise refusal_error(PlacementRefusal(backend="local", tried=False, reasons=[str(e)])) from e
         placement = Placement(backend="local", region="local", instance_type="local", price=0.0,
                               address=self.local.upstream(job, instance), instance_id=str(instance.pid),
                               ip=instance.ip)
@@ -290,7 +292,7 @@ class ReplicaActivities:
                                                                    "provisioning"))
         try:
             if r.backends is not None and inp.backend not in r.backends:
-                raise no_capacity(NoCapacity(backend=inp.backend, tried=False, reasons=[
+                raise refusal_error(PlacementRefusal(backend=inp.backend, tried=False, reasons=[
                     f"the service's backends ({', '.join(r.backends)}) do not include {inp.backend}"]))
             placement, instance = await self._backend(inp.backend, launching=True).place(r, inp.backend)
         finally:
@@ -455,7 +457,7 @@ class ReplicaActivities:
             return self.cloud
         why = f"backend {name} is not served by this worker"
         if launching:  # the workflow tries the next backend
-            raise no_capacity(NoCapacity(backend=name, tried=False, reasons=[why]))
+            raise refusal_error(PlacementRefusal(backend=name, tried=False, reasons=[why]))
         # Teardown and monitor: a worker that serves it may poll this queue later (a misrouted task).
         raise ApplicationError(why, type="NotServed")
 

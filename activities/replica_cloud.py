@@ -32,10 +32,10 @@ import asyncssh
 from temporalio.exceptions import ApplicationError
 
 from activities.catalog import load_catalog
-from activities.cloud import (CloudBackend, NoCapacity, activity_error, heartbeat_from_thread, placement_of,
+from activities.cloud import (CloudBackend, OffersExhausted, activity_error, heartbeat_from_thread, placement_of,
                               provision_cloud, reservation_in, terminate_cloud, terminate_replica)
 from activities.cloud_errors import CloudError, ErrorKind
-from activities.interface import no_capacity
+from activities.interface import refusal_error
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
@@ -45,12 +45,13 @@ from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHCli
     tunnel_socket, wait_booted
 from activities.volume_mounts import ReplicaVolumes
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance, owner
-from models.failures import SPOT_INTERRUPTION
+from models.failures import FailureKind
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.reservations import ReservationLookup
-from models.run import NoCapacity as NoCapacityDetails
-from models.run import Placement, ReplicaInput
+from models.messages import PlacementRefusal
+from models.messages import ReplicaInput
+from models.state import Placement
 from models.service import ProbeSpec
 from store import StoreLedger
 
@@ -290,7 +291,7 @@ class CloudReplicas:
         """Walk ``backend``'s offers for the replica, cheapest first; an instance an earlier attempt made is
         adopted (the walker's provisioning keys), so a retried launch never makes a second one."""
         if backend not in self.backends:
-            raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
+            raise refusal_error(PlacementRefusal(backend=backend, tried=False, reasons=[
                 f"backend {backend} is not configured on this worker ($DURASTACK_HOME/config.yml)"]))
         pool = [o for o in (self._catalog or load_catalog()) if o.backend == backend and self.config.allows(o)]
         regions, zones = await self.volumes.where(inp, backend)  # a network volume's zone, if it mounts one
@@ -300,7 +301,7 @@ class CloudReplicas:
         offers = match_offers(pool, inp.resources, **filters)
         if not offers:
             provisioning_failed(backend, "no_offers")
-            raise no_capacity(NoCapacityDetails(backend=backend, tried=False, reasons=[
+            raise refusal_error(PlacementRefusal(backend=backend, tried=False, reasons=[
                 describe_mismatch(pool, inp.resources, **filters) or inp.resources.summary()]))
         if isinstance(inp.reuse, CloudInstance) and inp.reuse.backend == backend:
             reused = await self._reuse(inp, inp.reuse, offers)
@@ -314,8 +315,8 @@ class CloudReplicas:
             if self.ssh is not None:
                 said = booted(inp.job, instance, offer, await self._boot(inp, instance))
                 await record_event(inp.service_workflow_id, inp.job, "replica", said)
-        except NoCapacity as e:
-            raise no_capacity(NoCapacityDetails(backend=backend, tried=e.tried, reasons=e.reasons)) from e
+        except OffersExhausted as e:
+            raise refusal_error(PlacementRefusal(backend=backend, tried=e.tried, reasons=e.reasons)) from e
         except CloudError as e:
             raise activity_error(e) from e
         placement = placement_of(offer, instance).model_copy(update={"address": self.address(instance)})
@@ -445,7 +446,7 @@ class CloudReplicas:
             current = checked[1]
         if current.state in DOWN:
             # A spot instance going away is the cloud taking its capacity back: said so in the event.
-            return f"{SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
+            return f"{FailureKind.SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
         connection = await self._connection(instance)
         if connection is None:
             return None  # no SSH now (a lost tunnel reconnects; the replica is unrouted meanwhile)

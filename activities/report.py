@@ -22,11 +22,14 @@ from temporalio.service import RPCError
 
 from activities.liveness import progress
 from models.replica import JobSpec
-from models.run import Event, Instance, Placement, ReplicaStatus, ReplicaUpdate, Step
+from models.messages import ReplicaUpdate, Step
+from models.router import Instance
+from models.state import Placement, ReplicaStatus
+from models.views import Event
 from rules.names import RECORD_EVENT, REPLICA_CHANGED
 
 if TYPE_CHECKING:
-    from models.run import AddressAnswer
+    from models.messages import AddressAnswer
 
 log = logging.getLogger("durastack.report")
 FIRST_POLL_SECONDS = 0.05  # the replicas of a service are placed together: most answers come within a poll or two
@@ -76,7 +79,7 @@ async def report_placed(service_workflow_id: str, job: JobSpec, placement: Place
     not resolve, and `ps` showed no instance. ``ask_first``: it may have it already (a later attempt of the
     readiness step), and each report is an event in its history. The caller ends this when the next report
     supersedes it."""
-    from models.run import AddressQuery
+    from models.messages import AddressQuery
 
     handle = activity.client().get_workflow_handle(service_workflow_id)
     query = AddressQuery(replica_num=job.replica_num, submission_num=job.submission_num, keys=[])
@@ -95,7 +98,7 @@ async def report_placed(service_workflow_id: str, job: JobSpec, placement: Place
 
 async def ask_addresses(handle, query) -> Optional["AddressAnswer"]:
     """The service's answer to ``addresses``, or None when it cannot answer now (its worker is away a moment)."""
-    from models.run import AddressAnswer
+    from models.messages import AddressAnswer
 
     try:
         return await handle.query("addresses", query, result_type=AddressAnswer)

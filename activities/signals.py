@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from activities.interface import implements, judge_signal as judge_stub
 from models.loader import load_config_data, render_path
 from models.validation import broken_rules, validate_service
-from models.run import ApplyRequest, ScaleRequest, SignalInput, Verdict
+from models.messages import ApplyRequest, ScaleRequest, SignalInput, Verdict
 from rules.admission import Refused, check_apply, check_scale
 from rules.changes import classify
 

@@ -20,7 +20,8 @@ from temporalio import activity
 from activities import interface
 from activities.interface import implements
 from models.gateway import StatsReport
-from models.run import StatsSnapshot, StatsWatch
+from models.messages import StatsWatch
+from models.state import StatsSnapshot
 from rules.autoscaler import wanted
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from typing import Optional
 
 from activities import interface
 from activities.interface import implements
-from models.run import RecordResult, ServiceRecord
+from models.messages import RecordResult, ServiceRecord
 from store import Store
 
 

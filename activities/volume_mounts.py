@@ -31,7 +31,7 @@ from activities.ssh import run
 from activities.volumes import VolumeBusy, VolumeError, disks_of
 from models.backends import CloudInstance, slug
 from models.replica import JobSpec
-from models.run import ReplicaInput
+from models.messages import ReplicaInput
 from models.volumes import VolumeRecord, Where, network_names, placement
 
 log = logging.getLogger("durastack.volumes")
@@ -97,15 +97,15 @@ class ReplicaVolumes:
         volumes' zone. A backend its volumes are not on has nothing (``NoCapacity``: the next backend is tried)."""
         if not network_names(inp.job.volumes):
             return inp.regions, inp.zones
-        from activities.interface import no_capacity
-        from models.run import NoCapacity
+        from activities.interface import refusal_error
+        from models.messages import PlacementRefusal
 
         records = await asyncio.to_thread(self._records, inp.job)
         where, why = placement(Where(backends=inp.backends, regions=inp.regions, zones=inp.zones), records)
         if why is None and backend not in (where.backends or []):
             why = f"volume {records[0].name} is on {records[0].backend}"
         if why is not None:
-            raise no_capacity(NoCapacity(backend=backend, tried=False, reasons=[why]))
+            raise refusal_error(PlacementRefusal(backend=backend, tried=False, reasons=[why]))
         return where.regions, where.zones
 
     async def attach(self, job: JobSpec, instance: CloudInstance, connect: Connect) -> list[str]:

@@ -54,8 +54,9 @@ from connect.codec import KEY_ENV, ensure_key_file
 from connect.connection import client_options
 from models.loader import load_config_text
 from models.replica import LocalInstance
-from models.run import (Down, FleetInput, Launched, LaunchInput, MonitorInput, Placement, RouteInput, ServiceRecord,
-                        ServiceState, TeardownInput)
+from models.messages import (Down, FleetInput, Launched, LaunchInput, MonitorInput, RouteInput, ServiceRecord,
+    TeardownInput)
+from models.state import Placement, ServiceState
 from models.settings import Settings
 from rules.names import backend_queue
 

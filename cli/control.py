@@ -16,7 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from cli.client import ControlPlaneDown, connect
 from cli.console import user_error
-from models.run import ServiceStatus
+from models.views import ServiceStatus
 from models.settings import Settings
 from workflows.service import ServiceRunWorkflow, service_workflow_id
 

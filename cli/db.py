@@ -18,7 +18,7 @@ from cli.client import EXIT_CONTROL_PLANE_DOWN
 from cli.console import err, out
 from cli.render import age, ps_table, status_json
 from models.common import parse_duration
-from models.run import Event, ServiceStatus
+from models.views import Event, ServiceStatus
 from models.settings import Settings
 
 db_app = typer.Typer(no_args_is_help=True, help="The store's database: DURASTACK_DATABASE_URL, default SQLite "

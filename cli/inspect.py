@@ -23,7 +23,7 @@ from cli.client import ControlPlaneDown, connect, run
 from cli.console import err, out, user_error
 from cli.control import RPC, ask, live_status, running, running_status, service_url
 from cli.render import ps_table, status_json, store_note
-from models.run import ServiceStatus
+from models.views import ServiceStatus
 from models.settings import Settings
 from workflows.fleet import FleetMonitorWorkflow
 from rules.jobs import replica_workflow_id

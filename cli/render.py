@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from models.router import RouterView
-from models.run import ReplicaView, ServiceStatus
+from models.views import ReplicaView, ServiceStatus
 
 
 def age(at: Optional[datetime], now: Optional[datetime] = None) -> str:

@@ -27,7 +27,9 @@ from cli.control import RPC, ask, deliver, last_run, live_status, running, servi
 from cli.render import ps_table
 from connect.codec import CodecKeys, load_keys
 from models.loader import file_type, load_config_file
-from models.run import ApplyRequest, ApplyResult, ScaleRequest, ServiceState, ServiceStatus
+from models.messages import ApplyRequest, ApplyResult, ScaleRequest
+from models.state import ServiceState
+from models.views import ServiceStatus
 from models.secrets import REVEAL
 from models.service import SERVICE_NAME_RE, ServiceConfiguration
 from models.settings import Settings

@@ -1,6 +1,6 @@
 """Why a replica failed, as durastack spells it, and which `retry` event each reason is: one rule, one place.
 
-The code that detects a failure builds its reason from these prefixes (workflows/replica.py and
+The code that detects a failure builds its reason from a ``FailureKind`` (workflows/replica.py and
 workflows/children.py: no capacity; activities/cloud.py: the cloud's offers; activities/replica_cloud.py:
 a spot interruption); the service reads a reason back with ``retry_event`` to decide whether the
 configuration's `retry` replaces the replica (rules/lifecycle.py).
@@ -8,7 +8,8 @@ configuration's `retry` replaces the replica (rules/lifecycle.py).
 
 from __future__ import annotations
 
-from typing import Iterable, Literal
+from enum import StrEnum
+from typing import Iterable, Literal, Optional
 
 from models.common import format_duration
 from models.secrets import REDACTED
@@ -16,12 +17,27 @@ from models.secrets import REDACTED
 RetryEvent = Literal["no-capacity", "interruption", "error"]
 RETRY_EVENTS: tuple[RetryEvent, ...] = ("no-capacity", "interruption", "error")
 
-NO_OFFERS = "no offers"  # nothing fits the replica: "no offers: <why>"
-ALL_OFFERS_FAILED = "all offers failed"  # offers were tried and each failed: "all offers failed: <why>"
-NO_BACKEND = "no backend serves this replica"  # this deployment serves none of the backends it may use
-SPOT_INTERRUPTION = "spot interruption"  # the cloud took a spot instance back: "spot interruption (instance …)"
 
-_NO_CAPACITY = (NO_OFFERS, ALL_OFFERS_FAILED, NO_BACKEND)
+class FailureKind(StrEnum):
+    """The kinds of replica failure `retry` tells apart, each the prefix its reason starts with: a reason is a
+    plain string in history and the store (``Replica.reason``, events), so old ones are read back by prefix."""
+
+    NO_OFFERS = "no offers"  # nothing fits the replica: "no offers: <why>"
+    ALL_OFFERS_FAILED = "all offers failed"  # offers were tried and each failed: "all offers failed: <why>"
+    NO_BACKEND = "no backend serves this replica"  # this deployment serves none of the backends it may use
+    SPOT_INTERRUPTION = "spot interruption"  # the cloud took a spot instance back: "spot interruption (instance …)"
+
+    @classmethod
+    def of(cls, reason: str) -> Optional["FailureKind"]:
+        """The kind ``reason`` is, by its prefix; None: any other failure (an error)."""
+        return next((kind for kind in cls if reason.startswith(kind.value)), None)
+
+    @property
+    def retry_event(self) -> RetryEvent:
+        return "interruption" if self is FailureKind.SPOT_INTERRUPTION else "no-capacity"
+
+
+NO_CAPACITY_ERROR = "NoCapacity"  # the type of the error a launch raises when its backend cannot place it
 NOT_READY_YET = "NotReadyYet"  # the type of a readiness attempt's end: still loading, try again
 LAST_LINES = 5  # of a replica's output, told with the reason it exited before it was ready
 LAST_OUTPUT_CHARS = 400
@@ -50,8 +66,5 @@ def without_output(reason: str) -> str:
 
 def retry_event(reason: str) -> RetryEvent:
     """The `retry.on_events` event a replica's failure reason is: no-capacity, interruption, else error."""
-    if reason.startswith(_NO_CAPACITY):
-        return "no-capacity"
-    if reason.startswith(SPOT_INTERRUPTION):
-        return "interruption"
-    return "error"
+    kind = FailureKind.of(reason)
+    return kind.retry_event if kind else "error"

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from models.backends import CloudInstance
 from models.replica import LocalInstance
 
-# What a replica runs on: a local process tree or a cloud VM (models.run uses this one).
+# What a replica runs on: a local process tree or a cloud VM (models.state and models.messages use this one).
 Instance = Annotated[Union[LocalInstance, CloudInstance], Field(discriminator="kind")]
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from models.interpolation import expression, find, group_name, substitute, target_group
-from models.run import Placement, Replica, ServiceState
+from models.state import Placement, Replica, ServiceState
 from models.service import ServiceConfiguration
 
 

@@ -8,7 +8,7 @@ never changes how an old history replays.
 from __future__ import annotations
 
 from models.loader import render_path
-from models.run import ScaleRequest
+from models.messages import ScaleRequest
 from models.service import ServiceConfiguration
 from models.validation import validate_service
 from rules.autoscaler import bounds

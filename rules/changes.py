@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from models.secrets import REVEAL
 from models.service import ServiceConfiguration
-from models.run import ReplicaInput
+from models.messages import ReplicaInput
 from rules.jobs import COORDINATES, replica_input
 
 # Applied by changing counts and decisions only: no replica restarts.

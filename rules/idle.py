@@ -12,7 +12,8 @@ from datetime import datetime, timedelta
 from typing import Optional
 
 from models.common import format_duration
-from models.run import IdleInstance, Instance, Replica, ServiceState
+from models.router import Instance
+from models.state import IdleInstance, Replica, ServiceState
 
 # An idle instance is given to a new replica only with this much of its idle time left: its launch must retag it
 # before the replica that left it may terminate it.

@@ -7,7 +7,7 @@ import json
 from typing import Optional
 
 from models.replica import JobSpec
-from models.run import ReplicaInput
+from models.messages import ReplicaInput
 from models.service import ProbeSpec, ReplicaGroup, ServiceConfiguration
 from rules.addresses import commands as resolved_commands, late, router_key
 

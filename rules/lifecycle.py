@@ -14,8 +14,9 @@ from typing import Optional
 from models.common import format_duration
 from models.failures import retry_event, without_output
 from models.gateway import RouteRateLimit
-from models.run import (UNKNOWN_NAMES, ApplyResult, Down, EngineSnapshot, Event, GroupState, Replica, ReplicaUpdate,
-                        RouteInput, ServiceState)
+from models.messages import ApplyResult, Down, ReplicaUpdate, RouteInput
+from models.state import UNKNOWN_NAMES, EngineSnapshot, GroupState, Replica, ServiceState
+from models.views import Event
 from models.service import SUMMED_METRICS, ServiceConfiguration
 from rules import addresses, idle
 from rules.autoscaler import Below, GroupScaler, engine_total

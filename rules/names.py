@@ -1,15 +1,11 @@
 """Activity names the workflows still spell (the replica's activities are called by reference to their stubs in
-activities/interface.py, which name them), and the task queue of each backend."""
+activities/interface.py, which name them), the signals activities send by name, and the task queue of each
+backend. The search attributes' keys are in workflows/attributes.py (they are Temporal objects)."""
 
 # The stubs' names: the implementations take them (``@implements``), so a workflow scheduling by these names and
 # one calling the stubs by reference run the same activities.
 ENSURE_ROUTE = "ensure_route"
 REMOVE_ROUTE = "remove_route"
-WATCH_STATS = "watch_stats"
-REAP_ORPHANS = "reap_orphans"
-REAP_REPLICAS = "reap_replicas"
-REAP_CLOSED = "reap_closed"
-RECORD_SERVICE = "record_service"  # a local activity: decision log + read model in the store
 
 # The service's signal its replicas report on (ServiceRunWorkflow.replica_changed, payload ReplicaUpdate). Named
 # here because the replica workflow, which the service module imports, sends one too.

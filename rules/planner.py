@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Optional
 
-from models.run import GroupState, Replica, ServiceState
+from models.state import GroupState, Replica, ServiceState
 from models.service import ServiceConfiguration
 from models.volumes import single_attach
 from rules.addresses import late, readdressed, resolve
@@ -139,7 +139,7 @@ def _scale(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replic
 
 def _roll(plan: Plan, state: ServiceState, group: GroupState, mine: list[Replica], numbers, can_start,
           stale: frozenset = frozenset()) -> int:
-    """Spec 6.5: at most one extra replica; an old one stops only when a new one serves. Old: of an earlier
+    """A rollout surges by at most one extra replica; an old one stops only when a new one serves. Old: of an earlier
     deployment, or ``stale`` (an address it was started with moved). Returns how many it needed to start.
 
     But replicas that mount a network volume, which attaches to one instance at a time, cannot run beside their

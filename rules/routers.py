@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from models.router import RouterLeave, RouterSyncInput, RouterTarget, RouterView, RouterWorker
-from models.run import Replica, ServiceState
+from models.state import Replica, ServiceState
 from models.service import ServiceConfiguration
 from rules.addresses import peer_ip, peer_port
 from rules.lifecycle import Note

@@ -31,7 +31,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
-from models.run import Event, RecordResult, ServiceRecord, ServiceStatus
+from models.messages import RecordResult, ServiceRecord
+from models.views import Event, ServiceStatus
 from models.settings import Settings
 from store.tables import DecisionLogEntry, LedgerEntry, ServiceRow
 

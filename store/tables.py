@@ -36,7 +36,7 @@ class LedgerEntry(SQLModel, table=True):
 
 
 class DecisionLogEntry(SQLModel, table=True):
-    """One entry of a service's decision log (models.run.Event), as ``durastack events`` reads it.
+    """One entry of a service's decision log (models.views.Event), as ``durastack events`` reads it.
 
     The key is (service, run, seq): the workflow numbers its events from 1 and writes them at least once, so a
     retried write lands on the same row; a service stopped and applied again is a new run, numbered from 1 again.
@@ -63,7 +63,7 @@ class ServiceRow(SQLModel, table=True):
     status: str = Field(description="The service's status (running, terminated, …).")
     deployment: int = Field(description="Its deployment number.")
     updated_at: datetime = _when("When the workflow last wrote it (UTC): how stale the view is.")
-    view: dict = Field(sa_column=Column(JSON, nullable=False), description="models.run.ServiceStatus as JSON.")
+    view: dict = Field(sa_column=Column(JSON, nullable=False), description="models.views.ServiceStatus as JSON.")
 
 
 class VolumeRow(SQLModel, table=True):

@@ -8,8 +8,9 @@ import pytest
 
 from activities.stats import changed, snapshot_of
 from models.gateway import ServiceStats, StatsReport, StatsWindow
-from models.run import GroupWatch, StatsSnapshot, StatsWatch
+from models.messages import GroupWatch, StatsWatch
 from models.service import ReplicaGroup, ScalingSpec
+from models.state import StatsSnapshot
 from rules.autoscaler import Below, GroupScaler, bounds, wanted
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)

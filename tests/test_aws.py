@@ -20,7 +20,7 @@ from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
 from activities.aws import AWSBackend
-from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_replica, terminate_service
+from activities.cloud import OffersExhausted, provision_cloud, terminate_cloud, terminate_replica, terminate_service
 from activities.cloud_errors import CloudError, ErrorKind
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas, booted
@@ -30,9 +30,9 @@ from models.backends import AWSConfig, BackendsConfig, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
+from models.messages import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
 from store import Store, StoreLedger
-from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, refusal_of
 from tests.fakes.ec2_faults import CPU_AMI, GPU_AMI, ec2_server, fake_ec2  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,7 +287,7 @@ def test_a_region_the_account_cannot_use_yet_is_skipped_and_said(aws, ledger, fa
     chosen, _ = walk(aws, ledger, [G4, G5, G5_WEST])
     assert (chosen.instance_type, chosen.region) == ("g5.xlarge", "us-west-2")
     assert [r["region"] for r in fake_ec2.run_requests] == ["us-east-1", "us-west-2"]  # g5 there skipped
-    with pytest.raises(NoCapacity) as e:
+    with pytest.raises(OffersExhausted) as e:
         walk(aws, ledger, [G4, G5], j=job(1))
     first, second = e.value.reasons
     assert code in first and "the region is skipped" in first  # what to do, after the cloud's own words
@@ -502,7 +502,7 @@ def test_quota_of_one_class_does_not_skip_another(aws, ledger, fake_ec2):
 
 def test_all_offers_failed_lists_the_reasons(aws, ledger, fake_ec2):
     fake_ec2.fail("InsufficientInstanceCapacity")
-    with pytest.raises(NoCapacity, match=r"^all offers failed: aws g4dn.xlarge in us-east-1 \(\$0.526/h\): .*"
+    with pytest.raises(OffersExhausted, match=r"^all offers failed: aws g4dn.xlarge in us-east-1 \(\$0.526/h\): .*"
                                          r"InsufficientInstanceCapacity.*; aws g5.xlarge"):
         walk(aws, ledger, [G4, G5])
 
@@ -669,14 +669,14 @@ async def test_no_capacity_on_aws_says_whether_offers_were_tried(aws, ledger, fa
     fake_ec2.fail("InsufficientInstanceCapacity")
     with pytest.raises(ApplicationError) as failed:
         await activity_env(FakeClient()).run(acts.launch, _launch_input())
-    details = no_capacity_of(failed.value)
+    details = refusal_of(failed.value)
     assert details.backend == "aws" and details.tried and len(details.reasons) == 2
     assert all("InsufficientInstanceCapacity" in r for r in details.reasons)
 
     cpu_only = _replica_activities(aws, ledger, FakeGateway(), "127.0.0.1:1", catalog=[M5])
     with pytest.raises(ApplicationError) as unmatched:
         await activity_env(FakeClient()).run(cpu_only.launch, _launch_input())
-    details = no_capacity_of(unmatched.value)
+    details = refusal_of(unmatched.value)
     assert details.backend == "aws" and not details.tried and details.reasons
 
 
@@ -754,7 +754,7 @@ def test_a_capacity_block_launches_with_its_market_type_and_a_dedicated_tenancy_
 def test_a_full_reservation_fails_the_walk_with_ec2s_code_and_says_what_it_means(aws, ledger, fake_ec2):
     rid = fake_ec2.add_reservation("g5.xlarge", "us-east-1a")
     reserved_walk(aws, ledger, rid)
-    with pytest.raises(NoCapacity) as full:
+    with pytest.raises(OffersExhausted) as full:
         reserved_walk(aws, ledger, rid, j=job(replica=1))
     (reason,) = full.value.reasons
     assert f"reservation {rid}" in reason and "ReservationCapacityExceeded" in reason
@@ -780,7 +780,7 @@ def test_an_ended_reservation_leaves_no_offer_and_says_why(aws, ledger, fake_ec2
     fake_ec2.set_reservation_state(rid, "active")
     kept = match_offers([G5_ZONES], GPU, reservation=aws.find_reservation(rid))
     fake_ec2.set_reservation_state(rid, state)
-    with pytest.raises(NoCapacity, match="ReservationCapacityExceeded"):
+    with pytest.raises(OffersExhausted, match="ReservationCapacityExceeded"):
         walk(aws, ledger, kept)
     assert all_instances() == []
 
@@ -833,7 +833,7 @@ async def test_launch_into_a_reservation_places_there_and_one_no_cloud_has_is_no
     inp.replica.reservation = "cr-0123456789abcdef0"
     with pytest.raises(ApplicationError) as failed:
         await activity_env(FakeClient()).run(acts.launch, inp)
-    details = no_capacity_of(failed.value)
+    details = refusal_of(failed.value)
     assert not details.tried and details.reasons == [
         "no offer has reservation cr-0123456789abcdef0 (aws: not found in us-east-1, us-west-2)"]
 

@@ -9,7 +9,7 @@ from cli.service import _print_result, apply_update_id
 from connect.codec import CodecKeys
 from models.secrets import REVEAL
 from models.loader import load_config_text
-from models.run import ApplyRequest, ApplyResult
+from models.messages import ApplyRequest, ApplyResult
 
 SERVICE = """
 type: service

@@ -34,7 +34,7 @@ def test_ps_shows_a_service_that_does_not_answer_as_the_store_saw_it_and_the_oth
 
     from cli import inspect
     from cli.client import ControlPlaneDown
-    from models.run import ServiceRecord
+    from models.messages import ServiceRecord
     from models.settings import Settings
     from store import Store
     from tests.test_store import status

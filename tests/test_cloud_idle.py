@@ -12,7 +12,7 @@ from activities.aws import AWSBackend
 from activities.gcp import GCPBackend
 from activities.runtime import runtime_of
 from models.backends import AWSConfig, BackendsConfig, GCPConfig
-from models.run import LaunchInput, LaunchStep, ReplicaInput, TeardownInput
+from models.messages import LaunchInput, LaunchStep, ReplicaInput, TeardownInput
 from tests.fakes import vpc as vpcs
 from tests.fakes.activity_env import FakeClient, activity_env
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)

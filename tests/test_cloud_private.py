@@ -25,7 +25,7 @@ from activities.replica import ReplicaActivities
 from models.backends import AWSConfig, BackendsConfig, GCPConfig, backends_config_from
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
+from models.messages import LaunchInput, MonitorInput, ReplicaInput, TeardownInput, Watched
 from tests.fakes import vpc as vpcs
 from tests.fakes.activity_env import FakeClient, activity_env
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)

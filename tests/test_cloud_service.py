@@ -49,12 +49,13 @@ from models.loader import load_config_text
 from models.reaper import ReapRequest
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import Launched, LaunchInput, NoCapacity, ReplicaInput, ServiceState
+from models.messages import Launched, LaunchInput, PlacementRefusal, ReplicaInput
+from models.state import ServiceState
 from models.settings import SEARCH_ATTRIBUTES, Settings
 from store import INTENT
 from tests.conftest import DATA_CONVERTER, eventually, tool
 from tests.fakes import vpc as vpcs
-from tests.fakes.activity_env import FakeClient, activity_env, no_capacity_of
+from tests.fakes.activity_env import FakeClient, activity_env, refusal_of
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 from tests.test_ssh_path import APP
@@ -606,17 +607,17 @@ async def test_worker_modes_queues_and_reaper_targets(dev_env, home, gce):
 
 
 def test_replica_workflow_combines_no_capacity_across_backends():
-    """What `ps` and `events` show when no backend placed a replica, from each launch's typed NoCapacity details:
+    """What `ps` and `events` show when no backend placed a replica, from each launch's typed PlacementRefusal details:
     "all offers failed" once a backend tried offers (capacity may come back), "no offers" when nothing fit."""
-    local = NoCapacity(backend="local", tried=False, reasons=["this machine does not fit (no offer has 1 GPUs)"])
-    aws = NoCapacity(backend="aws", tried=True, reasons=["aws g5.xlarge in us-east-1 ($1.006/h): x", "aws b: y"])
-    gcp = NoCapacity(backend="gcp", tried=False, reasons=["no offer matches"])
+    local = PlacementRefusal(backend="local", tried=False, reasons=["this machine does not fit (no offer has 1 GPUs)"])
+    aws = PlacementRefusal(backend="aws", tried=True, reasons=["aws g5.xlarge in us-east-1 ($1.006/h): x", "aws b: y"])
+    gcp = PlacementRefusal(backend="gcp", tried=False, reasons=["no offer matches"])
     assert no_capacity_reason([local]) == "no offers: this machine does not fit (no offer has 1 GPUs)"
     assert no_capacity_reason([local, gcp]) == \
         "no offers: this machine does not fit (no offer has 1 GPUs); no offer matches"
     assert no_capacity_reason([local, aws]) == ("all offers failed: this machine does not fit (no offer has 1 GPUs); "
                                                 "aws g5.xlarge in us-east-1 ($1.006/h): x; aws b: y")
-    assert no_capacity_reason([NoCapacity(backend="gcp", tried=False)]) == "no offers: gcp: no capacity"
+    assert no_capacity_reason([PlacementRefusal(backend="gcp", tried=False)]) == "no offers: gcp: no capacity"
     assert no_capacity_reason([]) == "no backend serves this replica"
 
 
@@ -629,18 +630,18 @@ async def test_local_only_service_messages(home, tmp_path):
     inp = ReplicaInput(service_workflow_id="service/x", job=job, resources={"gpu": "X100:1"}, backends=None)
     with pytest.raises(ApplicationError) as e:
         await activity_env(FakeClient()).run(acts.launch, LaunchInput(replica=inp, backend="local"))
-    details = no_capacity_of(e.value)
-    assert details == NoCapacity(backend="local", tried=False,
+    details = refusal_of(e.value)
+    assert details == PlacementRefusal(backend="local", tried=False,
                                  reasons=["this machine does not fit (no offer has 1 GPUs)"])
     assert no_capacity_reason([details]) == "no offers: this machine does not fit (no offer has 1 GPUs)"
     with pytest.raises(ApplicationError) as e:
         await activity_env(FakeClient()).run(acts.launch, LaunchInput(
             replica=inp.model_copy(update={"backends": ["aws"]}), backend="local"))
-    assert no_capacity_of(e.value).reasons == ["the service's backends (aws) do not include local"]
+    assert refusal_of(e.value).reasons == ["the service's backends (aws) do not include local"]
     with pytest.raises(ApplicationError) as e:
         await activity_env(FakeClient()).run(acts.launch, LaunchInput(replica=inp.model_copy(update={
             "resources": ResourcesSpec(), "reservation": "cr-0123456789abcdef0"}), backend="local"))
-    assert no_capacity_of(e.value).reasons == [
+    assert refusal_of(e.value).reasons == [
         "this machine does not fit (no offer has reservation cr-0123456789abcdef0 (this machine has no reservations))"]
     assert list(tmp_path.glob("replicas/*")) == []  # nothing was started
 

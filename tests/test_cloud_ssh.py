@@ -32,7 +32,7 @@ from models.failures import retry_event
 from models.offers import InstanceOffer
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, LaunchStep, MonitorInput, ReplicaInput, TeardownInput, Watched
+from models.messages import LaunchInput, LaunchStep, MonitorInput, ReplicaInput, TeardownInput, Watched
 from store import Store, StoreLedger
 from tests.fakes import vpc as vpcs
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env

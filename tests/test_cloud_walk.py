@@ -14,10 +14,9 @@ from typing import Optional
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.cloud import (NoCapacity, activity_error, cloud_offers, heartbeat_from_thread, placement_of,
+from activities.cloud import (OffersExhausted, activity_error, cloud_offers, heartbeat_from_thread, placement_of,
                              provision_cloud, terminate_cloud, terminate_replica)
 from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws, classify_gcp
 from connect.installation import installation_id
@@ -98,15 +97,15 @@ def test_cheapest_first_and_next_offer_on_capacity(ledger):
 
 def test_max_offers_bounds_the_walk(ledger):
     aws = FakeBackend("aws", ["us-east-1"], {t: err(ErrorKind.CAPACITY, "X") for t in "abcd"})
-    with pytest.raises(NoCapacity, match=r"^all offers failed: "):
+    with pytest.raises(OffersExhausted, match=r"^all offers failed: "):
         run({"aws": aws}, [offer(t, i) for i, t in enumerate("abcd")], ledger, max_offers=2)
     assert [c[0] for c in aws.calls] == ["a", "b"]
 
 
 def test_no_offers_on_configured_backends(ledger):
-    with pytest.raises(NoCapacity, match=r"^no offers: none of the 1 offers is on a configured cloud backend \(aws\)"):
+    with pytest.raises(OffersExhausted, match=r"^no offers: none of the 1 offers is on a configured cloud backend \(aws\)"):
         run({"aws": FakeBackend("aws", ["us-east-1"])}, [offer("x", 1, backend="gcp", region="us-central1")], ledger)
-    with pytest.raises(NoCapacity, match="none configured"):
+    with pytest.raises(OffersExhausted, match="none configured"):
         run({}, [offer("x", 1)], ledger)
 
 
@@ -146,10 +145,10 @@ def test_quota_without_a_scope_skips_the_whole_region(ledger):
 def test_all_offers_failed_names_every_reason(ledger):
     aws = FakeBackend("aws", ["us-east-1"], {"a": err(ErrorKind.QUOTA, "VcpuLimitExceeded"),
                                              "b": err(ErrorKind.CAPACITY, "InsufficientInstanceCapacity")})
-    with pytest.raises(NoCapacity) as e:
+    with pytest.raises(OffersExhausted) as e:
         run({"aws": aws}, [offer("a", 1), offer("b", 2, region="us-west-2")], ledger)
     aws.regions.append("us-west-2")
-    with pytest.raises(NoCapacity) as e:
+    with pytest.raises(OffersExhausted) as e:
         run({"aws": aws}, [offer("a", 1), offer("c", 1.5), offer("b", 2, region="us-west-2")], ledger)
     assert str(e.value) == (
         "all offers failed: aws a in us-east-1 ($1/h): VcpuLimitExceeded: scripted; "
@@ -233,14 +232,10 @@ def test_terminate_cloud_and_placement(ledger):
 
 
 def test_activity_error_mapping():
-    no = activity_error(NoCapacity("all offers failed: x"))
-    assert isinstance(no, ApplicationError) and no.non_retryable and no.type == "NoCapacity"
     fatal = activity_error(CloudError(ErrorKind.FATAL, "AuthFailure: bad"))
     assert fatal.non_retryable and fatal.type == "CloudFatal" and fatal.message == "AuthFailure: bad"
     transient = activity_error(CloudError(ErrorKind.TRANSIENT, "503"))
     assert not transient.non_retryable
-    other = ValueError("x")
-    assert activity_error(other) is other
     assert not activity_error(CloudError(ErrorKind.FATAL, "AuthFailure"), teardown=True).non_retryable
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from models.loader import load_config_text
-from models.run import NOT_READ_YET, ServiceState
+from models.state import NOT_READ_YET, ServiceState
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from activities.engine_metrics import Reading, UnknownNames, over_window, quantile, read
 from activities.engines import EngineActivities, changed
 from models.replica import LocalInstance
-from models.run import NOT_READ_YET, EngineGroupWatch, EngineWatch, ReplicaSignal, Watched
+from models.messages import EngineGroupWatch, EngineWatch, Watched
+from models.state import NOT_READ_YET, ReplicaSignal
 from rules.autoscaler import engine_total, wanted
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

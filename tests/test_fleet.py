@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from models.replica import LocalInstance
-from models.run import FleetChanges, FleetInput, MonitorInput, Watched
+from models.messages import FleetChanges, FleetInput, MonitorInput, Watched
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from tests.test_service_workflow import _true, start, wait_ready

@@ -14,7 +14,8 @@ from gateway.app import GatewayServer
 from gateway.client import GatewayClient
 from models.gateway import RouteRateLimit
 from models.loader import load_config_text
-from models.run import RouteInput, ServiceState
+from models.messages import RouteInput
+from models.state import ServiceState
 from tests.conftest import eventually, upstreams_for as allowed
 from tests.fakes.upstream import serve
 from rules import lifecycle

@@ -17,7 +17,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.catalog import load_catalog
-from activities.cloud import NoCapacity, make_backends, provision_cloud, terminate_cloud, terminate_service
+from activities.cloud import OffersExhausted, make_backends, provision_cloud, terminate_cloud, terminate_service
 from activities.cloud_errors import CloudError, ErrorKind
 from activities.gcp import REQUEST_NS, GCPBackend
 from activities.replica import ReplicaActivities
@@ -28,9 +28,9 @@ from models.backends import BackendsConfig, GCPConfig, owner, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
 from models.resources import ResourcesSpec
-from models.run import LaunchInput, ReplicaInput, TeardownInput
+from models.messages import LaunchInput, ReplicaInput, TeardownInput
 from store import Store, StoreLedger
-from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, no_capacity_of
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env, app_server, refusal_of
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,7 +282,7 @@ def test_quota_exceeded_skips_the_region(gcp, ledger, gce, kind):
 
 def test_global_gpu_quota_skips_every_region(gcp, ledger, gce):
     gce.fail("quota_sync")  # GPUS_ALL_REGIONS
-    with pytest.raises(NoCapacity, match="skipped, quota exceeded for gcp all regions"):
+    with pytest.raises(OffersExhausted, match="skipped, quota exceeded for gcp all regions"):
         walk(gcp, ledger, [N1_T4, G2, G2_EAST])
     assert len(gce.inserts()) == 1
 
@@ -523,7 +523,7 @@ def test_a_full_reservation_in_one_zone_moves_to_the_next_zone_that_has_one(gcp,
     walk(gcp, ledger, kept)
     _, second = walk(gcp, ledger, kept, job(replica=1))  # us-central1-a is full now
     assert second.zone == "us-central1-b"
-    with pytest.raises(NoCapacity) as full:
+    with pytest.raises(OffersExhausted) as full:
         walk(gcp, ledger, kept, job(replica=2))
     (reason,) = full.value.reasons
     assert "CONDITION_NOT_MET: Specified reservation 'projects/proj/reservations/l4' does not have available " \
@@ -585,5 +585,5 @@ async def test_launch_into_a_reservation_on_gcp_and_one_no_project_has(gcp, ledg
     assert (launched.placement.instance_type, launched.instance.zone) == ("g2-standard-4", "us-central1-c")
     with pytest.raises(ApplicationError) as failed:
         await activity_env(FakeClient()).run(acts.launch, launch(job(replica=1), "nowhere"))
-    assert no_capacity_of(failed.value).reasons == [
+    assert refusal_of(failed.value).reasons == [
         "no offer has reservation nowhere (gcp: no reservation nowhere in project proj (us-central1))"]

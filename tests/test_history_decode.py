@@ -11,7 +11,8 @@ from temporalio.api.common.v1 import Payload
 from connect.codec import data_converter
 from models.history import lenient
 from models.loader import load_config_text
-from models.run import ApplyRequest, ServiceState
+from models.messages import ApplyRequest
+from models.state import ServiceState
 from rules.admission import Refused, check_apply
 from workflows.service import ServiceRunInput
 

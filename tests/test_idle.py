@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 from models.loader import load_config_text
 from models.backends import CloudInstance
-from models.run import Placement, Replica, ReplicaUpdate, ServiceState, Step
+from models.messages import ReplicaUpdate, Step
+from models.state import Placement, Replica, ServiceState
 from rules import idle, lifecycle
 from rules.jobs import placement_key, replica_input
 from rules.planner import sync_groups

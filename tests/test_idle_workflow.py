@@ -11,7 +11,8 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus
 
 from models.loader import load_config_text
-from models.run import ScaleRequest, ServiceState
+from models.messages import ScaleRequest
+from models.state import ServiceState
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

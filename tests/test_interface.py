@@ -19,6 +19,7 @@ STUBS = {name: fn for name, fn in vars(interface).items()
          if inspect.iscoroutinefunction(fn) and activity._Definition.from_callable(fn) is not None}
 BACKEND_STUBS = {"place_replica", "start_replica", "await_ready", "launch_replica", "teardown_replica",
                  "monitor_replicas", "watch_fleet", "sync_router", "watch_engines"}
+REAPER_STUBS = {"reap_orphans", "reap_replicas", "reap_closed"}  # the main queue; a cloud worker: reap_orphans
 
 
 def _name(fn) -> str:
@@ -50,7 +51,7 @@ def _check(queues: dict[str, list], expected: dict[str, set[str]]) -> None:
 
 def test_the_stubs_are_the_contract():
     assert set(STUBS) == BACKEND_STUBS | {"watch_stats", "ensure_route", "remove_route", "record_service", "judge_signal",
-                                          "served_backends"}
+                                          "served_backends"} | REAPER_STUBS
 
 
 @pytest.mark.parametrize("local_replicas", [True, False])
@@ -71,7 +72,7 @@ def test_a_cloud_worker_runs_only_its_clouds_replica_activities(tmp_path):
     settings = Settings(home=tmp_path / "home")
     queues = worker.cloud_worker_activities(None, settings, None, _clouds(tmp_path, {"aws": object(), "gcp": object()}))
     q = settings.task_queue
-    _check(queues, {f"{q}-aws": BACKEND_STUBS, f"{q}-gcp": BACKEND_STUBS})
+    _check(queues, {f"{q}-aws": BACKEND_STUBS | {"reap_orphans"}, f"{q}-gcp": BACKEND_STUBS | {"reap_orphans"}})
 
 
 async def test_served_backends_lists_this_machine_then_every_configured_cloud(tmp_path):
@@ -85,4 +86,4 @@ def test_the_workflow_tests_fake_cloud_implements_every_stub_as_the_worker_does(
 
     fake = FakeCloud()
     _check({"q": fake.activities(), "q-local": fake.replica_activities()},
-           {"q": set(STUBS) - BACKEND_STUBS, "q-local": BACKEND_STUBS})
+           {"q": set(STUBS) - BACKEND_STUBS - REAPER_STUBS, "q-local": BACKEND_STUBS})

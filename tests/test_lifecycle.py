@@ -8,7 +8,8 @@ from typing import Optional
 import pytest
 
 from models.loader import load_config_text
-from models.run import Down, Placement, ReplicaInput, ReplicaUpdate
+from models.messages import Down, ReplicaInput, ReplicaUpdate
+from models.state import Placement
 from tests.test_planner import NOW, replica, state
 from rules import lifecycle
 from rules.admission import Refused, check_apply
@@ -175,7 +176,7 @@ def test_new_replicas_carry_their_addresses_and_whether_they_are_routed():
 
 def retrying(retry: str, max_duration: str = "off", replicas=()):
     """ROLL's service (groups `a` and `b`), submitted at NOW, with the given `retry` and `max_duration`."""
-    from models.run import ServiceState
+    from models.state import ServiceState
     text = ROLL.format(a="x") + f"retry: {retry}\nmax_duration: {max_duration}\n"
     st = ServiceState(name="svc", config=load_config_text(text).config, replicas=list(replicas), submitted_at=NOW)
     st.groups = lifecycle.sync_groups(st.config, {})
@@ -183,14 +184,14 @@ def retrying(retry: str, max_duration: str = "off", replicas=()):
 
 
 def test_retry_event_classifies_the_reasons_durastack_builds():
-    from models.failures import SPOT_INTERRUPTION, retry_event
-    from models.run import NoCapacity
+    from models.failures import FailureKind, retry_event
+    from models.messages import PlacementRefusal
     from workflows.replica import no_capacity_reason
-    nothing_fits = NoCapacity(backend="local", tried=False, reasons=["this machine does not fit"])
-    all_failed = NoCapacity(backend="aws", tried=True, reasons=["aws g5.xlarge: InsufficientInstanceCapacity"])
+    nothing_fits = PlacementRefusal(backend="local", tried=False, reasons=["this machine does not fit"])
+    all_failed = PlacementRefusal(backend="aws", tried=True, reasons=["aws g5.xlarge: InsufficientInstanceCapacity"])
     for refusals in ([nothing_fits], [nothing_fits, all_failed], []):
         assert retry_event(no_capacity_reason(refusals)) == "no-capacity"
-    assert retry_event(f"{SPOT_INTERRUPTION} (instance terminated)") == "interruption"
+    assert retry_event(f"{FailureKind.SPOT_INTERRUPTION} (instance terminated)") == "interruption"
     for reason in ("exited (1)", "instance terminated", "container exited", "replica workflow terminated",
                    "could not start: already started", "failed", "", "exited (1): no offers in the log"):
         assert retry_event(reason) == "error", reason

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from models.loader import load_config_text
-from models.run import GroupState, Placement, Replica, ServiceState
+from models.state import GroupState, Placement, Replica, ServiceState
 from rules.planner import (FAILURE_MEMORY, KEEP_FINISHED, Start, Stop, backoff_until, count_failure, prune,
                                reconcile, removal_order, sync_groups)
 
@@ -444,7 +444,7 @@ def test_a_reference_is_bound_to_its_replica_not_its_index():
 
 def test_one_place_the_first_replica_is_placed_before_the_others_start_and_they_follow_it():
     from rules import lifecycle
-    from models.run import ReplicaUpdate
+    from models.messages import ReplicaUpdate
     config = load_config_text(DYNAMO.replace("type: dynamo", "type: sglang")).config
     st = ServiceState(name="svc", config=config, one_place=True)
     st.groups = sync_groups(config, {})

@@ -19,7 +19,7 @@ from google.cloud import compute_v1
 from typer.testing import CliRunner
 
 from activities.aws import AWSBackend
-from activities.cloud import NoCapacity, provision_cloud
+from activities.cloud import OffersExhausted, provision_cloud
 from activities.gcp import GCPBackend
 from activities.quota import QUOTA_TTL, RegionQuotas, aws_vcpu_quota, gcp_gpu_quota, verdict
 from cli.main import app
@@ -219,7 +219,7 @@ def test_a_zero_quota_class_is_never_attempted_while_other_offers_launch(aws, le
 def test_all_offers_without_quota_fail_saying_so_with_no_launch(aws, ledger, fake_ec2):
     for region in ("us-east-1", "us-west-2"):
         fake_ec2.set_quota(region, G_ON_DEMAND, 2.0)
-    with pytest.raises(NoCapacity) as e:
+    with pytest.raises(OffersExhausted) as e:
         provision_cloud(job(), GPU, [G5, G5_WEST], backends={"aws": aws}, ledger=ledger)
     assert e.value.reasons == [
         f"aws g5.xlarge in {r} (${p:g}/h): skipped, no quota: Running On-Demand G and VT instances (L-DB2E81BA) "
@@ -281,7 +281,7 @@ def test_gcp_zero_gpu_quota_is_never_inserted_while_other_offers_launch(gcp, led
 def test_gcp_spot_is_skipped_only_when_neither_quota_has_room(gcp, ledger, gce):
     gce.set_quota("us-central1", "NVIDIA_T4_GPUS", 0.0)  # and PREEMPTIBLE_NVIDIA_T4_GPUS is 0 by default
     gcp.quotas.ttl = 0  # each walk reads them again
-    with pytest.raises(NoCapacity) as e:
+    with pytest.raises(OffersExhausted) as e:
         provision_cloud(job(0), GPU, [N1_T4_SPOT], backends={"gcp": gcp}, ledger=ledger)
     assert "skipped, no quota: PREEMPTIBLE_NVIDIA_T4_GPUS is 0 and NVIDIA_T4_GPUS is 0 GPUs" in e.value.reasons[0]
     assert inserted(gce) == []

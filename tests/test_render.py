@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from rich.console import Console
 
 from cli.render import ps_table, status_json
-from models.run import GroupView, ReplicaView, ServiceStatus
+from models.views import GroupView, ReplicaView, ServiceStatus
 
 AT = datetime(2026, 12, 1, 1, 30, tzinfo=timezone.utc)
 
@@ -56,7 +56,7 @@ def test_a_cloud_gpu_replica_shows_its_offers_gpus():
     from activities.cloud import placement_of
     from models.backends import CloudInstance
     from models.offers import InstanceOffer
-    from models.run import Replica
+    from models.state import Replica
     from workflows.views import _replica_view
 
     offer = InstanceOffer(backend="aws", instance_type="g5.12xlarge", region="us-east-1", zones=["us-east-1a"],

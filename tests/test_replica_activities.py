@@ -1,7 +1,7 @@
 """A replica's activities on the local backend, with real processes, a fake gateway and a fake Temporal client.
 
 launch (place once, ready, registered; reports seq 1, 2, 3), teardown (unregister, stop; reports 10, 11),
-monitor (a dead process or a closed workflow is returned, already unrouted), NoCapacity's typed details.
+monitor (a dead process or a closed workflow is returned, already unrouted), PlacementRefusal's typed details.
 Every replica started here runs in shared mode (its own PORT on 127.0.0.1) and is stopped in teardown.
 """
 
@@ -26,9 +26,10 @@ from activities.report import unless_quick
 from models.loader import load_config_text
 from models.replica import LocalInstance
 from models.failures import NOT_READY_YET
-from models.run import Down, LaunchInput, LaunchStep, MonitorInput, NoCapacity, ReplicaInput, Step, TeardownInput, Watched
+from models.messages import (Down, LaunchInput, LaunchStep, MonitorInput, PlacementRefusal, ReplicaInput, Step, TeardownInput,
+    Watched)
 from tests.conftest import eventually
-from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, no_capacity_of as _no_capacity
+from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, refusal_of
 from rules.jobs import replica_input, replica_workflow_id
 
 CONFIG = """
@@ -222,14 +223,14 @@ async def test_a_step_is_reported_only_once_it_outlasts_the_quick_delay():
     await settle()
 
 
-# --- NoCapacity -------------------------------------------------------------------------------------
+# --- PlacementRefusal -------------------------------------------------------------------------------------
 
 async def test_a_machine_that_does_not_fit_raises_no_capacity_with_typed_details(local):
     client = FakeClient()
     inp = _input(config=CONFIG + "resources:\n  cpu: 100000\n")
     with pytest.raises(ApplicationError) as refused:
         await _launch(ReplicaActivities(local, FakeGateway(), quick_seconds=0), client, inp)
-    details = _no_capacity(refused.value)
+    details = refusal_of(refused.value)
     assert details.backend == "local" and not details.tried
     assert len(details.reasons) == 1 and "this machine does not fit" in details.reasons[0]
     assert local.find(inp.job) is None  # nothing was started
@@ -240,7 +241,7 @@ async def test_a_worker_without_local_replicas_never_starts_one(local):
     acts = ReplicaActivities(local, FakeGateway(), local_replicas=False)
     with pytest.raises(ApplicationError) as refused:
         await _launch(acts, FakeClient(), _input())
-    assert "DURASTACK_LOCAL_REPLICAS=off" in _no_capacity(refused.value).reasons[0]
+    assert "DURASTACK_LOCAL_REPLICAS=off" in refusal_of(refused.value).reasons[0]
     assert local.find(_input().job) is None
 
 
@@ -248,7 +249,7 @@ async def test_a_backend_this_worker_does_not_serve_is_no_capacity_too(local):
     with pytest.raises(ApplicationError) as refused:
         await _env(FakeClient()).run(ReplicaActivities(local, FakeGateway()).launch,
                                      LaunchInput(replica=_input(), backend="aws"))
-    assert _no_capacity(refused.value) == NoCapacity(backend="aws", tried=False,
+    assert refusal_of(refused.value) == PlacementRefusal(backend="aws", tried=False,
                                                      reasons=["backend aws is not served by this worker"])
 
 

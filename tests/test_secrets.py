@@ -26,7 +26,8 @@ from gateway.app import free_port
 from cli.control import deliver
 from models.loader import load_config_text
 from models.replica import JobSpec
-from models.run import ApplyRequest, Launched, LaunchInput, ScaleRequest, ServiceState
+from models.messages import ApplyRequest, Launched, LaunchInput, ScaleRequest
+from models.state import ServiceState
 from models.secrets import ENCRYPTED_MARK, REDACT, SECRET_MARK
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories

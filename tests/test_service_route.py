@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.loader import load_config_text
-from models.run import ApplyRequest, ServiceState
+from models.messages import ApplyRequest
+from models.state import ServiceState
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

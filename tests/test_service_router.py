@@ -10,7 +10,8 @@ import json
 import pytest
 
 from models.loader import load_config_text
-from models.run import ApplyRequest, ScaleRequest, ServiceState
+from models.messages import ApplyRequest, ScaleRequest
+from models.state import ServiceState
 from tests.conftest import eventually
 from tests.fakes.cloud import fake_cloud_worker
 from workflows.service import ServiceRunInput, ServiceRunWorkflow, service_workflow_id

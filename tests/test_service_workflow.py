@@ -24,7 +24,9 @@ from cli.control import deliver
 from cli.inspect import with_progress
 from models.loader import load_config_file, load_config_text
 from models.reaper import ReaperInput
-from models.run import ApplyRequest, ScaleRequest, ServiceState, ServiceStatus, Step, StopRequest
+from models.messages import ApplyRequest, ScaleRequest, Step, StopRequest
+from models.state import ServiceState
+from models.views import ServiceStatus
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result
 from tests.fakes.cloud import HUNG_IMAGE, fake_cloud_worker

@@ -27,7 +27,9 @@ import pytest
 
 from cli.control import ask
 from models.loader import load_config_text
-from models.run import ApplyRequest, Event, ScaleRequest, ServiceState, ServiceStatus
+from models.messages import ApplyRequest, ScaleRequest
+from models.state import ServiceState
+from models.views import Event, ServiceStatus
 from models.service import ServiceConfiguration
 from tests.conftest import eventually, last_run_result, run_histories
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker

@@ -10,7 +10,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.stats import SharedRead, StatsActivities
 from models.gateway import ServiceStats, StatsReport, StatsWindow
-from models.run import GroupWatch, StatsWatch
+from models.messages import GroupWatch, StatsWatch
 
 SERVICES = [f"svc{n}" for n in range(20)]
 

@@ -27,7 +27,9 @@ from typer.testing import CliRunner
 
 from activities.store import StoreActivities
 from models.loader import load_config_text
-from models.run import Event, GroupView, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
+from models.messages import ServiceRecord
+from models.state import ServiceState
+from models.views import Event, GroupView, ReplicaView, ServiceStatus
 from store.db import INTENT, KEYS_PER_QUERY, Store, StoreLedger, alembic_config, head_revision
 from store.tables import LedgerEntry
 from tests.conftest import eventually

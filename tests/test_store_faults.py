@@ -27,7 +27,9 @@ from cli.inspect import _events
 from cli.render import ps_table, status_json
 from models.loader import load_config_text
 from models.settings import Settings
-from models.run import Event, ScaleRequest, ServiceRecord, ServiceState, ServiceStatus
+from models.messages import ScaleRequest, ServiceRecord
+from models.state import ServiceState
+from models.views import Event, ServiceStatus
 from store.db import Store, head_revision
 from tests.conftest import eventually
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker

@@ -16,7 +16,7 @@ from activities.runtime import docker_run_argv, group_runtime_fields, local_limi
 from activities.userdata import start_command
 from activities.volume_mounts import mount_script
 from models.loader import load_config_text, load_volume_file
-from models.run import GroupState, Replica, ServiceState
+from models.state import GroupState, Replica, ServiceState
 from models.volumes import VolumeRecord, Where, placement, single_attach
 from tests.fakes import blockdev
 from rules.changes import classify, spec_hash

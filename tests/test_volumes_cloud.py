@@ -23,11 +23,11 @@ from activities.volumes import AWSDisks, GCPDisks, VolumeBusy, VolumeError
 from models.backends import AWSConfig, GCPConfig, provisioning_key
 from models.offers import InstanceOffer
 from models.replica import JobSpec
-from models.run import ReplicaInput
+from models.messages import ReplicaInput
 from models.volumes import VolumeConfiguration, VolumeMount
 from store import Store
 from store.volumes import VolumeStore
-from tests.fakes.activity_env import FakeClient, activity_env, no_capacity_of
+from tests.fakes.activity_env import FakeClient, activity_env, refusal_of
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 
@@ -210,10 +210,10 @@ def test_a_replica_is_placed_where_its_volume_is(aws, store):
     assert run(env, volumes.where, launch(), "aws") == (["us-east-1"], ["us-east-1b"])
     with pytest.raises(ApplicationError) as elsewhere:
         run(env, volumes.where, launch(), "gcp")
-    assert no_capacity_of(elsewhere.value).reasons == ["volume my-cache is on aws"]
+    assert refusal_of(elsewhere.value).reasons == ["volume my-cache is on aws"]
     with pytest.raises(ApplicationError) as narrowed:
         run(env, volumes.where, launch(zones=["us-east-1a"]), "aws")
-    assert no_capacity_of(narrowed.value).reasons == ["volume my-cache is in aws us-east-1b, and "
+    assert refusal_of(narrowed.value).reasons == ["volume my-cache is in aws us-east-1b, and "
                                                       "`availability_zones` names us-east-1a"]
 
 

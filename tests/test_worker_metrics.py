@@ -19,7 +19,8 @@ from activities.cloud_errors import ErrorKind
 from activities.metrics import PROVISIONING_FAILURES, provisioning_failed
 from gateway.app import free_port
 from models.loader import load_config_text
-from models.run import ScaleRequest, ServiceState
+from models.messages import ScaleRequest
+from models.state import ServiceState
 from models.settings import SEARCH_ATTRIBUTES
 from tests.conftest import DATA_CONVERTER, eventually, tool
 from tests.fakes.cloud import fake_cloud_worker

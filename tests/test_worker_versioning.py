@@ -13,7 +13,8 @@ from temporalio.worker import Worker
 
 import worker as worker_module
 from connect.deployment import become_current, code_build_id, deployment_config, deployment_version
-from models.run import ApplyRequest, ScaleRequest, ServiceState
+from models.messages import ApplyRequest, ScaleRequest
+from models.state import ServiceState
 from models.settings import Settings
 from tests.fakes.changed_workflow import PatchedInV2
 from tests.fakes.cloud import FakeCloud

@@ -6,21 +6,20 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import exceptions, workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.failures import NO_OFFERS
-    from models.run import (Down, IdleInstance, Release, Replica, ReplicaInput, ReplicaUpdate, ServiceState, Step,
-                            StopRequest, TeardownInput)
+    from models.failures import FailureKind
+    from models.messages import Down, Release, ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput
+    from models.state import IdleInstance, Replica, ServiceState
     from rules import idle, lifecycle
     from rules.jobs import job_spec, placement_key, replica_input, replica_workflow_id
     from rules.names import backend_queue
+    from workflows.attributes import SA_GROUP, SA_SERVICE
     from workflows.replica import ReplicaWorkflow
 
-SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
-SA_GROUP = SearchAttributeKey.for_keyword("DurastackGroup")
 TEARDOWN_RETRY = RetryPolicy(maximum_interval=timedelta(minutes=1))  # never gives up: a leak costs money
 # Patch (CONTRIBUTING.md): a replica whose workflow id is taken starts as its next submission; before, it failed.
 NEXT_SUBMISSION = "next-submission"
@@ -48,7 +47,7 @@ class Children:
                 inp.reuse = replica.reuse.instance
                 inp.launch_on.sort(key=lambda backend: backend != replica.reuse.backend)
         if not inp.launch_on:  # the service names only backends this deployment has no configuration for
-            return self._failed(replica, f"{NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
+            return self._failed(replica, f"{FailureKind.NO_OFFERS}: backend {', '.join(inp.backends or [])} is not configured "
                                          f"($DURASTACK_HOME/config.yml; this deployment serves "
                                          f"{', '.join(state.backends) or 'none'})")
         for _ in range(TAKEN_IDS):
@@ -149,14 +148,19 @@ class Children:
             replica.status, replica.finished_at = "failed" if request.failed else "terminated", workflow.now()
             return
         job = job_spec(state.config, state.name, replica.group, replica.replica_num, replica.submission_num)
-        await asyncio.gather(*[workflow.execute_activity(
-            interface.teardown_replica,
+        await asyncio.gather(*[self._teardown(
             TeardownInput(service_workflow_id=workflow.info().workflow_id, job=job, backend=backend,
                           instance=replica.instance, reason=request.reason,
                           final="failed" if request.failed else "terminated", router=request.router),
-            task_queue=backend_queue(workflow.info().task_queue, backend),
+            "tear down an orphan") for backend in backends])
+
+    async def _teardown(self, inp: TeardownInput, summary: str) -> bool:
+        """The service's own teardown of a replica's instance, on its backend's queue (the replica's workflow is
+        gone or never owned it)."""
+        return await workflow.execute_activity(
+            interface.teardown_replica, inp, task_queue=backend_queue(workflow.info().task_queue, inp.backend),
             start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=self.heartbeat_seconds),
-            retry_policy=TEARDOWN_RETRY, summary="tear down an orphan") for backend in backends])
+            retry_policy=TEARDOWN_RETRY, summary=summary)
 
     async def release(self, instance: IdleInstance, terminate: bool) -> None:
         """Tell the replica that left ``instance`` idle that its idle time is over (see ``Release``)."""
@@ -175,13 +179,10 @@ class Children:
             await self.release(instance, terminate=True)
             return
         job = job_spec(state.config, state.name, instance.group, instance.replica_num, instance.submission_num)
-        await workflow.execute_activity(
-            interface.teardown_replica,
+        await self._teardown(
             TeardownInput(service_workflow_id=workflow.info().workflow_id, job=job, backend=instance.backend,
                           instance=instance.instance, reason="stopped", idle=True),
-            task_queue=backend_queue(workflow.info().task_queue, instance.backend),
-            start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=self.heartbeat_seconds),
-            retry_policy=TEARDOWN_RETRY, summary="terminate an idle instance")
+            "terminate an idle instance")
         await self.release(instance, terminate=False)
 
     def _id(self, replica: Replica) -> str:

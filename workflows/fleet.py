@@ -23,7 +23,7 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import FleetChanges, FleetInput, MonitorInput
+    from models.messages import FleetChanges, FleetInput, MonitorInput
     from rules.names import backend_queue
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Awaitable, Callable
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -20,12 +21,14 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from models.reaper import ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
-    from rules import names
+    from activities import interface
 
 REAPER_ID = "durastack/reaper"
 REAP_REPLICAS = "reap-replicas"  # patch: each pass also stops replica workflows no service run owns
 REAP_CLOSED = "reap-closed"  # patch: between passes, a quick one over the replicas of services whose run closed
 HISTORY_LIMIT = 5000
+# A pass's activity: a few quick tries, then the next pass tries again.
+REAP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3)
 
 
 @workflow.defn
@@ -56,7 +59,7 @@ class ReaperWorkflow:
             self.reconfigured = False
             self.results = list(await asyncio.gather(*(self._reap(t) for t in self.inp.targets)))
             if self.inp.replicas_queue and workflow.patched(REAP_REPLICAS):
-                self.replicas = await self._reap_replicas(names.REAP_REPLICAS, [self.inp.grace_seconds],
+                self.replicas = await self._reap_replicas(interface.reap_replicas, [self.inp.grace_seconds],
                                                           "stop replicas no service run owns")
             await self._until_next_pass()
             info = workflow.info()
@@ -73,7 +76,7 @@ class ReaperWorkflow:
             if not await self._wait(min(left, self.inp.closed_seconds) if quick else left) or not quick \
                     or workflow.now() >= end:
                 return
-            closed = await self._reap_replicas(names.REAP_CLOSED, [], "stop replicas of closed services")
+            closed = await self._reap_replicas(interface.reap_closed, [], "stop replicas of closed services")
             if closed.stopped or closed.error:
                 self.replicas = closed
 
@@ -85,26 +88,27 @@ class ReaperWorkflow:
             return True
         return False
 
-    async def _reap_replicas(self, activity: str, args: list, summary: str) -> ReplicaReapResult:
+    async def _reap_replicas(self, activity: Callable[..., Awaitable[ReplicaReapResult]], args: list,
+                             summary: str) -> ReplicaReapResult:
         try:
             return await workflow.execute_activity(
-                activity, args=args, result_type=ReplicaReapResult,
+                activity, args=args,
                 task_queue=self.inp.replicas_queue,
                 schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
                 start_to_close_timeout=timedelta(minutes=10),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3), summary=summary)
+                retry_policy=REAP_RETRY, summary=summary)
         except ActivityError as e:
             return ReplicaReapResult(error=str(getattr(e.cause or e, "message", e.cause or e)))
 
     async def _reap(self, target: ReapTarget) -> ReapResult:
         try:
             return await workflow.execute_activity(
-                names.REAP_ORPHANS, ReapRequest(backends=target.backends, grace_seconds=self.inp.grace_seconds),
-                result_type=ReapResult, task_queue=target.task_queue,
+                interface.reap_orphans, ReapRequest(backends=target.backends, grace_seconds=self.inp.grace_seconds),
+                task_queue=target.task_queue,
                 # Bounded: a target whose worker is gone must not hold up the others' next pass.
                 schedule_to_close_timeout=timedelta(seconds=max(60, self.inp.interval_seconds)),
                 start_to_close_timeout=timedelta(minutes=10),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=5), maximum_attempts=3),
+                retry_policy=REAP_RETRY,
                 summary=f"reap {', '.join(target.backends)}")
         except ActivityError as e:
             cause = e.cause or e

@@ -20,17 +20,20 @@ from datetime import timedelta
 from typing import Optional
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import (ActivityError, ApplicationError, RetryState, TimeoutError as ActivityTimeout,
                                    TimeoutType)
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.failures import ALL_OFFERS_FAILED, NO_BACKEND, NO_OFFERS, NOT_READY_YET, not_ready_within
-    from models.run import (READY_ATTEMPT_SECONDS, Instance, Launched, LaunchInput, LaunchStep, NoCapacity, Placement,
-                            Release, ReplicaInput, ReplicaStatus, ReplicaUpdate, Step, StopRequest, TeardownInput)
+    from models.failures import NO_CAPACITY_ERROR, NOT_READY_YET, FailureKind, not_ready_within
+    from models.messages import (READY_ATTEMPT_SECONDS, Launched, LaunchInput, LaunchStep, PlacementRefusal, Release,
+        ReplicaInput, ReplicaUpdate, Step, StopRequest, TeardownInput)
+    from models.router import Instance
+    from models.state import Placement, ReplicaStatus
     from rules.names import REPLICA_CHANGED, backend_queue
+    from workflows.attributes import SA_BACKEND, SA_STATUS
 
 # A cancelled replica's launch is cancelled and waited for before its teardown; runs recorded before it tore down
 # beside a launch that went on.
@@ -47,8 +50,6 @@ KEEP_IDLE = "keep-idle"
 # A kept instance whose service never releases it (the service is gone) is terminated this long after its idle
 # time, unless another replica runs on it by then.
 IDLE_GRACE = timedelta(minutes=10)
-SA_BACKEND = SearchAttributeKey.for_keyword("DurastackBackend")
-SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 
 # The launch in three steps, each its own activity and budget, so that a retry resumes at the step that failed, on
 # the same instance, with its image and whatever it loaded. Runs recorded before it made one activity of all three.
@@ -73,21 +74,21 @@ def reason_of(error: BaseException) -> str:
     return str(cause.message if isinstance(cause, ApplicationError) else cause) or type(cause).__name__
 
 
-def no_capacity_reason(refusals: list[NoCapacity]) -> str:
+def no_capacity_reason(refusals: list[PlacementRefusal]) -> str:
     """Why no backend placed the replica, as `ps` and `events` show it: "all offers failed: …" once some backend
     tried offers and each failed (the user may retry later), else "no offers: …" (nothing fits: the spec must
     change); each backend's reasons in the order the backends were tried."""
     if not refusals:
-        return NO_BACKEND
-    head = ALL_OFFERS_FAILED if any(r.tried for r in refusals) else NO_OFFERS
+        return FailureKind.NO_BACKEND.value
+    head = FailureKind.ALL_OFFERS_FAILED if any(r.tried for r in refusals) else FailureKind.NO_OFFERS
     return f"{head}: " + "; ".join("; ".join(r.reasons) or f"{r.backend}: no capacity" for r in refusals)
 
 
-def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Optional[NoCapacity]:
+def unserved(error: ActivityError, backend: str, queue: str, seconds: int) -> Optional[PlacementRefusal]:
     """A launch no worker took in time (its schedule-to-start timeout: a cloud worker that is not running, a queue
     name that differs): that backend is given up, with why, and the next one tried, not waited on for ever."""
     if no_worker_took(error):
-        return NoCapacity(backend=backend, tried=True, reasons=[
+        return PlacementRefusal(backend=backend, tried=True, reasons=[
             f"{backend}: no worker took the launch within {seconds} s (is a worker serving {queue} running?)"])
     return None
 
@@ -104,11 +105,11 @@ def never_taken(error: ActivityError) -> bool:
     return no_worker_took(error) and error.cause.cause is None
 
 
-def no_capacity(error: ActivityError) -> Optional[NoCapacity]:
+def refusal_of(error: ActivityError) -> Optional[PlacementRefusal]:
     """The typed details of a backend that could not place the replica; None for any other failure."""
     cause = error.cause
-    if isinstance(cause, ApplicationError) and cause.type == "NoCapacity" and cause.details:
-        return NoCapacity.model_validate(cause.details[0])
+    if isinstance(cause, ApplicationError) and cause.type == NO_CAPACITY_ERROR and cause.details:
+        return PlacementRefusal.model_validate(cause.details[0])
     return None
 
 
@@ -155,7 +156,7 @@ class ReplicaWorkflow:
 
     async def _launch(self) -> str:
         """Each backend in turn until one places the replica; '' once it serves, else why it failed."""
-        refusals: list[NoCapacity] = []
+        refusals: list[PlacementRefusal] = []
         for backend in self.inp.launch_on:
             self.tried.append(backend)
             queue = backend_queue(workflow.info().task_queue, backend)
@@ -176,7 +177,7 @@ class ReplicaWorkflow:
                     await self._report_serving(self.launched)
                 return ""
             except ActivityError as e:
-                details = no_capacity(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
+                details = refusal_of(e) or unserved(e, backend, queue, self.inp.unserved_seconds)
                 if details is None:
                     return reason_of(e)
                 if never_taken(e) and workflow.patched(UNTAKEN_MADE_NOTHING):

@@ -12,9 +12,11 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import RouteInput, ServiceState
+    from models.messages import RouteInput
+    from models.state import ServiceState
     from rules import lifecycle
 
+# The retry of the service's helper activities (its route, its watchers): never gives up, waits at most 30 s.
 RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 
 

@@ -19,8 +19,10 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, Event, FleetDowns, Replica,
-                            ReplicaUpdate, ScaleRequest, ServiceState, ServiceStatus, SignalInput, StopRequest)
+    from models.messages import (AddressAnswer, AddressQuery, ApplyRequest, ApplyResult, Down, FleetDowns,
+        ReplicaUpdate, ScaleRequest, SignalInput, StopRequest)
+    from models.state import Replica, ServiceState
+    from models.views import Event, ServiceStatus
     from models.service import ServiceConfiguration
     from rules import addresses, idle, lifecycle, routers
     from workflows import views

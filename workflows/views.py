@@ -7,16 +7,17 @@ from datetime import timedelta
 from typing import Optional
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import GroupView, Replica, ReplicaView, ServiceRecord, ServiceState, ServiceStatus
+    from models.messages import ServiceRecord
+    from models.state import Replica, ServiceState
+    from models.views import GroupView, ReplicaView, ServiceStatus
     from rules import lifecycle
     from rules.autoscaler import bounds
+    from workflows.attributes import SA_SERVICE, SA_STATUS
 
-SA_SERVICE = SearchAttributeKey.for_keyword("DurastackService")
-SA_STATUS = SearchAttributeKey.for_keyword("DurastackStatus")
 RECORD_RETRY = RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=2))
 
 # Replicas that hold (or will hold) an instance; finished ones leave the gauges.

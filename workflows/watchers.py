@@ -20,23 +20,23 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
     from models.replica import replica_id
     from models.router import RouterView
-    from models.run import (Down, EngineGroupWatch, EngineSnapshot, EngineWatch, FleetDowns, GroupWatch,
-                            MonitorInput, ServiceState, StatsSnapshot, StatsWatch, Watched)
+    from models.messages import (Down, EngineGroupWatch, EngineWatch, FleetDowns, GroupWatch, MonitorInput, StatsWatch,
+        Watched)
+    from models.state import EngineSnapshot, ServiceState, StatsSnapshot
     from rules import routers
     from rules.autoscaler import GroupScaler, bounds, wanted
     from rules.lifecycle import group_signal
     from rules.jobs import replica_workflow_id
     from workflows.fleet import FleetMonitorWorkflow
     from rules.names import backend_queue, fleet_workflow_id
+    from workflows.route import RETRY
 
-RETRY = RetryPolicy(maximum_interval=timedelta(seconds=30))
 ENGINES = "engines/"  # a backend's engine watcher's key
 
 

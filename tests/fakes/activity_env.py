@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
 
-from models.run import AddressAnswer, NoCapacity
+from models.messages import AddressAnswer, PlacementRefusal
 
 
 class FakeHandle:
@@ -90,10 +90,10 @@ def activity_env(client: FakeClient, heartbeat_timeout: float = 30.0) -> Activit
     return env
 
 
-def no_capacity_of(error: ApplicationError) -> NoCapacity:
-    """The typed details of a launch's NoCapacity error (as the workflow reads them)."""
+def refusal_of(error: ApplicationError) -> PlacementRefusal:
+    """The typed details of a launch's PlacementRefusal error (as the workflow reads them)."""
     assert error.type == "NoCapacity" and error.non_retryable
-    return NoCapacity.model_validate(error.details[0])
+    return PlacementRefusal.model_validate(error.details[0])
 
 
 async def app_server():

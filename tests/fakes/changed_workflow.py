@@ -12,7 +12,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities import interface
-    from models.run import RouteInput, ScaleRequest
+    from models.messages import RouteInput, ScaleRequest
     from workflows.service import ServiceRunInput, ServiceRunWorkflow
 
 

@@ -35,9 +35,10 @@ from activities.stats import changed
 from models.failures import NOT_READY_YET
 from models.replica import LocalInstance
 from models.router import RouterEntry, RouterState, RouterSyncInput, RouterView
-from models.run import (Down, EngineSnapshot, EngineWatch, Event, FleetInput, Launched, LaunchInput, LaunchStep, MonitorInput,
-                        Placement, RecordResult, ReplicaInput, ReplicaSignal, ReplicaUpdate, RouteInput,
-                        ServiceRecord, ServiceStatus, StatsSnapshot, StatsWatch, TeardownInput)
+from models.messages import (Down, EngineWatch, FleetInput, Launched, LaunchInput, LaunchStep, MonitorInput,
+    RecordResult, ReplicaInput, ReplicaUpdate, RouteInput, ServiceRecord, StatsWatch, TeardownInput)
+from models.state import EngineSnapshot, Placement, ReplicaSignal, StatsSnapshot
+from models.views import Event, ServiceStatus
 from workflows.fleet import FleetMonitorWorkflow
 from rules.names import backend_queue
 from workflows.replica import ReplicaWorkflow

@@ -49,9 +49,13 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
+from activities import interface
+from activities.interface import implements
 from models.loader import load_config_text
 from models.reaper import ReapAction, ReaperInput, ReapRequest, ReapResult, ReapTarget, ReplicaReapResult
-from models.run import ApplyRequest, FleetInput, ScaleRequest, ServiceState, ServiceStatus
+from models.messages import ApplyRequest, FleetInput, ScaleRequest
+from models.state import ServiceState
+from models.views import ServiceStatus
 from models.settings import SEARCH_ATTRIBUTES
 from tests.conftest import DATA_CONVERTER, _time_skipping_env, eventually, last_run_result, run_histories, tool
 from tests.fakes.cloud import FakeCloud, fake_cloud_worker
@@ -283,7 +287,7 @@ async def reaper_passes(capture: Capture) -> None:
     try:
         quick = iter([ReplicaReapResult(), ReplicaReapResult(stopped=["service/gone/web/r0-s0: closed"])])
 
-        @activity.defn(name=names.REAP_ORPHANS)
+        @implements(interface.reap_orphans)
         async def reap_orphans(req: ReapRequest) -> ReapResult:
             if "gcp" in req.backends:
                 raise ApplicationError("no credentials for gcp here", non_retryable=True)
@@ -291,11 +295,11 @@ async def reaper_passes(capture: Capture) -> None:
                 service="gone", backend="aws", instance_id="i-0abc", region="us-east-1", owner="r0-s0",
                 reason="no replica owns it")])
 
-        @activity.defn(name=names.REAP_REPLICAS)
+        @implements(interface.reap_replicas)
         async def reap_replicas(grace_seconds: int) -> ReplicaReapResult:
             return ReplicaReapResult()
 
-        @activity.defn(name=names.REAP_CLOSED)
+        @implements(interface.reap_closed)
         async def reap_closed() -> ReplicaReapResult:
             return next(quick, ReplicaReapResult())
 
@@ -312,8 +316,8 @@ async def reaper_passes(capture: Capture) -> None:
             history = await handle.fetch_history()
             kinds = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                      if e.HasField("activity_task_scheduled_event_attributes")]
-            assert {k: kinds.count(k) >= 2 for k in (names.REAP_ORPHANS, names.REAP_REPLICAS, names.REAP_CLOSED)} \
-                == dict.fromkeys((names.REAP_ORPHANS, names.REAP_REPLICAS, names.REAP_CLOSED), True), kinds
+            assert {k: kinds.count(k) >= 2 for k in ("reap_orphans", "reap_replicas", "reap_closed")} \
+                == dict.fromkeys(("reap_orphans", "reap_replicas", "reap_closed"), True), kinds
             await capture.save("reaper_passes", history)
     finally:
         await env.shutdown()
