@@ -40,8 +40,8 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities.cloud import CloudBackend, make_backends
-from activities.local import LocalBackend
+from backends.cloud import CloudBackend, make_backends
+from backends.local import LocalBackend
 from activities.reaper import ReaperActivities
 from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
@@ -52,7 +52,7 @@ from connect.codec import CodecKeyError
 from connect.connection import TemporalConfigError, client_options, connect_failure
 from connect.deployment import VersioningUnavailable, become_current, deployment_config
 from connect.installation import installation_id
-from connect.ssh_keys import SSHKeys, SSHKeysError
+from backends.ssh_keys import SSHKeys, SSHKeysError
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget
@@ -180,8 +180,8 @@ def cloud_worker_activities(client: Client, settings: Settings, gateway: Gateway
 
 
 def _ssh_path(settings: Settings) -> dict:
-    """Cloud replicas are reached over SSH with the home's keys (connect/ssh_keys.py), tunnels under the home."""
-    from activities.ssh import SSHClient
+    """Cloud replicas are reached over SSH with the home's keys (backends/ssh_keys.py), tunnels under the home."""
+    from backends.ssh import SSHClient
 
     keys = SSHKeys.of_home(settings.home)
     return dict(ssh=SSHClient.from_keys(keys), ssh_keys=keys, home=settings.home)

@@ -29,19 +29,20 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import interface
-from activities.catalog import local_offer
+from backends.catalog import local_offer
 from activities.engines import EngineActivities
 from activities.fleet import FleetWatch, closed_workflows, down_of, merged
 from activities.interface import implements, no_capacity
 from activities.liveness import heartbeating, keeps_alive, progress
-from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
-from activities.local_cgroup import Limits, limits_for
+from backends.local import OWN_LINES, LocalBackend, UnsupportedJobError
+from backends.local_cgroup import Limits, limits_for
 from activities.metrics import provisioning_failed
-from activities.probes import Connect, ProbeStreaks, answers_http
+from activities.probes import ProbeStreaks, answers_http
+from backends.http import Connect
 from activities.references import resolve_late
 from activities.router import RouterActivities
 from activities.replica_cloud import CloudReplicas
-from activities.runtime import local_limits
+from backends.runtime import local_limits
 from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, report, report_placed, unless_quick
 from activities.watch import SLACK, watch_until_down
 from gateway.client import GatewayClient, GatewayError
@@ -73,7 +74,7 @@ LOCAL_THREADS = 64
 # Tolerated difference between the Temporal server's clock (a launch's scheduled time) and this machine's.
 CLOCK_SKEW_SECONDS = 5.0
 DRAIN_POLL_SECONDS = 0.2
-HEADER_LINES = 8  # at most, at the top of a local replica's log (activities/local.py)
+HEADER_LINES = 8  # at most, at the top of a local replica's log (backends/local.py)
 
 
 class Backend(Protocol):
@@ -95,7 +96,7 @@ class Backend(Protocol):
 
 
 class LocalReplicas:
-    """Replicas as process trees on this machine (activities/local.py)."""
+    """Replicas as process trees on this machine (backends/local.py)."""
 
     min_poll_seconds = 0.0  # reading /proc is cheap
     one_activity = True  # a process tree starts in milliseconds

@@ -6,7 +6,7 @@ cloud replica's instance work to ``CloudReplicas``: on the main worker for the c
 they run in threads. Only ``CloudInstance``/``Placement`` values leave these activities: never the job's env,
 the user-data or a credential.
 
-With ``ssh`` (activities/ssh.py) a replica is reached over SSH only: once the instance runs, the launch waits for
+With ``ssh`` (backends/ssh.py) a replica is reached over SSH only: once the instance runs, the launch waits for
 its SSH (pinned to the host key durastack made for it), sends the job (env in a mode-600 file) and starts its
 container, and opens the tunnel whose Unix socket is the replica's gateway address; the monitor checks the
 container over the same SSH every few seconds, and keeps the tunnels of the replicas it watches (after a worker
@@ -31,16 +31,17 @@ import asyncssh
 
 from temporalio.exceptions import ApplicationError
 
-from activities.catalog import load_catalog
-from activities.cloud import (CloudBackend, NoCapacity, activity_error, heartbeat_from_thread, placement_of,
-                              provision_cloud, reservation_in, terminate_cloud, terminate_replica)
-from activities.cloud_errors import CloudError, ErrorKind
+from backends.catalog import load_catalog
+from activities.cloud import (NoCapacity, activity_error, heartbeat_from_thread, placement_of, provision_cloud,
+                              terminate_cloud, terminate_replica)
+from backends.cloud import CloudBackend, reservation_in
+from backends.cloud_errors import CloudError, ErrorKind
 from activities.interface import no_capacity
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.report import record_event
-from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
+from backends.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
     booted_driver, clear_job, container_state, logs_command, replace_host_key, run, ssh_target, start_job, \
     tunnel_socket, wait_booted
 from activities.volume_mounts import ReplicaVolumes
@@ -72,7 +73,7 @@ class CloudReplicas:
                  address: Optional[Callable[[CloudInstance], str]] = None, poll_seconds: float = 15.0,
                  boot_timeout: float = 900.0, ssh: Optional[SSHClient] = None, ssh_keys=None,
                  home: Optional[Path] = None, container_poll_seconds: float = 2.0):
-        """``backends``: the clouds this worker calls itself. ``ssh`` + ``ssh_keys`` (connect.ssh_keys) + ``home``:
+        """``backends``: the clouds this worker calls itself. ``ssh`` + ``ssh_keys`` (backends.ssh_keys) + ``home``:
         the SSH data path (tunnels under ``home/tunnels``). Without them (older tests), ``address`` says where the
         gateway and the probes reach an instance's app — default its own ``address``. ``poll_seconds``: how often
         an instance's cloud state is read (cloud APIs are rate-limited and slow); ``container_poll_seconds``: how

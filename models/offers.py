@@ -1,6 +1,6 @@
 """Instance offers, and matching them against a ``resources`` requirement.
 
-Pure: ``activities.catalog`` reads the catalog and this machine, and this module filters and sorts.
+Pure: ``backends.catalog`` reads the catalog and this machine, and this module filters and sorts.
 Each requirement is one named check, so ``match_offers`` and ``describe_mismatch`` cannot disagree.
 """
 

@@ -32,17 +32,17 @@ from typer.testing import CliRunner
 
 import worker as worker_module
 from activities import interface
-from activities.local import LocalBackend
+from backends.local import LocalBackend
 from activities.reaper import ReaperActivities, parse_replica_workflow_id
 from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
-from activities.runtime import CONTAINER_NAME
+from backends.runtime import CONTAINER_NAME
 from activities.signals import judge_signal
-from activities.ssh import SSHClient, tunnel_socket
+from backends.ssh import SSHClient, tunnel_socket
 from activities.stats import StatsActivities
 from activities.store import StoreActivities
-from activities.userdata import BootKeys, cloud_init
-from connect.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
+from backends.ssh_keys import SSHKeys
 from models.backends import TAG_NAMES
 from models.gateway import StatsReport
 from models.loader import load_config_text
@@ -262,7 +262,7 @@ def live_instances(service=None, states=("pending", "running")) -> list[dict]:
 
 def boot_keys(home: Path, key: str) -> BootKeys:
     """What durastack put in the user data of the instance of provisioning key ``key``: its host key, derived
-    from the installation's seed and the key, and the installation's public key (connect/ssh_keys.py)."""
+    from the installation's seed and the key, and the installation's public key (backends/ssh_keys.py)."""
     keys = SSHKeys.of_home(home)
     host = keys.host_key(key)
     return BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
@@ -350,7 +350,7 @@ async def test_a_service_applied_again_after_its_stop_gets_its_offer_again(dev_e
 
 def offer_zones(instance_type: str) -> list[str]:
     """The zones of the on-demand catalog offer in us-east-1, in the order the walk tries them."""
-    from activities.catalog import load_catalog
+    from backends.catalog import load_catalog
 
     (offer,) = [o for o in load_catalog() if o.backend == "aws" and o.region == "us-east-1" and not o.spot
                 and o.instance_type == instance_type]
@@ -361,7 +361,7 @@ def offer_zones(instance_type: str) -> list[str]:
 @needs_vpc
 async def test_capacity_error_walks_the_zones_then_lands_on_the_next_offer(dev_env, home, fake_ec2, vpc):
     """The cheapest offer has no capacity in any of its zones, the next none in its first: the replica runs on the
-    next offer in its second zone (activities/aws.py tries an offer's zones before the next offer)."""
+    next offer in its second zone (backends/aws.py tries an offer's zones before the next offer)."""
     fake_ec2.seed_amis("us-east-1")
     cheapest, second = offer_zones("g5.xlarge"), offer_zones("g5.2xlarge")
     assert len(cheapest) > 1 and len(second) > 1
@@ -388,7 +388,7 @@ async def test_no_offers_and_all_offers_failed_show_in_ps_and_events(dev_env, ho
     else:
         monkeypatch.setenv("DURASTACK_MAX_OFFERS", "2")
         fake_ec2.fail("InsufficientInstanceCapacity")
-        # Each offer's every zone tried (activities/aws.py), then the next offer, up to max_offers.
+        # Each offer's every zone tried (backends/aws.py), then the next offer, up to max_offers.
         backend, expected = "aws", ("all offers failed: aws g5.xlarge in us-east-1 ($1.006/h): no capacity for "
                                     "g5.xlarge in any zone of us-east-1 (us-east-1a: InsufficientInstanceCapacity")
     async with stack(dev_env, home, AWS) as s:  # no instance is made: nothing to boot

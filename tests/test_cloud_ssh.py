@@ -20,13 +20,13 @@ import pytest
 import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AWSBackend
-from activities.gcp import GCPBackend
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas
-from activities.runtime import runtime_of
-from activities.ssh import SSHClient
-from connect.ssh_keys import SSHKeys
+from backends.runtime import runtime_of
+from backends.ssh import SSHClient
+from backends.ssh_keys import SSHKeys
 from models.backends import AWSConfig, BackendsConfig, GCPConfig
 from models.failures import retry_event
 from models.offers import InstanceOffer

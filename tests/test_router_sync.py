@@ -13,7 +13,7 @@ import httpx
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from activities.engine_metrics import requests_in_flight
+from backends.engine_metrics import requests_in_flight
 from activities.router import RouterActivities
 from models.replica import LocalInstance
 from models.router import RouterLeave, RouterSyncInput, RouterTarget, RouterView, RouterWorker

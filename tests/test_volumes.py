@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from activities.runtime import docker_run_argv, group_runtime_fields, local_limits
-from activities.userdata import start_command
+from backends.runtime import docker_run_argv, group_runtime_fields, local_limits
+from backends.userdata import start_command
 from activities.volume_mounts import mount_script
 from models.loader import load_config_text, load_volume_file
 from models.run import GroupState, Replica, ServiceState
