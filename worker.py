@@ -154,7 +154,7 @@ def worker_activities(client: Client, settings: Settings, gateway: GatewayClient
     local = LocalBackend(settings.home)
     if settings.local_replicas and not local.isolated:
         log.warning("replica isolation is off (%s): each replica gets its own PORT", local.isolation_reason)
-    cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, **_ssh_path(settings))
+    cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, gateway=gateway, **_ssh_path(settings))
     acts = ReplicaActivities(local, gateway, cloud=cloud, local_replicas=settings.local_replicas)
     stats = StatsActivities(gateway.stats)
     reaper = ReaperActivities(client, clouds.backends, clouds.ledger, gateway=gateway)
@@ -172,8 +172,8 @@ def cloud_worker_activities(client: Client, settings: Settings, gateway: Gateway
     """What a cloud worker process (``--backends aws,gcp``) runs: each cloud alone on ``<queue>-<cloud>``."""
     queues = {}
     for name, backend in clouds.backends.items():
-        acts = ReplicaActivities(None, gateway, cloud=CloudReplicas(clouds.config, {name: backend}, clouds.ledger,
-                                                                    **_ssh_path(settings)))
+        cloud = CloudReplicas(clouds.config, {name: backend}, clouds.ledger, gateway=gateway, **_ssh_path(settings))
+        acts = ReplicaActivities(None, gateway, cloud=cloud)
         reaper = ReaperActivities(client, {name: backend}, clouds.ledger)
         queues[names.backend_queue(settings.task_queue, name)] = [*acts.backend_activities(), reaper.reap_orphans]
     return queues

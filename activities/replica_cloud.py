@@ -31,20 +31,22 @@ import asyncssh
 
 from temporalio.exceptions import ApplicationError
 
-from backends.catalog import load_catalog
 from activities.cloud import (NoCapacity, activity_error, heartbeat_from_thread, placement_of, provision_cloud,
                               terminate_cloud, terminate_replica)
-from backends.cloud import CloudBackend, reservation_in
-from backends.cloud_errors import CloudError, ErrorKind
 from activities.interface import no_capacity
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.report import record_event
+from activities.volume_mounts import ReplicaVolumes
+from backends.base import Backend
+from backends.catalog import load_catalog
+from backends.cloud import CloudBackend, reservation_in
+from backends.cloud_errors import CloudError, ErrorKind
 from backends.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
     booted_driver, clear_job, container_state, logs_command, replace_host_key, run, ssh_target, start_job, \
     tunnel_socket, wait_booted
-from activities.volume_mounts import ReplicaVolumes
+from gateway.client import GatewayClient
 from models.backends import TAG_NAMES, BackendsConfig, CloudInstance, owner
 from models.failures import SPOT_INTERRUPTION
 from models.offers import InstanceOffer, describe_mismatch, match_offers
@@ -67,17 +69,19 @@ def booted(job: JobSpec, instance: CloudInstance, offer: InstanceOffer, driver: 
     return said + (f", NVIDIA driver {driver or '(not read)'}" if offer.gpu_count else "")
 
 
-class CloudReplicas:
+class CloudReplicas(Backend):
     def __init__(self, config: BackendsConfig, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
                  catalog: Optional[list[InstanceOffer]] = None,
                  address: Optional[Callable[[CloudInstance], str]] = None, poll_seconds: float = 15.0,
                  boot_timeout: float = 900.0, ssh: Optional[SSHClient] = None, ssh_keys=None,
-                 home: Optional[Path] = None, container_poll_seconds: float = 2.0):
+                 home: Optional[Path] = None, container_poll_seconds: float = 2.0,
+                 gateway: Optional[GatewayClient] = None):
         """``backends``: the clouds this worker calls itself. ``ssh`` + ``ssh_keys`` (backends.ssh_keys) + ``home``:
         the SSH data path (tunnels under ``home/tunnels``). Without them (older tests), ``address`` says where the
         gateway and the probes reach an instance's app — default its own ``address``. ``poll_seconds``: how often
         an instance's cloud state is read (cloud APIs are rate-limited and slow); ``container_poll_seconds``: how
-        often its container is checked over SSH."""
+        often its container is checked over SSH. ``gateway``: where its tunnels unroute a replica while down and
+        route it back (none: they leave the routes alone)."""
         self.config, self.backends, self.ledger = config, backends, ledger
         self._catalog = catalog
         self.ssh, self.ssh_keys, self.home = ssh, ssh_keys, home
@@ -85,7 +89,7 @@ class CloudReplicas:
         self.controls: dict[str, asyncssh.SSHClientConnection] = {}  # data_path: private: the monitor's SSH
         self._connecting: dict[str, asyncio.Future] = {}
         self.routes: dict[str, tuple[str, str, str]] = {}  # instance id → (service, replica id, group) once routed
-        self.gateway = None  # set by ReplicaActivities: tunnels route and unroute their replica
+        self.gateway = gateway
         self._cloud_checked: dict[str, tuple[float, CloudInstance]] = {}
         self.address = address or (self._data_address if ssh is not None else (lambda instance: instance.address))
         self.poll_seconds, self.boot_timeout = poll_seconds, boot_timeout
@@ -588,11 +592,10 @@ class CloudReplicas:
         instance of this control plane is left (GCP). Best effort, but a group still held by an instance that is
         shutting down fails the teardown retryably: it is retried until the group goes."""
         cloud = self.backends.get(backend)
-        release = getattr(cloud, "release", None)
-        if release is None:
+        if cloud is None:
             return
         try:
-            await asyncio.to_thread(release, service)
+            await asyncio.to_thread(cloud.release, service)
         except CloudError as e:
             if e.kind is ErrorKind.TRANSIENT and e.code == "DependencyViolation":
                 raise activity_error(e, teardown=True) from e  # retried until the group can go

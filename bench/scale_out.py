@@ -143,6 +143,9 @@ class InstantBackend:
     def min_poll_seconds(self) -> float:
         return self.poll_seconds
 
+    async def adopt(self, service: str, watched: list) -> None:
+        """The fleet watch's take-up after a restart: nothing is held for a replica here."""
+
     async def down(self, instances: list) -> list[Optional[str]]:
         """The fleet watch's instance check: it costs nothing; counts what is watched."""
         self.watching[FLEET] = len(instances)

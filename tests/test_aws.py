@@ -628,7 +628,7 @@ def test_make_backends_from_config_uses_catalog_regions_when_none_configured():
 def _replica_activities(aws_backend, ledger, gateway, address: str, catalog=(G4, G5)) -> ReplicaActivities:
     config = BackendsConfig(aws=AWSConfig(regions=aws_backend.regions, ami_owners=["self"]))
     cloud = CloudReplicas(config, {"aws": aws_backend}, ledger, catalog=list(catalog),
-                          address=lambda _: address, poll_seconds=0.1)
+                          address=lambda _: address, poll_seconds=0.1, gateway=gateway)
     return ReplicaActivities(None, gateway, cloud=cloud, quick_seconds=0)  # moto places in milliseconds
 
 

@@ -180,13 +180,13 @@ class Stack:
         await asyncio.wait_for(handle.result(), 60)
 
 
-def cloud_replicas(settings: Settings, config, backends, ledger, vpc) -> CloudReplicas:
+def cloud_replicas(settings: Settings, config, backends, ledger, vpc, gateway) -> CloudReplicas:
     """The cloud activities as worker.py's ``_ssh_path`` wires them (the home's keys, tunnels under the home), its
     SSH connections made inside the simulated VPC (what ``DURASTACK_SSH_NETNS`` does for a worker process)."""
     keys = SSHKeys.of_home(settings.home)
     ssh = SSHClient.from_keys(keys, socket_factory=vpc.socket_factory if vpc is not None else None)
     return CloudReplicas(config, backends, ledger, poll_seconds=0.2, boot_timeout=60, ssh=ssh, ssh_keys=keys,
-                         home=settings.home)
+                         home=settings.home, gateway=gateway)
 
 
 @asynccontextmanager
@@ -199,8 +199,8 @@ async def stack(env, home: Path, config_yml: str, vpc=None, instances=None, *, s
     settings = Settings.from_env({"DURASTACK_HOME": str(home), "DURASTACK_TASK_QUEUE": f"tq-{uuid.uuid4()}"})
     clouds = worker_module.load_clouds(settings, serves)
     gateway = FakeGateway()
-    acts = ReplicaActivities(LocalBackend(home, isolation=False), gateway,
-                             cloud=cloud_replicas(settings, clouds.config, clouds.backends, clouds.ledger, vpc))
+    cloud = cloud_replicas(settings, clouds.config, clouds.backends, clouds.ledger, vpc, gateway)
+    acts = ReplicaActivities(LocalBackend(home, isolation=False), gateway, cloud=cloud)
     reaper = ReaperActivities(env.client, clouds.backends, clouds.ledger)
     backends = BackendsServed(worker_module.served(settings, clouds))
     main = [*acts.route_activities(), StatsActivities(gateway.stats).watch_stats, reaper.reap_orphans,
@@ -217,7 +217,7 @@ async def stack(env, home: Path, config_yml: str, vpc=None, instances=None, *, s
             for name, backend in full.backends.items():
                 if name not in clouds.backends:
                     c = ReplicaActivities(None, gateway, cloud=cloud_replicas(settings, full.config, {name: backend},
-                                                                              full.ledger, vpc))
+                                                                              full.ledger, vpc, gateway))
                     r = ReaperActivities(env.client, {name: backend}, full.ledger)
                     await workers.enter_async_context(worker_module.backend_worker(
                         env.client, names.backend_queue(settings.task_queue, name),

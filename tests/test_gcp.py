@@ -457,7 +457,7 @@ async def test_launch_on_gcp_registers_a_retry_adopts_the_instance_and_teardown_
     gateway, client = FakeGateway(), FakeClient()
     config = BackendsConfig(gcp=GCPConfig(project_id="proj", regions=gcp.regions, endpoint=gce.url))
     cloud = CloudReplicas(config, {"gcp": gcp}, ledger, catalog=[N1_T4, G2], address=lambda _: address,
-                          poll_seconds=0.1)
+                          poll_seconds=0.1, gateway=gateway)
     acts = ReplicaActivities(None, gateway, cloud=cloud, quick_seconds=0)  # the fake places in milliseconds
     inp = LaunchInput(backend="gcp", replica=ReplicaInput(service_workflow_id="service/Svc.One", job=job(),
                                                           resources=GPU, backends=["gcp"]))

@@ -412,6 +412,9 @@ class _FleetView:
     def __init__(self, cloud: FakeCloud) -> None:
         self.cloud = cloud
 
+    async def adopt(self, service: str, watched: list) -> None:
+        """Nothing held for a replica: no tunnel to open again."""
+
     async def down(self, instances: list) -> list[Optional[str]]:
         return ["exited (1)" if self.cloud.crash.setdefault(i.replica_id, asyncio.Event()).is_set() else None
                 for i in instances]
