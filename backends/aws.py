@@ -21,10 +21,11 @@ from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
                                  PartialCredentialsError, ProfileNotFound)
 
+from backends.cloud import CloudBackend
 from backends.cloud_errors import AWS_HINTS, CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
 from backends.quota import AWS_VCPU_QUOTAS, RegionQuotas
-from backends.userdata import BootKeys, cloud_init
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
 from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
 from models.offers import InstanceOffer
 from models.replica import JobSpec
@@ -64,7 +65,7 @@ def api_errors(what: str) -> Iterator[None]:
         raise CloudError(ErrorKind.TRANSIENT, _short(f"{what}: {e}"), code=type(e).__name__) from e
 
 
-class AWSBackend:
+class AWSBackend(CloudBackend):
     name = "aws"
 
     def __init__(self, config: AWSConfig, *, regions: Optional[list[str]] = None,

@@ -3,7 +3,8 @@ the ones a configuration makes, and a reservation looked up in the regions a ser
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from abc import ABC, abstractmethod
+from typing import Optional
 
 from models.backends import BackendsConfig, CloudInstance
 from models.offers import InstanceOffer
@@ -11,21 +12,44 @@ from models.replica import JobSpec
 from models.reservations import ReservationLookup
 
 
-class CloudBackend(Protocol):
+class CloudBackend(ABC):
     """What ``backends.aws.AWSBackend`` and ``backends.gcp.GCPBackend`` provide (all blocking)."""
 
     name: str
     regions: list[str]
     installation: Optional[str]  # this control plane's id: tagged on its instances, the only ones it lists
 
-    def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance: ...
-    def find_reservation(self, value: str, regions: Optional[list[str]] = None) -> ReservationLookup: ...
-    def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]: ...
+    @abstractmethod
+    def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance:
+        """Launch ``offer`` for the replica; ``key`` makes a retry return the instance the first call made."""
+
+    @abstractmethod
+    def find_reservation(self, value: str, regions: Optional[list[str]] = None) -> ReservationLookup:
+        """What this cloud says of the reservation ``value`` in ``regions``."""
+
+    @abstractmethod
+    def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]:
+        """The instances tagged for this replica submission."""
+
+    @abstractmethod
     def list_tagged(self, regions: Optional[list[str]] = None, *,
-                    service: Optional[str] = None) -> list[CloudInstance]: ...
-    def get(self, instance: CloudInstance) -> Optional[CloudInstance]: ...
-    def terminate(self, instance: CloudInstance) -> None: ...
-    def retag(self, instance: CloudInstance, job: JobSpec) -> None: ...
+                    service: Optional[str] = None) -> list[CloudInstance]:
+        """This control plane's instances (of ``service`` if given)."""
+
+    @abstractmethod
+    def get(self, instance: CloudInstance) -> Optional[CloudInstance]:
+        """The instance as the cloud sees it now; None once gone."""
+
+    @abstractmethod
+    def terminate(self, instance: CloudInstance) -> None:
+        """Terminate it; already gone is success."""
+
+    @abstractmethod
+    def retag(self, instance: CloudInstance, job: JobSpec) -> None:
+        """Tag an idle instance for the replica that takes it."""
+
+    def release(self, service: str) -> None:
+        """The service has no instance left here: let go of the network rules made for it (none by default)."""
 
 
 

@@ -26,10 +26,11 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
+from backends.cloud import CloudBackend
 from backends.cloud_errors import GCP_RESERVATION, CloudError, ErrorKind, QuotaScope, classify_gcp
 from backends.quota import RegionQuotas
-from backends.userdata import BootKeys, startup_script
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, startup_script
 from models.backends import (HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPConfig, belongs, image_ref,
                              replica_label, slug)
 from models.offers import InstanceOffer
@@ -101,7 +102,7 @@ def region_of(zone: str) -> str:
     return zone.rsplit("-", 1)[0]
 
 
-class GCPBackend:
+class GCPBackend(CloudBackend):
     name = "gcp"
 
     def __init__(self, config: GCPConfig, *, regions: Optional[list[str]] = None, credentials=None,
