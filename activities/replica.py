@@ -42,7 +42,6 @@ from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, repo
 from activities.watch import SLACK, watch_until_down
 from backends.base import Backend
 from backends.catalog import local_offer
-from backends.http import Connect
 from backends.local import OWN_LINES, LocalBackend, UnsupportedJobError
 from backends.local_cgroup import Limits, limits_for
 from backends.runtime import local_limits
@@ -52,7 +51,7 @@ from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_ou
 from models.offers import describe_mismatch, match_offers
 from models.replica import JobSpec, LocalInstance
 from models.reservations import ReservationLookup
-from models.run import (READY_ATTEMPT_SECONDS, Down, FleetInput, Instance, Launched, LaunchInput, LaunchStep,
+from models.run import (READY_ATTEMPT_SECONDS, Down, FleetInput, Launched, LaunchInput, LaunchStep,
                         MonitorInput, NoCapacity, Placement, ReplicaInput, RouteInput, TeardownInput, Watched)
 from models.service import ProbeSpec
 
