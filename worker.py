@@ -40,19 +40,19 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from backends.cloud import CloudBackend, make_backends
-from backends.local import LocalBackend
 from activities.reaper import ReaperActivities
 from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
 from activities.signals import judge_signal
 from activities.stats import StatsActivities
 from activities.store import StoreActivities
+from backends.cloud import CloudBackend, make_backends
+from backends.local import LocalBackend
+from backends.ssh_keys import SSHKeys, SSHKeysError
 from connect.codec import CodecKeyError
 from connect.connection import TemporalConfigError, client_options, connect_failure
 from connect.deployment import VersioningUnavailable, become_current, deployment_config
 from connect.installation import installation_id
-from backends.ssh_keys import SSHKeys, SSHKeysError
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget

@@ -22,10 +22,10 @@ import httpx
 from temporalio import activity
 
 from activities import interface
-from backends.engine_metrics import Reading, UnknownNames, over_window, read
 from activities.interface import implements
-from backends.http import Connect, client_for
 from activities.watch import watch_until_down
+from backends.engine_metrics import Reading, UnknownNames, over_window, read
+from backends.http import Connect, client_for
 from models.run import NOT_READ_YET, EngineGroupWatch, EngineSnapshot, EngineWatch, ReplicaSignal, Watched
 from workflows.autoscaler import engine_total, wanted
 

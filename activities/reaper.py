@@ -28,8 +28,8 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from backends.catalog import load_catalog
 from activities.cloud import activity_error, list_tagged_all, terminate_cloud
+from backends.catalog import load_catalog
 from backends.cloud import CloudBackend
 from backends.cloud_errors import CloudError
 from models.backends import CLOUDS, CloudInstance, config_path, load_backends_config, owner

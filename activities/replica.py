@@ -36,9 +36,9 @@ from activities.liveness import heartbeating, keeps_alive, progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.references import resolve_late
-from activities.router import RouterActivities
 from activities.replica_cloud import CloudReplicas
 from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, report, report_placed, unless_quick
+from activities.router import RouterActivities
 from activities.watch import SLACK, watch_until_down
 from backends.base import Backend
 from backends.catalog import local_offer

@@ -24,8 +24,8 @@ from typing import Awaitable, Callable, Optional
 import asyncssh
 from temporalio.exceptions import ApplicationError
 
-from backends.cloud_errors import CloudError, ErrorKind
 from activities.liveness import progress
+from backends.cloud_errors import CloudError, ErrorKind
 from backends.runtime import CONTAINER_NAME
 from backends.ssh import run
 from backends.volumes import VolumeBusy, VolumeError, disks_of

@@ -48,13 +48,13 @@ from typing import Iterator, Optional, Union
 
 import httpx
 
+from backends import local_net
+from backends.local_cgroup import Cgroups, Limits, join_argv
 from backends.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, MARKER, Account,
                                    NoOffersError, account_for, check_resources, children,
                                    default_python, drop_argv, find_python, find_tree, free_port, is_alive,
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
                                    send_signal, service_account, unshare_argv, user_refusal)
-from backends import local_net
-from backends.local_cgroup import Cgroups, Limits, join_argv
 from backends.local_init import COMMANDS_FILE, env_script, with_env
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 

@@ -44,10 +44,10 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from activities import interface
+from activities.fleet import FleetWatch, closed_workflows
 from activities.interface import implements
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
 from activities.signals import judge_signal
-from activities.fleet import FleetWatch, closed_workflows
 from activities.watch import watch_until_down
 from bench.stack import code_note, free_port, load_avg, load_note
 from connect.codec import KEY_ENV, ensure_key_file

@@ -69,8 +69,8 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
     config.yml configures: a GPU service can be submitted to a cloud from a machine without a GPU."""
     from backends.catalog.plan import candidate_offers, group_queries, look_up_reservations, one_place, plan_query
     from backends.quota import launchable
-    from cli.offers import cloud_backends
     from backends.runtime import group_runtime_fields, local_limits
+    from cli.offers import cloud_backends
     from cli.volumes import plan as volume_plan
     from models.backends import load_backends_config
     from workflows.addresses import one_place as reach_each_other

@@ -19,13 +19,13 @@ import pytest
 from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
-from backends.aws import AWSBackend
 from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_replica, terminate_service
-from backends.cloud_errors import CloudError, ErrorKind
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas, booted
-from backends.userdata import BootKeys, cloud_init
+from backends.aws import AWSBackend
+from backends.cloud_errors import CloudError, ErrorKind
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
 from models.backends import AWSConfig, BackendsConfig, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec

@@ -30,19 +30,18 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from typer.testing import CliRunner
 
-import worker as worker_module
 from activities import interface
-from backends.local import LocalBackend
 from activities.reaper import ReaperActivities, parse_replica_workflow_id
 from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
-from backends.runtime import CONTAINER_NAME
 from activities.signals import judge_signal
-from backends.ssh import SSHClient, tunnel_socket
 from activities.stats import StatsActivities
 from activities.store import StoreActivities
-from backends.userdata import BootKeys, cloud_init
+from backends.local import LocalBackend
+from backends.runtime import CONTAINER_NAME
+from backends.ssh import SSHClient, tunnel_socket
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
 from models.backends import TAG_NAMES
 from models.gateway import StatsReport
 from models.loader import load_config_text
@@ -58,6 +57,7 @@ from tests.fakes.activity_env import FakeClient, activity_env, no_capacity_of
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 from tests.test_ssh_path import APP
+import worker as worker_module
 from workflows import names
 from workflows.jobs import job_spec, replica_workflow_id
 from workflows.reaper import REAPER_ID, ReaperWorkflow

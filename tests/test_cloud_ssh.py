@@ -20,10 +20,10 @@ import pytest
 import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 
-from backends.aws import AWSBackend
-from backends.gcp import GCPBackend
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
 from backends.runtime import runtime_of
 from backends.ssh import SSHClient
 from backends.ssh_keys import SSHKeys

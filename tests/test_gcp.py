@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from backends.catalog import load_catalog
 from activities.cloud import NoCapacity, provision_cloud, terminate_cloud, terminate_service
+from activities.replica import ReplicaActivities
+from activities.replica_cloud import CloudReplicas
+from backends.catalog import load_catalog
 from backends.cloud import make_backends
 from backends.cloud_errors import CloudError, ErrorKind
 from backends.gcp import REQUEST_NS, GCPBackend
-from activities.replica import ReplicaActivities
-from activities.replica_cloud import CloudReplicas
-from backends.userdata import BootKeys, startup_script
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, startup_script
 from models.backends import BackendsConfig, GCPConfig, owner, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec

@@ -22,8 +22,8 @@ import pytest
 from backends.local import (CODE_DIR, LocalBackend, LocalBackendError, NoOffersError, UnsupportedJobError,
                               confinement_available, confinement_reason, isolation_available, isolation_reason,
                               network_reason)
-from backends.local_host import find_python, find_tree, gpu_count
 from backends.local_cgroup import Cgroups, Limits
+from backends.local_host import find_python, find_tree, gpu_count
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 from models.resources import ResourcesSpec
 

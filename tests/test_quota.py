@@ -18,8 +18,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from typer.testing import CliRunner
 
-from backends.aws import AWSBackend
 from activities.cloud import NoCapacity, provision_cloud
+from backends.aws import AWSBackend
 from backends.gcp import GCPBackend
 from backends.quota import QUOTA_TTL, RegionQuotas, aws_vcpu_quota, gcp_gpu_quota, verdict
 from cli.main import app

@@ -19,13 +19,13 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 
-from backends.local import LocalBackend
 from activities import replica as replica_activities
 from activities.replica import LocalReplicas, ReplicaActivities
 from activities.report import unless_quick
+from backends.local import LocalBackend
+from models.failures import NOT_READY_YET
 from models.loader import load_config_text
 from models.replica import LocalInstance
-from models.failures import NOT_READY_YET
 from models.run import Down, LaunchInput, LaunchStep, MonitorInput, NoCapacity, ReplicaInput, Step, TeardownInput, Watched
 from tests.conftest import eventually
 from tests.fakes.activity_env import FakeClient, FakeGateway, activity_env as _env, no_capacity_of as _no_capacity

@@ -33,11 +33,11 @@ from typing import Optional
 import httpx
 import pytest
 
+from activities import interface
 from backends.local import LocalBackend
 from backends.local_host import MARKER, is_alive, proc_stat
 from models.settings import Settings
 from tests.e2e import Load, Stack, evidence, running_stack, until
-from activities import interface
 from workflows.jobs import replica_workflow_id
 from workflows.service import service_workflow_id
 

@@ -16,8 +16,8 @@ import pytest_asyncio
 
 from backends.ssh import (NotReady, SSHClient, SSHTarget, Tunnel, container_state, replace_host_key, run, ssh_target,
                             start_job, wait_booted)
-from backends.userdata import BootKeys, cloud_init, startup_script
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init, startup_script
 from models.replica import JobSpec
 from tests.fakes import vpc as vpcs
 

@@ -18,8 +18,8 @@ from ruamel.yaml import YAML
 
 from backends.runtime import (DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, DIND_IMAGE, docker_run_argv, job_script,
                                runtime_of)
-from backends.userdata import BootKeys, boot_script, cloud_init, job_upload, start_command, startup_script
 from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, boot_script, cloud_init, job_upload, start_command, startup_script
 from models.loader import load_config_text
 from models.replica import JobSpec
 from workflows.jobs import job_spec

@@ -15,10 +15,10 @@ from google.cloud import compute_v1
 from temporalio.exceptions import ApplicationError
 
 from activities import volume_mounts
+from activities.volume_mounts import ReplicaVolumes
 from backends.aws import AWSBackend
 from backends.cloud_errors import CloudError
 from backends.gcp import GCPBackend
-from activities.volume_mounts import ReplicaVolumes
 from backends.volumes import AWSDisks, GCPDisks, VolumeBusy, VolumeError
 from models.backends import AWSConfig, GCPConfig, provisioning_key
 from models.offers import InstanceOffer

@@ -24,12 +24,12 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities import interface
-from activities.interface import implements
-from activities.references import resolve_late
-from activities.fleet import ORPHANED_BY
-from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.engines import changed as engines_changed
 from activities.fleet import FleetWatch
+from activities.fleet import ORPHANED_BY
+from activities.interface import implements
+from activities.references import resolve_late
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.signals import judge_signal
 from activities.stats import changed
 from models.failures import NOT_READY_YET
