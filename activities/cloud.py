@@ -197,9 +197,7 @@ def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger
         terminate_cloud(instance, backends=backends, ledger=ledger)
     # Then what the instances were let in by: the service's security groups, the SSH firewall rule.
     for backend in backends.values():
-        release = getattr(backend, "release", None)
-        if release is not None:
-            release(service)
+        backend.release(service)
     return len(found)
 
 
