@@ -40,19 +40,19 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities.cloud import CloudBackend, make_backends
-from activities.local import LocalBackend
 from activities.reaper import ReaperActivities
 from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
 from activities.signals import judge_signal
 from activities.stats import StatsActivities
 from activities.store import StoreActivities
+from backends.cloud import CloudBackend, make_backends
+from backends.local import LocalBackend
+from backends.ssh_keys import SSHKeys, SSHKeysError
 from connect.codec import CodecKeyError
 from connect.connection import TemporalConfigError, client_options, connect_failure
 from connect.deployment import VersioningUnavailable, become_current, deployment_config
 from connect.installation import installation_id
-from connect.ssh_keys import SSHKeys, SSHKeysError
 from gateway.client import GatewayClient
 from models.backends import CLOUDS, BackendsConfig, load_backends_config
 from models.reaper import ReaperInput, ReapTarget
@@ -155,7 +155,7 @@ def worker_activities(client: Client, settings: Settings, gateway: GatewayClient
     local = LocalBackend(settings.home)
     if settings.local_replicas and not local.isolated:
         log.warning("replica isolation is off (%s): each replica gets its own PORT", local.isolation_reason)
-    cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, **_ssh_path(settings))
+    cloud = CloudReplicas(clouds.config, clouds.backends, clouds.ledger, gateway=gateway, **_ssh_path(settings))
     acts = ReplicaActivities(local, gateway, cloud=cloud, local_replicas=settings.local_replicas)
     stats = StatsActivities(gateway.stats)
     reaper = ReaperActivities(client, clouds.backends, clouds.ledger, gateway=gateway)
@@ -173,16 +173,16 @@ def cloud_worker_activities(client: Client, settings: Settings, gateway: Gateway
     """What a cloud worker process (``--backends aws,gcp``) runs: each cloud alone on ``<queue>-<cloud>``."""
     queues = {}
     for name, backend in clouds.backends.items():
-        acts = ReplicaActivities(None, gateway, cloud=CloudReplicas(clouds.config, {name: backend}, clouds.ledger,
-                                                                    **_ssh_path(settings)))
+        cloud = CloudReplicas(clouds.config, {name: backend}, clouds.ledger, gateway=gateway, **_ssh_path(settings))
+        acts = ReplicaActivities(None, gateway, cloud=cloud)
         reaper = ReaperActivities(client, {name: backend}, clouds.ledger)
         queues[names.backend_queue(settings.task_queue, name)] = [*acts.backend_activities(), reaper.reap_orphans]
     return queues
 
 
 def _ssh_path(settings: Settings) -> dict:
-    """Cloud replicas are reached over SSH with the home's keys (connect/ssh_keys.py), tunnels under the home."""
-    from activities.ssh import SSHClient
+    """Cloud replicas are reached over SSH with the home's keys (backends/ssh_keys.py), tunnels under the home."""
+    from backends.ssh import SSHClient
 
     keys = SSHKeys.of_home(settings.home)
     return dict(ssh=SSHClient.from_keys(keys), ssh_keys=keys, home=settings.home)

@@ -5,47 +5,30 @@ Order of work in ``provision_cloud`` (blocking; the activity calls it via ``asyn
    response was lost, on any offer) is returned as is — so a re-walk never launches a second one;
 2. keys whose launch went out but whose outcome the ledger never got are retried first, with the same key;
 3. the other offers, cheapest first, up to ``max_offers`` tried: one the account's quota cannot launch
-   (activities/quota.py) is skipped without a call and without using up an attempt; capacity → next offer;
+   (backends/quota.py) is skipped without a call and without using up an attempt; capacity → next offer;
    quota error → skip the offer's region and quota class; transient or fatal → raise (Temporal retries the former).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
-from activities.cloud_errors import CloudError, ErrorKind, QuotaScope
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
-from activities.quota import no_quota
-from models.backends import BackendsConfig, CloudInstance, provisioning_key
+from backends.cloud import CloudBackend
+from backends.cloud_errors import CloudError, ErrorKind, QuotaScope
+from backends.quota import no_quota
+from models.backends import CloudInstance, provisioning_key
 from models.failures import FailureKind
 from models.offers import InstanceOffer, match_offers
 from models.replica import JobSpec
-from models.reservations import ReservationLookup
 from models.resources import ResourcesSpec
 from models.state import Placement
 from store import CREATED, FAILED, INTENT, TERMINATED, StoreLedger
 
 log = logging.getLogger("durastack.cloud")
 MAX_REASONS_CHARS = 3000
-
-
-class CloudBackend(Protocol):
-    """What ``activities.aws.AWSBackend`` and ``activities.gcp.GCPBackend`` provide (all blocking)."""
-
-    name: str
-    regions: list[str]
-    installation: Optional[str]  # this control plane's id: tagged on its instances, the only ones it lists
-
-    def create(self, job: JobSpec, offer: InstanceOffer, key: str, *, nvcc: bool = False) -> CloudInstance: ...
-    def find_reservation(self, value: str, regions: Optional[list[str]] = None) -> ReservationLookup: ...
-    def find_replica(self, job: JobSpec, regions: Optional[list[str]] = None) -> list[CloudInstance]: ...
-    def list_tagged(self, regions: Optional[list[str]] = None, *,
-                    service: Optional[str] = None) -> list[CloudInstance]: ...
-    def get(self, instance: CloudInstance) -> Optional[CloudInstance]: ...
-    def terminate(self, instance: CloudInstance) -> None: ...
-    def retag(self, instance: CloudInstance, job: JobSpec) -> None: ...
 
 
 class OffersExhausted(Exception):
@@ -55,30 +38,6 @@ class OffersExhausted(Exception):
     def __init__(self, message: str, *, tried: bool = False, reasons: Optional[list[str]] = None):
         super().__init__(message)
         self.tried, self.reasons = tried, list(reasons or [])
-
-
-def make_backends(config: BackendsConfig, catalog: Optional[list[InstanceOffer]] = None) -> dict[str, CloudBackend]:
-    """Backends for the configured clouds; a cloud without configured regions uses the catalog's regions."""
-    from activities.catalog import load_catalog
-
-    offers = catalog if catalog is not None else load_catalog()
-    regions = {c: sorted({o.region for o in offers if o.backend == c}) for c in ("aws", "gcp")}
-    backends: dict[str, CloudBackend] = {}
-    if config.aws:
-        from activities.aws import AWSBackend
-        backends["aws"] = AWSBackend(config.aws, regions=regions["aws"], installation=config.installation)
-    if config.gcp:
-        from activities.gcp import GCPBackend
-        backends["gcp"] = GCPBackend(config.gcp, regions=regions["gcp"], installation=config.installation)
-    return backends
-
-
-def reservation_in(cloud: CloudBackend, value: str, regions: Optional[list[str]] = None) -> ReservationLookup:
-    """What ``cloud`` says of the reservation ``value`` in its regions that ``regions`` allows (all when None)."""
-    allowed = [r for r in cloud.regions if not regions or r in regions]
-    if not allowed:
-        return ReservationLookup(name=value, notes=[f"{cloud.name}: none of the service's regions"])
-    return cloud.find_reservation(value, allowed)
 
 
 def _where(offer: InstanceOffer) -> str:
@@ -238,9 +197,7 @@ def terminate_service(backends: dict[str, CloudBackend], service: str, *, ledger
         terminate_cloud(instance, backends=backends, ledger=ledger)
     # Then what the instances were let in by: the service's security groups, the SSH firewall rule.
     for backend in backends.values():
-        release = getattr(backend, "release", None)
-        if release is not None:
-            release(service)
+        backend.release(service)
     return len(found)
 
 
@@ -276,6 +233,5 @@ def heartbeat_from_thread() -> Callable[[str], None]:
     return lambda message: loop.call_soon_threadsafe(progress, message, context=context)
 
 
-__all__ = ["CloudBackend", "OffersExhausted", "activity_error", "cloud_offers", "heartbeat_from_thread", "list_tagged_all",
-           "make_backends", "placement_of", "provision_cloud", "reservation_in", "terminate_cloud",
-           "terminate_replica", "terminate_service"]
+__all__ = ["OffersExhausted", "activity_error", "cloud_offers", "heartbeat_from_thread", "list_tagged_all",
+           "placement_of", "provision_cloud", "terminate_cloud", "terminate_replica", "terminate_service"]

@@ -22,10 +22,10 @@ import httpx
 from temporalio import activity
 
 from activities import interface
-from activities.engine_metrics import Reading, UnknownNames, over_window, read
 from activities.interface import implements
-from activities.probes import Connect, client_for
 from activities.watch import watch_until_down
+from backends.engine_metrics import Reading, UnknownNames, over_window, read
+from backends.http import Connect, client_for
 from models.messages import EngineGroupWatch, EngineWatch, Watched
 from models.state import NOT_READ_YET, EngineSnapshot, ReplicaSignal
 from rules.autoscaler import engine_total, wanted

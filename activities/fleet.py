@@ -19,6 +19,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.liveness import heartbeating, progress
+from backends.base import Backend
 from models.messages import Down, FleetChanges, FleetDowns, FleetInput, MonitorInput, Watched
 
 log = logging.getLogger("durastack.fleet")
@@ -74,7 +75,7 @@ async def closed_workflows(client: Client, watched: list[Watched]) -> list[Down]
 class FleetWatch:
     """The watched set as the workflow last told it, and what was told to each service."""
 
-    def __init__(self, inp: FleetInput, backend, gateway, client: Client, workflow_id: str) -> None:
+    def __init__(self, inp: FleetInput, backend: Backend, gateway, client: Client, workflow_id: str) -> None:
         self.inp, self.backend, self.gateway, self.client = inp, backend, gateway, client
         self.fleet = client.get_workflow_handle(workflow_id)
         self.watched: dict[str, MonitorInput] = {}
@@ -125,8 +126,7 @@ class FleetWatch:
         for w in changes.watched:
             if w.replicas:
                 self.watched[w.service] = w
-                if hasattr(self.backend, "adopt"):  # e.g. a cloud replica's tunnel, after this worker restarted
-                    await self.backend.adopt(w.service, w.replicas)
+                await self.backend.adopt(w.service, w.replicas)  # e.g. cloud replicas' tunnels, after a restart
             else:
                 self.watched.pop(w.service, None)
         self.version = changes.version

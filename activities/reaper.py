@@ -28,11 +28,12 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.catalog import load_catalog
-from activities.cloud import CloudBackend, activity_error, list_tagged_all, terminate_cloud
-from activities.cloud_errors import CloudError
 from activities import interface
+from activities.cloud import activity_error, list_tagged_all, terminate_cloud
 from activities.interface import implements
+from backends.catalog import load_catalog
+from backends.cloud import CloudBackend
+from backends.cloud_errors import CloudError
 from models.backends import CLOUDS, CloudInstance, config_path, load_backends_config, owner
 from models.reaper import ReapAction, ReapRequest, ReapResult, ReplicaReapResult
 from models.messages import StopRequest

@@ -23,27 +23,28 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Protocol
+from typing import Optional
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import interface
-from activities.catalog import local_offer
 from activities.engines import EngineActivities
 from activities.fleet import FleetWatch, closed_workflows, down_of, merged
 from activities.interface import implements, refusal_error
 from activities.liveness import heartbeating, keeps_alive, progress
-from activities.local import OWN_LINES, LocalBackend, UnsupportedJobError
-from activities.local_cgroup import Limits, limits_for
 from activities.metrics import provisioning_failed
-from activities.probes import Connect, ProbeStreaks, answers_http
+from activities.probes import ProbeStreaks, answers_http
 from activities.references import resolve_late
-from activities.router import RouterActivities
 from activities.replica_cloud import CloudReplicas
-from activities.runtime import local_limits
 from activities.report import FINISHED, PROVISIONING, SERVING, TERMINATING, report, report_placed, unless_quick
+from activities.router import RouterActivities
 from activities.watch import SLACK, watch_until_down
+from backends.base import Backend
+from backends.catalog import local_offer
+from backends.local import OWN_LINES, LocalBackend, UnsupportedJobError
+from backends.local_cgroup import Limits, limits_for
+from backends.runtime import local_limits
 from gateway.client import GatewayClient, GatewayError
 from models.backends import CLOUDS
 from models.failures import LAST_LINES, NOT_READY_YET, not_ready_within, with_output
@@ -75,29 +76,11 @@ LOCAL_THREADS = 64
 # Tolerated difference between the Temporal server's clock (a launch's scheduled time) and this machine's.
 CLOCK_SKEW_SECONDS = 5.0
 DRAIN_POLL_SECONDS = 0.2
-HEADER_LINES = 8  # at most, at the top of a local replica's log (activities/local.py)
+HEADER_LINES = 8  # at most, at the top of a local replica's log (backends/local.py)
 
 
-class Backend(Protocol):
-    """The instance work of one kind of backend (``LocalReplicas``, ``CloudReplicas``)."""
-
-    min_poll_seconds: float  # liveness checks no more often than this (cloud APIs are slow and rate-limited)
-    one_activity: bool  # its launch's steps are quick: place runs them all (and a first readiness attempt)
-
-    async def place(self, inp: ReplicaInput, backend: str) -> tuple[Placement, Instance]: ...
-    async def start(self, inp: ReplicaInput, instance) -> None: ...  # its commands run once this returns
-    def reach(self, instance) -> tuple[str, Optional[Connect]]: ...
-    # Its probes pass; past ``until`` (monotonic), between two probe streaks: ``ProbeStreaks.end_attempt_past``.
-    async def wait_ready(self, instance, probes: list[ProbeSpec], until: Optional[float] = None) -> None: ...
-    async def down(self, instances: list) -> list[Optional[str]]: ...
-    async def last_output(self, instance, lines: int) -> str: ...  # '' when it cannot be read
-    async def stop(self, job: JobSpec, backend: str, instance) -> None: ...
-    # An instance kept idle (`idle_duration`, cloud only) is terminated unless another replica took it.
-    async def stop_idle(self, job: JobSpec, backend: str, instance) -> None: ...
-
-
-class LocalReplicas:
-    """Replicas as process trees on this machine (activities/local.py)."""
+class LocalReplicas(Backend):
+    """Replicas as process trees on this machine (backends/local.py)."""
 
     min_poll_seconds = 0.0  # reading /proc is cheap
     one_activity = True  # a process tree starts in milliseconds
@@ -213,7 +196,7 @@ class LocalReplicas:
             await self._blocking(self.local.stop, instance)
 
     async def stop_idle(self, job: JobSpec, backend: str, instance: Optional[LocalInstance]) -> None:
-        await self.stop(job, backend, instance)  # never kept idle (no ``keep_idle``): stopped as any
+        await self.stop(job, backend, instance)  # never kept idle (``keep_idle`` says no): stopped as any
 
 
 class ReplicaActivities:
@@ -226,8 +209,6 @@ class ReplicaActivities:
         self.local = LocalReplicas(local, local_replicas) if local is not None else None
         self.gateway = gateway
         self.cloud = cloud
-        if cloud is not None:
-            cloud.gateway = gateway  # its SSH tunnels unroute a replica while down and route it back
         self.router = RouterActivities(self._reach)
         self.engines = EngineActivities(self._reach)
 
@@ -320,8 +301,7 @@ class ReplicaActivities:
             await self._wait_ready(backend, job, instance, r.probes, until, timeout)
             if r.route:  # a worker behind the service's router group is reached by the router alone
                 await self.gateway.register(job.service, job.replica_id, job.group, placement.address)
-                if hasattr(backend, "routed"):
-                    backend.routed(instance, job.service, job.replica_id, job.group)
+                backend.routed(instance, job.service, job.replica_id, job.group)
         finally:
             await sent()
         await report(r.service_workflow_id, job, SERVING, "running", ready=True, registered=r.route,
@@ -363,8 +343,7 @@ class ReplicaActivities:
         await report(inp.service_workflow_id, job, TERMINATING, "terminating", reason=inp.reason)
         if inp.router is not None and inp.instance is not None:  # behind a synced router: out of it, then drain
             await self.router.leave(inp.backend, inp.router, inp.drain_seconds, inp.instance)
-        if hasattr(backend, "unroute"):  # a tunnel coming back during the drain must not route it again
-            backend.unroute(inp.instance)
+        backend.unroute(inp.instance)  # a tunnel coming back during the drain must not route it again
         # Unregistering returns once nginx serves a configuration without this replica; requests already in
         # flight on it are finished by nginx's old workers (a graceful reload): wait for those, within the
         # drain time, before the replica may be stopped. Unknown replicas are no error: a retry repeats this.
@@ -372,7 +351,7 @@ class ReplicaActivities:
         deadline = time.monotonic() + inp.drain_seconds
         while time.monotonic() < deadline and not await self.gateway.drained():
             await asyncio.sleep(DRAIN_POLL_SECONDS)
-        if inp.keep and hasattr(backend, "keep_idle") and await backend.keep_idle(job, inp.instance):
+        if inp.keep and await backend.keep_idle(job, inp.instance):
             await report(inp.service_workflow_id, job, FINISHED, inp.final, reason=inp.reason, instance=inp.instance,
                          idle=True)
             return True
@@ -385,8 +364,7 @@ class ReplicaActivities:
     @implements(interface.monitor_replicas)
     async def monitor(self, inp: MonitorInput) -> list[Down]:
         backend = self._backend(inp.backend)
-        if hasattr(backend, "adopt"):  # e.g. the SSH tunnels of cloud replicas, after this worker restarted
-            await backend.adopt(inp.service, inp.replicas)
+        await backend.adopt(inp.service, inp.replicas)  # e.g. cloud replicas' SSH tunnels, after a restart
         poll = max(inp.poll_seconds, backend.min_poll_seconds)
         tick = min(poll, inp.workflow_check_seconds)
         polled = described = float("-inf")

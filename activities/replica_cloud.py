@@ -6,7 +6,7 @@ cloud replica's instance work to ``CloudReplicas``: on the main worker for the c
 they run in threads. Only ``CloudInstance``/``Placement`` values leave these activities: never the job's env,
 the user-data or a credential.
 
-With ``ssh`` (activities/ssh.py) a replica is reached over SSH only: once the instance runs, the launch waits for
+With ``ssh`` (backends/ssh.py) a replica is reached over SSH only: once the instance runs, the launch waits for
 its SSH (pinned to the host key durastack made for it), sends the job (env in a mode-600 file) and starts its
 container, and opens the tunnel whose Unix socket is the replica's gateway address; the monitor checks the
 container over the same SSH every few seconds, and keeps the tunnels of the replicas it watches (after a worker
@@ -21,7 +21,6 @@ connection of its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -31,20 +30,23 @@ import asyncssh
 
 from temporalio.exceptions import ApplicationError
 
-from activities.catalog import load_catalog
-from activities.cloud import (CloudBackend, OffersExhausted, activity_error, heartbeat_from_thread, placement_of,
-                              provision_cloud, reservation_in, terminate_cloud, terminate_replica)
-from activities.cloud_errors import CloudError, ErrorKind
+from activities.cloud import (OffersExhausted, activity_error, heartbeat_from_thread, placement_of, provision_cloud,
+                              terminate_cloud, terminate_replica)
+from activities.data_path import DOWN, DataPath, DirectPath, PrivatePath, Route, TunnelPath
 from activities.interface import refusal_error
 from activities.liveness import progress
 from activities.metrics import provisioning_failed
 from activities.probes import ProbeStreaks, answers_http
 from activities.report import record_event
-from activities.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, Tunnel, \
-    booted_driver, clear_job, container_state, logs_command, replace_host_key, run, ssh_target, start_job, \
-    tunnel_socket, wait_booted
 from activities.volume_mounts import ReplicaVolumes
-from models.backends import TAG_NAMES, BackendsConfig, CloudInstance, owner
+from backends.base import Backend
+from backends.catalog import load_catalog
+from backends.cloud import CloudBackend, reservation_in
+from backends.cloud_errors import CloudError, ErrorKind
+from backends.ssh import CONTAINER_CHECK_SECONDS, NotReady, PullDenied, SSHClient, SSHTarget, booted_driver, \
+    clear_job, container_state, logs_command, replace_host_key, run, ssh_target, start_job, wait_booted
+from gateway.client import GatewayClient
+from models.backends import CLOUDS, TAG_NAMES, BackendsConfig, CloudInstance, owner
 from models.failures import FailureKind
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
@@ -57,7 +59,6 @@ from store import StoreLedger
 
 log = logging.getLogger("durastack.replica_cloud")
 PROBE_SECONDS = 1.0  # between readiness probes of a booted instance
-DOWN = ("stopping", "stopped", "terminated")
 
 
 def booted(job: JobSpec, instance: CloudInstance, offer: InstanceOffer, driver: str) -> str:
@@ -67,27 +68,34 @@ def booted(job: JobSpec, instance: CloudInstance, offer: InstanceOffer, driver: 
     return said + (f", NVIDIA driver {driver or '(not read)'}" if offer.gpu_count else "")
 
 
-class CloudReplicas:
+class CloudReplicas(Backend):
     def __init__(self, config: BackendsConfig, backends: dict[str, CloudBackend], ledger: StoreLedger, *,
                  catalog: Optional[list[InstanceOffer]] = None,
                  address: Optional[Callable[[CloudInstance], str]] = None, poll_seconds: float = 15.0,
                  boot_timeout: float = 900.0, ssh: Optional[SSHClient] = None, ssh_keys=None,
-                 home: Optional[Path] = None, container_poll_seconds: float = 2.0):
-        """``backends``: the clouds this worker calls itself. ``ssh`` + ``ssh_keys`` (connect.ssh_keys) + ``home``:
-        the SSH data path (tunnels under ``home/tunnels``). Without them (older tests), ``address`` says where the
-        gateway and the probes reach an instance's app — default its own ``address``. ``poll_seconds``: how often
-        an instance's cloud state is read (cloud APIs are rate-limited and slow); ``container_poll_seconds``: how
-        often its container is checked over SSH."""
+                 home: Optional[Path] = None, container_poll_seconds: float = 2.0,
+                 gateway: Optional[GatewayClient] = None):
+        """``backends``: the clouds this worker calls itself. ``ssh`` + ``ssh_keys`` (backends.ssh_keys) + ``home``:
+        the SSH data paths (activities/data_path.py; tunnels under ``home/tunnels``). Without them (older tests),
+        ``address`` says where the gateway and the probes reach an instance's app — default its own ``address``.
+        ``poll_seconds``: how often an instance's cloud state is read (cloud APIs are rate-limited and slow);
+        ``container_poll_seconds``: how often its container is checked over SSH. ``gateway``: where its tunnels unroute a replica while down and
+        route it back (none: they leave the routes alone)."""
         self.config, self.backends, self.ledger = config, backends, ledger
         self._catalog = catalog
         self.ssh, self.ssh_keys, self.home = ssh, ssh_keys, home
-        self.tunnels: dict[str, Tunnel] = {}
-        self.controls: dict[str, asyncssh.SSHClientConnection] = {}  # data_path: private: the monitor's SSH
-        self._connecting: dict[str, asyncio.Future] = {}
-        self.routes: dict[str, tuple[str, str, str]] = {}  # instance id → (service, replica id, group) once routed
-        self.gateway = None  # set by ReplicaActivities: tunnels route and unroute their replica
+        self.routes: dict[str, Route] = {}  # instance id → (service, replica id, group) once routed
+        self.gateway = gateway
         self._cloud_checked: dict[str, tuple[float, CloudInstance]] = {}
-        self.address = address or (self._data_address if ssh is not None else (lambda instance: instance.address))
+        # The data path of each cloud, chosen once from its configuration (``data_path``).
+        if ssh is None:
+            self._paths: dict[str, DataPath] = {name: DirectPath(address) for name in CLOUDS}
+            self.tunnels, self.controls = {}, {}
+        else:
+            tunnel = TunnelPath(ssh, home, self._target, gateway, self.routes, self._current)
+            private = PrivatePath(ssh, self._target)
+            self._paths = {name: private if self._private_configured(name) else tunnel for name in CLOUDS}
+            self.tunnels, self.controls = tunnel.tunnels, private.controls
         self.poll_seconds, self.boot_timeout = poll_seconds, boot_timeout
         self.container_poll_seconds = container_poll_seconds
         self.volumes = ReplicaVolumes(backends, getattr(ledger, "store", None))
@@ -98,41 +106,29 @@ class CloudReplicas:
     def min_poll_seconds(self) -> float:
         return self.container_poll_seconds if self.ssh is not None else self.poll_seconds
 
-    # --- the SSH data path -----------------------------------------------------------------------------
+    # --- the data path -------------------------------------------------------------------------------
 
-    def _tunnel_address(self, instance: CloudInstance) -> str:
-        return f"unix:{tunnel_socket(self.home, instance.instance_id)}" if instance.state == "running" else ""
-
-    def private_path(self, instance: CloudInstance) -> bool:
-        """Whether its cloud's ``data_path`` is ``private``: reached at its private address, no tunnel."""
-        cfg = getattr(self.config, instance.backend, None)
+    def _private_configured(self, backend: str) -> bool:
+        """Whether the cloud's ``data_path`` is ``private``: reached at its private address, no tunnel."""
+        cfg = getattr(self.config, backend, None)
         return bool(cfg and getattr(cfg, "data_path", "ssh") == "private")
 
-    def _private_address(self, instance: CloudInstance) -> str:
-        port = instance.tags.get(TAG_NAMES[instance.backend]["port"], "")
-        ok = instance.state == "running" and instance.private_ip and port
-        return f"{instance.private_ip}:{port}" if ok else ""
+    def data_path(self, instance: CloudInstance) -> DataPath:
+        return self._paths[instance.backend]
 
-    def _data_address(self, instance: CloudInstance) -> str:
+    def address(self, instance: CloudInstance) -> str:
         """The gateway's upstream: the tunnel's socket, or ``<private IP>:<port>`` with ``data_path: private``."""
-        return self._private_address(instance) if self.private_path(instance) else self._tunnel_address(instance)
+        return self.data_path(instance).address(instance)
 
     def reach(self, instance: CloudInstance):
         """Where this worker reaches the app (as the probes do): the tunnel's socket, or its private address."""
-        return self.address(instance), self._connect(instance)
-
-    def _connect(self, instance: CloudInstance):
-        """How the probes connect to a private address: as SSH does (``DURASTACK_SSH_NETNS``), else directly."""
-        return self.ssh.socket_factory if self.ssh is not None and self.private_path(instance) else None
+        path = self.data_path(instance)
+        return path.address(instance), path.connect(instance)
 
     def _target(self, instance: CloudInstance, booting: bool = False) -> SSHTarget:
         """How to reach the instance's sshd, and which host key to trust: the one made after boot; while
         ``booting`` (the launch, until it has replaced it), also the one its boot data carries."""
-        if self.private_path(instance):  # from inside the VPC: its private address, whatever public_ip says
-            host = instance.private_ip
-        else:
-            host = instance.address.rpartition(":")[0] or (instance.public_ip if self.config_public(instance)
-                                                            else instance.private_ip)
+        host = self.data_path(instance).ssh_host(instance, self.config_public(instance))
         return ssh_target(self.ssh_keys, host, instance.key, instance.host_key_after_boot, booting)
 
     def config_public(self, instance: CloudInstance) -> bool:
@@ -205,49 +201,6 @@ class CloudReplicas:
         finally:
             conn.close()
 
-    @staticmethod
-    def _app_port(instance: CloudInstance) -> int:
-        """The port its app listens on, as its tags say (0: an instance made without one)."""
-        return int(instance.tags.get(TAG_NAMES[instance.backend]["port"], "0") or 0)
-
-    async def _reach_app(self, instance: CloudInstance) -> None:
-        """The tunnel the gateway and the probes reach the app through (none with ``data_path: private``): opened
-        by the readiness step, on whichever worker runs it."""
-        if self.ssh is None or self.private_path(instance):
-            return
-        tunnel = self._open_tunnel(instance, self._app_port(instance))
-        while not tunnel.up.is_set():
-            progress(f"{instance.instance_id}: opening the tunnel")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await tunnel.wait_up(5.0)
-
-    def _open_tunnel(self, instance: CloudInstance, port: int) -> Tunnel:
-        tunnel = self.tunnels.get(instance.instance_id)
-        if tunnel is None:
-            iid = instance.instance_id
-
-            async def up() -> None:  # back after a loss: route it again, if it was routed
-                route = self.routes.get(iid)
-                if route and self.gateway is not None:
-                    await self.gateway.register(route[0], route[1], route[2], self._tunnel_address(instance))
-
-            async def down() -> None:  # while the tunnel is down the replica is unrouted
-                route = self.routes.get(iid)
-                if route and self.gateway is not None:
-                    await self.gateway.unregister(route[0], route[1])
-
-            async def wanted() -> bool:  # its instance still runs (not torn down through another worker)
-                if (await self._current(instance)).state in DOWN:
-                    self.tunnels.pop(iid, None)
-                    self.routes.pop(iid, None)
-                    return False
-                return True
-
-            tunnel = Tunnel(self.ssh, self._target(instance), tunnel_socket(self.home, iid), port, on_up=up,
-                            on_down=down, still_wanted=wanted)
-            self.tunnels[iid] = tunnel
-        return tunnel.start()
-
     def routed(self, instance: CloudInstance, service: str, replica_id: str, group: str) -> None:
         """The launch registered the replica: a tunnel that comes back routes it again."""
         self.routes[instance.instance_id] = (service, replica_id, group)
@@ -258,32 +211,17 @@ class CloudReplicas:
             self.routes.pop(instance.instance_id, None)
 
     async def adopt(self, service: str, watched: list) -> None:
-        """The monitor's replicas: their tunnels, opened again if this worker has none (it restarted)."""
-        if self.ssh is None:
-            return
+        """The monitor's replicas: reached again (their tunnels opened) if this worker holds nothing for them."""
         for w in watched:
-            instance = w.instance
-            if isinstance(instance, CloudInstance) and self.private_path(instance):
-                continue  # no tunnel: the gateway keeps its route to the private address
-            if isinstance(instance, CloudInstance) and instance.instance_id not in self.tunnels:
-                self.routes[instance.instance_id] = (service, w.replica_id, w.group)
-                port = self._app_port(instance)
-                if port:
-                    self._open_tunnel(instance, port)
+            if isinstance(w.instance, CloudInstance):
+                await self.data_path(w.instance).adopt(w.instance, (service, w.replica_id, w.group))
 
-    async def _close_tunnel(self, instance_id: str) -> None:
-        pending = self._connecting.pop(instance_id, None)
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pending
-        control = self.controls.pop(instance_id, None)
-        if control is not None:
-            control.close()
+    async def _close(self, instance_id: str) -> None:
+        """Let go of what reaches the instance (its tunnel, or the monitor's SSH connection). Unrouted first: a
+        tunnel that closes must not unregister a replica again."""
         self.routes.pop(instance_id, None)
-        tunnel = self.tunnels.pop(instance_id, None)
-        if tunnel is not None:
-            await tunnel.close()
+        for path in dict.fromkeys(self._paths.values()):
+            await path.close(instance_id)
 
     # --- place ------------------------------------------------------------------------------------
 
@@ -383,9 +321,7 @@ class CloudReplicas:
         and that address is what SSH (or, without it, the gateway) connects to."""
         deadline = time.monotonic() + self.boot_timeout
         def reachable(i: CloudInstance) -> bool:  # over SSH, at its own address; else at the mapped one
-            if self.ssh is not None and self.private_path(i):
-                return i.state == "running" and bool(self._private_address(i))
-            return i.state == "running" and bool(i.address if self.ssh is not None else self.address(i))
+            return self.data_path(i).reachable(i)
 
         while not reachable(instance):
             if time.monotonic() > deadline:
@@ -408,7 +344,7 @@ class CloudReplicas:
         """Ready = the instance runs and its app answers the probes (or any HTTP without probes); past ``until``,
         not yet. Its instance and its container are checked as the monitor checks them: a command that exits
         before it is ready fails the launch at once, as on the local backend, rather than after its timeout."""
-        await self._reach_app(instance)
+        await self.data_path(instance).open(instance)
         streaks = ProbeStreaks(probes)
         checked = float("-inf")
         while True:
@@ -419,7 +355,7 @@ class CloudReplicas:
                 if why is not None:
                     raise ApplicationError(why, type="ReplicaExited", non_retryable=True)
                 instance = self._cloud_checked.get(instance.instance_id, (now, instance))[1]
-            address, connect = self.address(instance), self._connect(instance)
+            address, connect = self.reach(instance)
             if instance.state == "running" and address:
                 if streaks.probes:
                     await streaks.run_due(address, now, connect)
@@ -447,28 +383,19 @@ class CloudReplicas:
         if current.state in DOWN:
             # A spot instance going away is the cloud taking its capacity back: said so in the event.
             return f"{FailureKind.SPOT_INTERRUPTION} (instance {current.state})" if instance.spot else f"instance {current.state}"
-        connection = await self._connection(instance)
+        connection = await self.data_path(instance).connection(instance)
         if connection is None:
             return None  # no SSH now (a lost tunnel reconnects; the replica is unrouted meanwhile)
         try:
             state = await container_state(connection)
         except (OSError, asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 — the connection broke mid-check
             log.info("%s: container check: %s", instance.instance_id, e)
-            self._drop_control(instance.instance_id, connection)
+            self.data_path(instance).drop(instance.instance_id, connection)
             return None
         return f"container {state}" if state else None
 
-    async def _connection(self, instance: CloudInstance) -> Optional[asyncssh.SSHClientConnection]:
-        """The SSH connection the instance's container is checked over: its tunnel's, or the monitor's own."""
-        if self.ssh is None:
-            return None
-        if self.private_path(instance):
-            return await self._control(instance)
-        tunnel = self.tunnels.get(instance.instance_id)
-        return tunnel.connection if tunnel is not None else None
-
     async def last_output(self, instance: CloudInstance, lines: int) -> str:
-        connection = await self._connection(instance)
+        connection = await self.data_path(instance).connection(instance)
         if connection is None:
             return ""
         try:
@@ -478,38 +405,6 @@ class CloudReplicas:
             log.info("%s: last output: %s", instance.instance_id, e)
             return ""
         return out
-
-    async def _control(self, instance: CloudInstance) -> Optional[asyncssh.SSHClientConnection]:
-        """``data_path: private``: the monitor's SSH connection to the instance (no tunnel to share). Made in the
-        background, on first use and again after a loss, so an unreachable instance never holds up the checks of
-        the others; None until it is made (the cloud state still says whether the instance is gone, and the
-        gateway's upstream does not depend on it)."""
-        iid = instance.instance_id
-        conn = self.controls.get(iid)
-        if conn is not None and not conn.is_closed():
-            return conn
-        pending = self._connecting.get(iid)
-        if pending is None or pending.done():
-            self._connecting[iid] = asyncio.ensure_future(self._connect_control(instance))
-            with contextlib.suppress(asyncio.TimeoutError):  # usually made at once: checked in this same pass
-                await asyncio.wait_for(asyncio.shield(self._connecting[iid]), 1.0)
-        return self.controls.get(iid)
-
-    async def _connect_control(self, instance: CloudInstance) -> None:
-        try:
-            conn = await self.ssh.connect(self._target(instance))
-        except Exception as e:  # noqa: BLE001 — NotReady, or anything else: tried again at the next check
-            log.info("%s: container check: %s", instance.instance_id, e)
-            return
-        old = self.controls.pop(instance.instance_id, None)
-        if old is not None:
-            old.close()
-        self.controls[instance.instance_id] = conn
-
-    def _drop_control(self, instance_id: str, connection) -> None:
-        if self.controls.get(instance_id) is connection:
-            self.controls.pop(instance_id, None)
-            connection.close()
 
     async def _current(self, instance: CloudInstance) -> CloudInstance:
         """The instance now (state ``terminated`` once gone); the last known state on a transient error."""
@@ -530,7 +425,7 @@ class CloudReplicas:
         that cannot be done (no SSH path, the instance unreachable or gone): the caller terminates it as usual."""
         if self.ssh is None or instance is None:
             return False
-        await self._close_tunnel(instance.instance_id)
+        await self._close(instance.instance_id)
         self._cloud_checked.pop(instance.instance_id, None)
         try:
             conn = await self.ssh.connect(self._target(instance))
@@ -566,7 +461,7 @@ class CloudReplicas:
         """Terminate the replica's instance; without a record (a launch died before it returned), every instance
         tagged for this replica submission on ``backend``. Already gone is success."""
         if instance is not None:
-            await self._close_tunnel(instance.instance_id)
+            await self._close(instance.instance_id)
             self._cloud_checked.pop(instance.instance_id, None)
         try:
             connect = (lambda: self.ssh.connect(self._target(instance))) if self.ssh is not None else None
@@ -588,11 +483,10 @@ class CloudReplicas:
         instance of this control plane is left (GCP). Best effort, but a group still held by an instance that is
         shutting down fails the teardown retryably: it is retried until the group goes."""
         cloud = self.backends.get(backend)
-        release = getattr(cloud, "release", None)
-        if release is None:
+        if cloud is None:
             return
         try:
-            await asyncio.to_thread(release, service)
+            await asyncio.to_thread(cloud.release, service)
         except CloudError as e:
             if e.kind is ErrorKind.TRANSIENT and e.code == "DependencyViolation":
                 raise activity_error(e, teardown=True) from e  # retried until the group can go

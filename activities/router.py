@@ -22,10 +22,10 @@ from typing import Callable, Optional
 import httpx
 
 from activities import interface
-from activities.engine_metrics import in_flight
 from activities.interface import implements
-from activities.probes import Connect, client_for
 from activities.watch import watch_until_down
+from backends.engine_metrics import in_flight
+from backends.http import Connect, client_for
 from models.router import RouterEntry, RouterLeave, RouterState, RouterSyncInput, RouterTarget, RouterView
 from temporalio import activity
 

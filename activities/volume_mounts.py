@@ -6,7 +6,7 @@
   go, when that is a replica of the same service being stopped (a rollout's, a replacement's) — then mounted over SSH
   under ``/opt/durastack/volumes/<name>``: formatted ext4 only when ``blkid`` finds nothing on it, never a disk that
   holds a filesystem or a partition table. ``docker run -v`` then gives it to the container
-  (activities/runtime.py), and refuses to start while one is not mounted (activities/userdata.py);
+  (backends/runtime.py), and refuses to start while one is not mounted (backends/userdata.py);
 * stopping it (``release``): the container is stopped, the volumes unmounted and detached, before the instance is
   terminated, so the next replica can attach them at once.
 
@@ -24,11 +24,11 @@ from typing import Awaitable, Callable, Optional
 import asyncssh
 from temporalio.exceptions import ApplicationError
 
-from activities.cloud_errors import CloudError, ErrorKind
 from activities.liveness import progress
-from activities.runtime import CONTAINER_NAME
-from activities.ssh import run
-from activities.volumes import VolumeBusy, VolumeError, disks_of
+from backends.cloud_errors import CloudError, ErrorKind
+from backends.runtime import CONTAINER_NAME
+from backends.ssh import run
+from backends.volumes import VolumeBusy, VolumeError, disks_of
 from models.backends import CloudInstance, slug
 from models.replica import JobSpec
 from models.messages import ReplicaInput

@@ -67,7 +67,7 @@ def main() -> None:
                                               args.calls, args.rate))), flush=True)
         os._exit(0)  # the SDK's threads can abort an interpreter that finalizes (as cli.main.entry does)
 
-    from activities import local_net
+    from backends import local_net
     from cli.door import possible
     from connect.connection import embedded_api_key
 

@@ -41,7 +41,7 @@ from typing import Optional
 import httpx
 
 from activities import interface
-from activities.local_host import MARKER
+from backends.local_host import MARKER
 from cli.inspect import watchers_of
 from bench.control_plane import SERVICE, own_start, run_once
 from bench.stack import ROOT, BenchStack, code_note, load_avg, load_note, median, until

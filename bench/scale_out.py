@@ -44,10 +44,10 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from activities import interface
+from activities.fleet import FleetWatch, closed_workflows
 from activities.interface import implements
 from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, report
 from activities.signals import judge_signal
-from activities.fleet import FleetWatch, closed_workflows
 from activities.watch import watch_until_down
 from bench.stack import code_note, free_port, load_avg, load_note
 from connect.codec import KEY_ENV, ensure_key_file
@@ -143,6 +143,9 @@ class InstantBackend:
     @property
     def min_poll_seconds(self) -> float:
         return self.poll_seconds
+
+    async def adopt(self, service: str, watched: list) -> None:
+        """The fleet watch's take-up after a restart: nothing is held for a replica here."""
 
     async def down(self, instances: list) -> list[Optional[str]]:
         """The fleet watch's instance check: it costs nothing; counts what is watched."""

@@ -95,7 +95,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from activities import engine_metrics  # noqa: E402
+from backends import engine_metrics  # noqa: E402
 from bench.stack import BenchStack, code_note, load_note, percentile, step, until  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pd-disaggregation"

@@ -26,7 +26,7 @@ from typing import Callable, Optional, TypeVar
 
 import httpx
 
-from activities.local_host import BASE_PATH, MARKER
+from backends.local_host import BASE_PATH, MARKER
 from gateway.app import free_port, free_ports
 from models.settings import Settings
 

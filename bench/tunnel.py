@@ -1,4 +1,4 @@
-"""The SSH tunnel to cloud replicas (activities/ssh.py) against a direct connection and OpenSSH's ``ssh -L``.
+"""The SSH tunnel to cloud replicas (backends/ssh.py) against a direct connection and OpenSSH's ``ssh -L``.
 
     .venv/bin/python -m bench.tunnel [--bulk-mib 64] [--bulk-repeat 3] [--clients 1,32] [--duration 3]
                                      [--rounds 2] [--body 100] [--fresh 200] [--no-openssh]
@@ -12,7 +12,7 @@ each in a process of its own:
 * **SSH server**: the tests' simulated cloud host, ``python -m tests.fakes.sim_host`` (asyncssh's server, the
   host key durastack derives for an instance, accepting only the installation's client key, direct TCP
   forwarding to 127.0.0.1 only), here on 127.0.0.1 instead of inside a network namespace;
-* **asyncssh**: durastack's own tunnel, ``activities.ssh.Tunnel`` with ``SSHClient.from_keys`` (the code path
+* **asyncssh**: durastack's own tunnel, ``backends.ssh.Tunnel`` with ``SSHClient.from_keys`` (the code path
   the cloud worker runs for the gateway): a Unix socket forwarded to the upstream's port over that server;
 * **openssh**: ``ssh -N -L SOCKET:127.0.0.1:PORT`` to the same server with the same keys (skipped if there is
   no ``ssh``, or with ``--no-openssh``): the best plain tool, as the client side. By default it is made to use
@@ -129,8 +129,8 @@ async def _until_signalled(then) -> None:
 
 
 async def _serve_tunnel(ssh_dir: str, ssh_port: int, up_port: int, sock: str) -> None:
-    from activities.ssh import SSHClient, SSHTarget, Tunnel
-    from connect.ssh_keys import SSHKeys
+    from backends.ssh import SSHClient, SSHTarget, Tunnel
+    from backends.ssh_keys import SSHKeys
 
     keys = SSHKeys.at(Path(ssh_dir))
     target = SSHTarget("127.0.0.1", keys.host_key(HOST_KEY_ID).public_openssh, port=ssh_port)
@@ -350,7 +350,7 @@ def _rps(runs: list[dict]) -> float:
 
 def start(tmp: Path, args, procs: list[Proc], log) -> tuple[list[Route], dict[str, str]]:
     """The upstream, the simulated host, durastack's tunnel and ssh -L (each appended to ``procs`` once started)."""
-    from connect.ssh_keys import SSHKeys
+    from backends.ssh_keys import SSHKeys
 
     keys = SSHKeys.at(tmp / "ssh")
     up_port, ssh_port = free_port(), free_port()

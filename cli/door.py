@@ -182,7 +182,7 @@ def inherited(socks: list[socket.socket]) -> dict[str, str]:
 
 def possible() -> tuple[bool, str]:
     """Whether the door can be set up here (root, iproute2, nginx), and a line saying what that means."""
-    from activities import local_net
+    from backends import local_net
 
     ok, why = local_net.probe()
     if ok:

@@ -228,7 +228,7 @@ def _replica(status: ServiceStatus, replica: Optional[int], running: bool = Fals
 
 
 def _local_instance(settings: Settings, name: str, replica: Optional[int], running: bool = False):
-    from activities.local import LocalBackend
+    from backends.local import LocalBackend
 
     status = run(running_status(settings, name))
     view = _replica(status, replica, running)
@@ -249,8 +249,8 @@ def _cloud_replica(settings: Settings, name: str, replica: Optional[int], runnin
         return None
     if not (view.ssh_host and view.instance_key):
         raise user_error(f"replica {view.replica} on {view.backend} has no instance address yet")
-    from activities.ssh import SSHClient, ssh_target
-    from connect.ssh_keys import SSHKeys, SSHKeysError
+    from backends.ssh import SSHClient, ssh_target
+    from backends.ssh_keys import SSHKeys, SSHKeysError
 
     try:
         keys = SSHKeys.of_home(settings.home)
@@ -261,7 +261,7 @@ def _cloud_replica(settings: Settings, name: str, replica: Optional[int], runnin
 
 async def cloud_exec(client, target, argv: list[str], *, stdout=None) -> int:
     """``docker exec`` in the replica's container over SSH (the host key pinned); its output, its exit code."""
-    from activities.ssh import exec_command
+    from backends.ssh import exec_command
 
     conn = await client.connect(target)
     try:
@@ -274,7 +274,7 @@ async def cloud_exec(client, target, argv: list[str], *, stdout=None) -> int:
 
 async def cloud_logs(client, target, *, follow: bool, stdout=None) -> int:
     """The container's output over SSH; with ``follow``, until the container ends or Ctrl-C."""
-    from activities.ssh import logs_command
+    from backends.ssh import logs_command
 
     out_ = stdout or sys.stdout
     conn = await client.connect(target)
@@ -309,7 +309,7 @@ def exec_(
     cloud = _cloud_replica(settings, name, replica, running=True)
     if cloud is not None:  # over SSH, into its container
         raise typer.Exit(run(cloud_exec(*cloud, argv)))
-    from activities.local import LocalBackendError
+    from backends.local import LocalBackendError
 
     backend, instance = _local_instance(settings, name, replica, running=True)
     try:

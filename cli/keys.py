@@ -1,4 +1,4 @@
-"""``durastack ssh-keys``: the installation's SSH key pair and host-key seed (connect/ssh_keys.py), made ahead of
+"""``durastack ssh-keys``: the installation's SSH key pair and host-key seed (backends/ssh_keys.py), made ahead of
 the workers, for a directory they only read (a Kubernetes Secret)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         same files in DURASTACK_SSH_DIR; instances launched with them accept no other key, so back them up.
         Kubernetes: kubectl -n durastack create secret generic durastack-ssh --from-file=DIRECTORY
         """
-        from connect.ssh_keys import CLIENT_KEY, HOST_SEED, SSHKeys, SSHKeysError, ssh_dir
+        from backends.ssh_keys import CLIENT_KEY, HOST_SEED, SSHKeys, SSHKeysError, ssh_dir
         from models.settings import Settings
 
         try:

@@ -3,7 +3,7 @@
 Either resources from flags (``--gpu A100:80GB:2 --cpu 8..``), or a service file with one table per replica group.
 Candidates are the shipped catalog (AWS, GCP) plus this machine (``local``); the output first says which backends
 ``$DURASTACK_HOME/config.yml`` configures (only those are used by services). Offers shown on a configured cloud
-are checked against the account's quotas (activities/quota.py): a QUOTA column says "no quota" for one a launch
+are checked against the account's quotas (backends/quota.py): a QUOTA column says "no quota" for one a launch
 would skip, and a note says once when a cloud's quotas could not be read.
 """
 
@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from activities.catalog import catalog_as_of
-from activities.catalog.plan import GroupQuery, candidate_offers, group_queries, look_up_reservations, match_query
-from activities.quota import Verdict, mark_offers
+from backends.catalog import catalog_as_of
+from backends.catalog.plan import GroupQuery, candidate_offers, group_queries, look_up_reservations, match_query
+from backends.quota import Verdict, mark_offers
 from models.backends import BackendsConfig, gpu_image_lines, load_backends_config
 from models.offers import InstanceOffer
 from models.reservations import ReservationLookup, format_error
@@ -97,7 +97,7 @@ def cloud_backends(config: BackendsConfig) -> dict:
     """The configured clouds' backends, whose quotas mark the offers shown (no cloud call until then)."""
     if not (config.aws or config.gcp):
         return {}
-    from activities.cloud import make_backends
+    from backends.cloud import make_backends
     return make_backends(config)
 
 

@@ -68,12 +68,12 @@ def _print_plan(config: ServiceConfiguration) -> tuple[list[str], list[str]]:
     """Print each group's count, resources and best offer; return the groups that have no offer, and, for a service
     whose replicas reach each other, the places that hold it whole (cheapest first; its best offers are there).
 
-    Planned from the offers ``durastack offers -f`` lists (activities/catalog/plan.py), on the backends
+    Planned from the offers ``durastack offers -f`` lists (backends/catalog/plan.py), on the backends
     config.yml configures: a GPU service can be submitted to a cloud from a machine without a GPU."""
-    from activities.catalog.plan import candidate_offers, group_queries, look_up_reservations, one_place, plan_query
-    from activities.quota import launchable
+    from backends.catalog.plan import candidate_offers, group_queries, look_up_reservations, one_place, plan_query
+    from backends.quota import launchable
+    from backends.runtime import group_runtime_fields, local_limits
     from cli.offers import cloud_backends
-    from activities.runtime import group_runtime_fields, local_limits
     from cli.volumes import plan as volume_plan
     from models.backends import load_backends_config
     from rules.addresses import one_place as reach_each_other

@@ -111,7 +111,7 @@ def gateway_argv(settings: Settings) -> list[str]:
     argv = [sys.executable, "-m", "gateway", "--runtime-dir", str(settings.home / "gateway"),
             "--port", str(settings.gateway_port), "--control-port", str(settings.gateway_control_port)]
     if settings.local_replicas and not _private_data_path(settings):
-        import activities.local as local
+        import backends.local as local
         if local.networks_available():  # nginx joins the service networks: no proxy between it and a replica
             argv.append("--netns")
     return argv
@@ -215,7 +215,7 @@ async def _end_group(pgid: int, grace: float = 3.0) -> None:
 def stop_local_replicas(home: Path) -> None:
     """Default shutdown hook: stop the local backend's replica processes, if it offers a way."""
     try:
-        import activities.local as local
+        import backends.local as local
     except ImportError:
         return
     if callable(getattr(local, "stop_all", None)):
@@ -223,7 +223,7 @@ def stop_local_replicas(home: Path) -> None:
     elif callable(getattr(getattr(local, "LocalBackend", None), "stop_all", None)):
         local.LocalBackend(home).stop_all()
     # The gateway, stopped before them, kept its namespace for the networks that still ran: none runs now.
-    from activities import local_net
+    from backends import local_net
     local_net.release_gateway_namespace(home)
 
 
@@ -232,8 +232,8 @@ def _replicas_line(settings: Settings) -> str:
     read this home: the codec key, the gateway's token hashes)."""
     if not settings.local_replicas:
         return "local replicas off (DURASTACK_LOCAL_REPLICAS=off)"
-    import activities.local as local
-    from activities.local_cgroup import Cgroups
+    import backends.local as local
+    from backends.local_cgroup import Cgroups
     cgroups = Cgroups()
     limits = cgroups.reason or (f"cgroups on (v{cgroups.version}): each replica is held to its group's memory and "
                                 f"CPUs, and a process cap")
@@ -400,7 +400,7 @@ class Stack:
         # The embedded Temporal behind its door (cli/door.py), where network namespaces can be made.
         self.door: Optional[Path] = None
         if self.embedded and temporal_cmd is None and door_possible()[0]:
-            from activities import local_net
+            from backends import local_net
 
             self.door = local_net.NETNS_DIR / local_net.temporal_nsname(home)
             self.children.append(child("door", door.argv(self.door, home / door.RUN_DIR),
@@ -502,7 +502,7 @@ class Stack:
         """The door's namespace, listeners and configuration, before any child starts (cli/door.py)."""
         if self.door is None:
             return
-        from activities import local_net
+        from backends import local_net
         from cli.codec_server import codec_credential
         from connect.codec import load_keys
 
@@ -524,7 +524,7 @@ class Stack:
             sock.close()
         self._door_sockets = []
         if self.door is not None:
-            from activities import local_net
+            from backends import local_net
 
             local_net.release_temporal_namespace(self.home)
 
@@ -533,7 +533,7 @@ class Stack:
         door it listens in the Temporal namespace, where only the door reaches it."""
         if not (self.embedded and self.settings.codec_port):
             return None
-        from activities import local_net
+        from backends import local_net
         from cli.codec_server import start_codec_server, ui_origins
         from connect.codec import SecretCodec, load_keys
 

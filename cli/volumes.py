@@ -52,8 +52,8 @@ def _volumes(write: bool = False):
 
 
 def _disks(backend: str):
-    from activities.cloud import make_backends
-    from activities.volumes import disks_of
+    from backends.cloud import make_backends
+    from backends.volumes import disks_of
     from models.backends import load_backends_config
 
     try:
@@ -67,8 +67,8 @@ def _disks(backend: str):
 
 def apply_volume(file: Path, yes: bool) -> None:
     """Make or register the volume a ``type: volume`` file describes; one of that name already there must match it."""
-    from activities.cloud_errors import CloudError
-    from activities.volumes import VolumeError
+    from backends.cloud_errors import CloudError
+    from backends.volumes import VolumeError
     from cli.service import _confirm
     from models.loader import load_volume_file
 
@@ -143,8 +143,8 @@ def delete_volume(name: str = typer.Argument(..., help="Volume name."),
                   yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation.")) -> None:
     """Delete a volume and its data (one registered with `volume_id` is only forgotten; its disk stays). A volume
     attached to an instance is refused: stop the service that mounts it first."""
-    from activities.cloud_errors import CloudError
-    from activities.volumes import VolumeBusy, VolumeError
+    from backends.cloud_errors import CloudError
+    from backends.volumes import VolumeBusy, VolumeError
     from cli.service import _confirm
 
     volumes = _volumes(write=True)

@@ -35,7 +35,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from activities import local_net
+from backends import local_net
 from gateway.render import INTERNAL_HEADER
 from gateway.stats import StatsCollector
 from models.gateway import GatewayState, ServiceRoute, Upstream

@@ -27,7 +27,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from activities import local_net
+from backends import local_net
 from gateway.activator import MAX_HELD, Activator
 from gateway.api import make_app
 from gateway.metrics import GatewayMetrics
@@ -91,7 +91,7 @@ class GatewayServer:
         needs; None: the one in ``<runtime_dir>/control.token``, made on the first start (loopback only: workers
         on other hosts cannot read that file, so off loopback it must be given). ``upstreams``: the addresses
         registrations may name; None: :meth:`UpstreamPolicy.default` (from the environment). ``netns``: nginx runs in
-        the home's gateway namespace (``activities.local_net``), linked to the local backend's service networks, and
+        the home's gateway namespace (``backends.local_net``), linked to the local backend's service networks, and
         connects to local replicas there directly; it still listens on ``host``, and reaches the control app on the
         namespace's own loopback."""
         if not _loopback(host) and not control_token:

@@ -1,8 +1,8 @@
 """Cloud backends (AWS, GCP): their configuration, provisioning keys and instances.
 
 Pure: no I/O except ``load_backends_config`` reading ``$DURASTACK_HOME/config.yml``. The activities in
-``activities/aws.py``, ``activities/gcp.py`` and ``activities/cloud.py`` do the cloud calls, and
-``activities/cloud_errors.py`` classifies what they fail with.
+``backends/aws.py``, ``backends/gcp.py`` and ``activities/cloud.py`` do the cloud calls, and
+``backends/cloud_errors.py`` classifies what they fail with.
 
 Exactly-once provisioning rests on ``provisioning_key``: derived from (service, group, replica,
 submission, offer) and never from the attempt, it is the AWS ClientToken and the GCE instance name,

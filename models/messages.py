@@ -354,3 +354,8 @@ class Verdict(BaseModel):
     reason: str = Field("", description="Why it was refused; empty when accepted.")
     scale: Optional[ScaleRequest] = None
     apply: Optional[ApplyRequest] = None
+
+
+# Resolved here, once, as in models/state.py: the workflow sandbox imports this module again.
+for _model in (ReplicaUpdate, ReplicaInput, Launched, TeardownInput, Watched, EngineWatch, StopRequest, ServiceRecord):
+    _model.model_rebuild()

@@ -1,6 +1,6 @@
 """Instance offers, and matching them against a ``resources`` requirement.
 
-Pure: ``activities.catalog`` reads the catalog and this machine, and this module filters and sorts.
+Pure: ``backends.catalog`` reads the catalog and this machine, and this module filters and sorts.
 Each requirement is one named check, so ``match_offers`` and ``describe_mismatch`` cannot disagree.
 """
 
@@ -14,7 +14,7 @@ from models.common import Model, Range
 from models.reservations import ReservationLookup
 from models.resources import GPUSpec, ResourcesSpec
 
-Backend = Literal["aws", "gcp", "local"]
+BackendName = Literal["aws", "gcp", "local"]
 SPOT_POLICIES = ("spot", "on-demand", "auto")
 DEFAULT_DISK_GB = 100.0
 
@@ -27,7 +27,7 @@ COMPUTE_CAPABILITY = {"k80": "3.7", "p100": "6.0", "v100": "7.0", "t4": "7.5", "
 class InstanceOffer(Model):
     """One way to get a machine: an instance type in a region at a price (spot or on-demand)."""
 
-    backend: Backend = Field(description="Where the machine comes from: aws, gcp, or local (this machine).")
+    backend: BackendName = Field(description="Where the machine comes from: aws, gcp, or local (this machine).")
     instance_type: str = Field(description="Instance or machine type, e.g. g5.xlarge or n1-standard-8; 'local'.")
     region: str = Field(description="Cloud region, e.g. us-east-1; 'local' for this machine.")
     zones: list[str] = Field(default_factory=list, description="Zones of the region that offer this type.")

@@ -1,7 +1,7 @@
 """Capacity reservations (a service's or group's ``reservation``) as the clouds describe them, and which offers one
 can take.
 
-Pure: the backends look a reservation up (``activities.aws``, ``activities.gcp``), ``models.offers`` keeps the
+Pure: the backends look a reservation up (``backends.aws``, ``backends.gcp``), ``models.offers`` keeps the
 offers a reservation takes, in its zones only. A value names either an EC2 Capacity Reservation or Capacity Block
 (``cr-`` and 17 hex digits, looked up in every region) or a GCP reservation (``NAME`` in the backend's project, or
 ``projects/PROJECT/reservations/NAME`` for one shared from another project; every zone holding one of that name):

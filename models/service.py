@@ -50,7 +50,7 @@ MAX_PROBES = 10
 MAX_PROBE_TIMEOUT = 300
 
 SpotPolicy = Literal["spot", "on-demand", "auto"]
-Backend = Literal["aws", "gcp", "local"]
+BackendName = Literal["aws", "gcp", "local"]
 
 from models.resources import ResourcesSpec  # noqa: E402  (after the constants it does not need)
 
@@ -443,7 +443,7 @@ class ServiceConfiguration(Model):
         False, description="With `auth`, hand the client's Authorization header (a gateway token, which opens every "
                            "service of the gateway) on to the replicas; by default the gateway drops it. Without "
                            "`auth` the client's header always passes.")
-    backends: Optional[list[Backend]] = Field(None, description="Backends to use: aws, gcp, local.")
+    backends: Optional[list[BackendName]] = Field(None, description="Backends to use: aws, gcp, local.")
     regions: Optional[Annotated[list[Line], _bounded(MAX_LIST, "regions")]] = Field(None, description="Regions to use.")
     availability_zones: Optional[Annotated[list[Line], _bounded(MAX_LIST, "zones")]] = Field(
         None, description="Zones to use.")

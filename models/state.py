@@ -235,3 +235,9 @@ class ServiceState(BaseModel):
     def rolling(self, group: str) -> bool:
         """The one spelling of "the group is rolling": it still has active replicas of an older deployment."""
         return any(r.group == group and r.active and r.deployment_num < self.deployment_num for r in self.replicas)
+
+
+# Fields that name a class defined further down (or in another module) are resolved here, once: the workflow
+# sandbox imports these modules again, and pydantic's lazy resolution at first use finds nothing there.
+for _model in (Replica, IdleInstance, ServiceState):
+    _model.model_rebuild()

@@ -117,7 +117,7 @@ def _service_level(cfg: ServiceConfiguration) -> Iterator[Issue]:
 
 # Variables with which the dynamic loader or libc loads code, or reads or writes files, of the value's choosing: the
 # names glibc itself ignores in a setuid program, but TMPDIR and TZDIR (settings of the app's own). Replicas get them
-# only from their own shell, never a root process (activities/local_init.py), yet a service file has no use for
+# only from their own shell, never a root process (backends/local_init.py), yet a service file has no use for
 # them that a command cannot have: `export LD_LIBRARY_PATH=…` in `commands` sets one for the app alone.
 LOADER_ENV_PREFIXES = ("LD_",)
 LOADER_ENV = frozenset({"GLIBC_TUNABLES", "GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",

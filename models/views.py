@@ -79,3 +79,7 @@ class ServiceStatus(BaseModel):
     place: str = Field("", description="`backend/region` all of the service's replicas go to (one place), if pinned.")
     unavailable: str = Field("", description="Why the service cannot serve (lifecycle.unavailable): the gateway "
                                              "answers 503 with it instead of holding requests; '' when it may serve.")
+
+
+# Resolved here, once, as in models/state.py: the workflow sandbox imports this module again.
+ServiceStatus.model_rebuild()

@@ -5,7 +5,7 @@ A mount point is either a **network volume** (``name``: a cloud disk made before
 volume** (``instance_path``: a directory of the instance, bound at ``path``, kept with the instance). Short forms:
 ``NAME:PATH`` and ``/HOST/PATH:PATH``.
 
-Pure: the store keeps what a network volume is (``VolumeRecord``), ``activities/volumes.py`` does the cloud calls and
+Pure: the store keeps what a network volume is (``VolumeRecord``), ``backends/volumes.py`` does the cloud calls and
 the mount over SSH, and the rules that span fields (at most one replica per network volume, unique paths) are in
 ``models.validation``.
 """
@@ -24,7 +24,7 @@ from models.common import Model, parse_size_gb
 VOLUME_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,40}$")  # dstack's resource names
 MAX_VOLUMES = 16  # mount points per service (EBS and PD attach at most a few dozen disks per instance)
 MAX_PATH = 1024
-CONTAINER_JOB_DIR = "/durastack"  # where a cloud container finds its job's files (activities/runtime.py)
+CONTAINER_JOB_DIR = "/durastack"  # where a cloud container finds its job's files (backends/runtime.py)
 # Paths of an instance a container must not be given: writing there runs code as root on the instance, outside the
 # container's cgroup, where the metadata service durastack closes to containers is open (and durastack's own files).
 SYSTEM_PATHS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt/durastack", "/proc",

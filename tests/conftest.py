@@ -27,7 +27,7 @@ T = TypeVar("T")
 # One codec key for the session's clients, workers and `durastack` subprocesses (connect.codec);
 # DATA_CONVERTER is the one every durastack process uses, so workflow tests exercise the codec too.
 os.environ.setdefault(KEY_ENV, new_key())
-# The cloud backends' SSH keys (connect.ssh_keys): one installation's for the whole session, never the user's home.
+# The cloud backends' SSH keys (backends.ssh_keys): one installation's for the whole session, never the user's home.
 if "DURASTACK_SSH_DIR" not in os.environ:
     import atexit
 

@@ -157,7 +157,7 @@ def python_scripts(home: Path, script: str) -> dict[int, dict[str, str]]:
 def isolated_stack(tmp_path_factory, env: dict[str, str], what: str):
     """``running_stack`` for a stand-in whose processes (``what``) must not listen on the host: skipped where
     replicas are not isolated."""
-    from activities.local import isolation_available
+    from backends.local import isolation_available
     if not isolation_available():
         import pytest
         pytest.skip(f"replicas are not isolated on this machine (not root): {what} would listen on the host")

@@ -19,13 +19,13 @@ import pytest
 from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AWSBackend
 from activities.cloud import OffersExhausted, provision_cloud, terminate_cloud, terminate_replica, terminate_service
-from activities.cloud_errors import CloudError, ErrorKind
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas, booted
-from activities.userdata import BootKeys, cloud_init
-from connect.ssh_keys import SSHKeys
+from backends.aws import AWSBackend
+from backends.cloud_errors import CloudError, ErrorKind
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
 from models.backends import AWSConfig, BackendsConfig, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
@@ -572,7 +572,7 @@ def test_a_group_held_by_an_instance_shutting_down_is_retried_not_left(aws, ledg
     terminate_service({"aws": aws}, "svc", ledger=ledger)  # moto: terminated at once, the group deleted
     walk(aws, ledger, [G5], j=job(1))
     aws.terminate(aws.list_tagged(service="svc")[0])
-    client = aws._client("us-east-1")
+    client = aws.client("us-east-1")
     real = client.delete_security_group
     calls = []
 
@@ -617,7 +617,7 @@ def test_two_control_planes_share_an_account_without_touching_each_other(aws, le
 
 
 def test_make_backends_from_config_uses_catalog_regions_when_none_configured():
-    from activities.cloud import make_backends
+    from backends.cloud import make_backends
 
     backends = make_backends(BackendsConfig(aws=AWSConfig()), catalog=[G5, G5_WEST])
     assert list(backends) == ["aws"] and backends["aws"].regions == ["us-east-1", "us-west-2"]
@@ -628,7 +628,7 @@ def test_make_backends_from_config_uses_catalog_regions_when_none_configured():
 def _replica_activities(aws_backend, ledger, gateway, address: str, catalog=(G4, G5)) -> ReplicaActivities:
     config = BackendsConfig(aws=AWSConfig(regions=aws_backend.regions, ami_owners=["self"]))
     cloud = CloudReplicas(config, {"aws": aws_backend}, ledger, catalog=list(catalog),
-                          address=lambda _: address, poll_seconds=0.1)
+                          address=lambda _: address, poll_seconds=0.1, gateway=gateway)
     return ReplicaActivities(None, gateway, cloud=cloud, quick_seconds=0)  # moto places in milliseconds
 
 

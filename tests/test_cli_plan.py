@@ -132,7 +132,7 @@ def test_the_local_backend_says_at_plan_time_what_it_cannot_honour(home, tmp_pat
 
 
 def test_a_user_the_local_backend_refuses_is_said_at_plan_time(home, tmp_path, monkeypatch):
-    from activities.local_host import probe_confinement
+    from backends.local_host import probe_confinement
 
     if not probe_confinement()[0]:
         pytest.skip("replicas are not confined here: any other user is refused, as the unit tests show")

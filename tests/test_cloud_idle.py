@@ -8,9 +8,9 @@ from __future__ import annotations
 import boto3
 import pytest
 
-from activities.aws import AWSBackend
-from activities.gcp import GCPBackend
-from activities.runtime import runtime_of
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
+from backends.runtime import runtime_of
 from models.backends import AWSConfig, BackendsConfig, GCPConfig
 from models.messages import LaunchInput, LaunchStep, ReplicaInput, TeardownInput
 from tests.fakes import vpc as vpcs

@@ -18,10 +18,10 @@ import boto3
 import pytest
 from pydantic import ValidationError
 
-from activities.aws import AWSBackend
-from activities.gcp import GCPBackend
-from activities.probes import client_for
 from activities.replica import ReplicaActivities
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
+from backends.http import client_for
 from models.backends import AWSConfig, BackendsConfig, GCPConfig, backends_config_from
 from models.replica import JobSpec
 from models.resources import ResourcesSpec

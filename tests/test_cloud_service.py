@@ -30,19 +30,18 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from typer.testing import CliRunner
 
-import worker as worker_module
 from activities import interface
-from activities.local import LocalBackend
 from activities.reaper import ReaperActivities, parse_replica_workflow_id
 from activities.replica import BackendsServed, ReplicaActivities
 from activities.replica_cloud import CloudReplicas
-from activities.runtime import CONTAINER_NAME
 from activities.signals import judge_signal
-from activities.ssh import SSHClient, tunnel_socket
 from activities.stats import StatsActivities
 from activities.store import StoreActivities
-from activities.userdata import BootKeys, cloud_init
-from connect.ssh_keys import SSHKeys
+from backends.local import LocalBackend
+from backends.runtime import CONTAINER_NAME
+from backends.ssh import SSHClient, tunnel_socket
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
 from models.backends import TAG_NAMES
 from models.gateway import StatsReport
 from models.loader import load_config_text
@@ -59,6 +58,7 @@ from tests.fakes.activity_env import FakeClient, activity_env, refusal_of
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
 from tests.test_ssh_path import APP
+import worker as worker_module
 from rules import names
 from rules.jobs import job_spec, replica_workflow_id
 from workflows.reaper import REAPER_ID, ReaperWorkflow
@@ -181,13 +181,13 @@ class Stack:
         await asyncio.wait_for(handle.result(), 60)
 
 
-def cloud_replicas(settings: Settings, config, backends, ledger, vpc) -> CloudReplicas:
+def cloud_replicas(settings: Settings, config, backends, ledger, vpc, gateway) -> CloudReplicas:
     """The cloud activities as worker.py's ``_ssh_path`` wires them (the home's keys, tunnels under the home), its
     SSH connections made inside the simulated VPC (what ``DURASTACK_SSH_NETNS`` does for a worker process)."""
     keys = SSHKeys.of_home(settings.home)
     ssh = SSHClient.from_keys(keys, socket_factory=vpc.socket_factory if vpc is not None else None)
     return CloudReplicas(config, backends, ledger, poll_seconds=0.2, boot_timeout=60, ssh=ssh, ssh_keys=keys,
-                         home=settings.home)
+                         home=settings.home, gateway=gateway)
 
 
 @asynccontextmanager
@@ -200,8 +200,8 @@ async def stack(env, home: Path, config_yml: str, vpc=None, instances=None, *, s
     settings = Settings.from_env({"DURASTACK_HOME": str(home), "DURASTACK_TASK_QUEUE": f"tq-{uuid.uuid4()}"})
     clouds = worker_module.load_clouds(settings, serves)
     gateway = FakeGateway()
-    acts = ReplicaActivities(LocalBackend(home, isolation=False), gateway,
-                             cloud=cloud_replicas(settings, clouds.config, clouds.backends, clouds.ledger, vpc))
+    cloud = cloud_replicas(settings, clouds.config, clouds.backends, clouds.ledger, vpc, gateway)
+    acts = ReplicaActivities(LocalBackend(home, isolation=False), gateway, cloud=cloud)
     reaper = ReaperActivities(env.client, clouds.backends, clouds.ledger)
     backends = BackendsServed(worker_module.served(settings, clouds))
     main = [*acts.route_activities(), StatsActivities(gateway.stats).watch_stats, reaper.reap_orphans,
@@ -218,7 +218,7 @@ async def stack(env, home: Path, config_yml: str, vpc=None, instances=None, *, s
             for name, backend in full.backends.items():
                 if name not in clouds.backends:
                     c = ReplicaActivities(None, gateway, cloud=cloud_replicas(settings, full.config, {name: backend},
-                                                                              full.ledger, vpc))
+                                                                              full.ledger, vpc, gateway))
                     r = ReaperActivities(env.client, {name: backend}, full.ledger)
                     await workers.enter_async_context(worker_module.backend_worker(
                         env.client, names.backend_queue(settings.task_queue, name),
@@ -263,7 +263,7 @@ def live_instances(service=None, states=("pending", "running")) -> list[dict]:
 
 def boot_keys(home: Path, key: str) -> BootKeys:
     """What durastack put in the user data of the instance of provisioning key ``key``: its host key, derived
-    from the installation's seed and the key, and the installation's public key (connect/ssh_keys.py)."""
+    from the installation's seed and the key, and the installation's public key (backends/ssh_keys.py)."""
     keys = SSHKeys.of_home(home)
     host = keys.host_key(key)
     return BootKeys(host_key=host.private_openssh, host_key_public=host.public_openssh,
@@ -351,7 +351,7 @@ async def test_a_service_applied_again_after_its_stop_gets_its_offer_again(dev_e
 
 def offer_zones(instance_type: str) -> list[str]:
     """The zones of the on-demand catalog offer in us-east-1, in the order the walk tries them."""
-    from activities.catalog import load_catalog
+    from backends.catalog import load_catalog
 
     (offer,) = [o for o in load_catalog() if o.backend == "aws" and o.region == "us-east-1" and not o.spot
                 and o.instance_type == instance_type]
@@ -362,7 +362,7 @@ def offer_zones(instance_type: str) -> list[str]:
 @needs_vpc
 async def test_capacity_error_walks_the_zones_then_lands_on_the_next_offer(dev_env, home, fake_ec2, vpc):
     """The cheapest offer has no capacity in any of its zones, the next none in its first: the replica runs on the
-    next offer in its second zone (activities/aws.py tries an offer's zones before the next offer)."""
+    next offer in its second zone (backends/aws.py tries an offer's zones before the next offer)."""
     fake_ec2.seed_amis("us-east-1")
     cheapest, second = offer_zones("g5.xlarge"), offer_zones("g5.2xlarge")
     assert len(cheapest) > 1 and len(second) > 1
@@ -389,7 +389,7 @@ async def test_no_offers_and_all_offers_failed_show_in_ps_and_events(dev_env, ho
     else:
         monkeypatch.setenv("DURASTACK_MAX_OFFERS", "2")
         fake_ec2.fail("InsufficientInstanceCapacity")
-        # Each offer's every zone tried (activities/aws.py), then the next offer, up to max_offers.
+        # Each offer's every zone tried (backends/aws.py), then the next offer, up to max_offers.
         backend, expected = "aws", ("all offers failed: aws g5.xlarge in us-east-1 ($1.006/h): no capacity for "
                                     "g5.xlarge in any zone of us-east-1 (us-east-1a: InsufficientInstanceCapacity")
     async with stack(dev_env, home, AWS) as s:  # no instance is made: nothing to boot

@@ -20,13 +20,13 @@ import pytest
 import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 
-from activities.aws import AWSBackend
-from activities.gcp import GCPBackend
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas
-from activities.runtime import runtime_of
-from activities.ssh import SSHClient
-from connect.ssh_keys import SSHKeys
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
+from backends.runtime import runtime_of
+from backends.ssh import SSHClient
+from backends.ssh_keys import SSHKeys
 from models.backends import AWSConfig, BackendsConfig, GCPConfig
 from models.failures import retry_event
 from models.offers import InstanceOffer
@@ -68,10 +68,11 @@ def ledger(tmp_path):
 
 def _cloud(name, backend, config, ledger, vpc, home, poll_seconds=0.2) -> ReplicaActivities:
     keys = SSHKeys.of_home(home)  # the session's DURASTACK_SSH_DIR: the backends put its public half in user data
+    gateway = FakeGateway()
     cloud = CloudReplicas(config, {name: backend}, ledger, catalog=[AWS_M5, GCP_N2], poll_seconds=poll_seconds,
                           boot_timeout=60, ssh=SSHClient.from_keys(keys, socket_factory=vpc.socket_factory),
-                          ssh_keys=keys, home=home)
-    return ReplicaActivities(None, FakeGateway(), cloud=cloud)
+                          ssh_keys=keys, home=home, gateway=gateway)
+    return ReplicaActivities(None, gateway, cloud=cloud)
 
 
 async def _get(address: str) -> httpx.Response:

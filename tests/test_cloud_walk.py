@@ -18,7 +18,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.cloud import (OffersExhausted, activity_error, cloud_offers, heartbeat_from_thread, placement_of,
                              provision_cloud, terminate_cloud, terminate_replica)
-from activities.cloud_errors import CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws, classify_gcp
+from backends.cloud_errors import CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws, classify_gcp
 from connect.installation import installation_id
 from models.backends import (INSTALLATION_PATTERN, TAG_NAMES, AWSConfig, BackendsConfig, CloudInstance, GCPConfig,
                              backends_config_from, load_backends_config, owner, provisioning_key, replica_label)

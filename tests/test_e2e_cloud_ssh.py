@@ -223,7 +223,7 @@ def test_gcp_two_groups_from_the_cli(tmp_path, monkeypatch, gce, vpc):
 
 
 def _cheapest_cpu(backend: str, region: str) -> str:
-    from activities.catalog import load_catalog
+    from backends.catalog import load_catalog
     from models.offers import match_offers
     from models.resources import ResourcesSpec
 
@@ -382,7 +382,7 @@ def test_aws_public_path_from_the_cli(tmp_path, monkeypatch, fake_ec2, vpc):
     """The README's default: `public_ip: true`, no `gateway_cidrs`, the gateway on the internet. Its worker reaches
     instances only at their public addresses (a private one is not routed there, as on the internet), SSH is open
     to 0.0.0.0/0 (key-only, host key pinned) and nothing else from outside; the replica serves through its tunnel."""
-    from activities.ssh import netns_socket_factory
+    from backends.ssh import netns_socket_factory
 
     fake_ec2.seed_amis("us-east-1")
     monkeypatch.setenv("DURASTACK_SSH_NETNS", vpc.internet())

@@ -10,7 +10,7 @@ import boto3
 import httpx
 import pytest
 
-from activities.runtime import DEFAULT_IMAGE
+from backends.runtime import DEFAULT_IMAGE
 from tests.e2e import until
 from tests.fakes import vpc as vpcs
 from tests.fakes.ec2_faults import ec2_server, fake_ec2  # noqa: F401  (fixtures)

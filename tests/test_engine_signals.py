@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from activities.engine_metrics import Reading, UnknownNames, over_window, quantile, read
 from activities.engines import EngineActivities, changed
+from backends.engine_metrics import Reading, UnknownNames, over_window, quantile, read
 from models.replica import LocalInstance
 from models.messages import EngineGroupWatch, EngineWatch, Watched
 from models.state import NOT_READ_YET, ReplicaSignal

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from activities.aws import AWSBackend
-from activities.gcp import GCPBackend
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
 from models.backends import AWSConfig, GCPConfig, provisioning_key
 from models.offers import InstanceOffer
 from models.replica import JobSpec

@@ -11,7 +11,7 @@ from typing import Optional
 
 import pytest
 
-from activities.catalog import load_catalog
+from backends.catalog import load_catalog
 from models.offers import InstanceOffer
 from tests.fakes import gce_zones
 from tests.fakes.gce import gce  # noqa: F401  (fixture)
@@ -116,7 +116,7 @@ def test_the_check_catches_a_wrong_catalog_row(o, expected):
 
 def test_a_catalog_listing_a3_in_asia_east1_a_fails(tmp_path):
     """The shipped CSV with one row added that Google does not offer: the catalog check reports exactly that row."""
-    from activities.catalog import CATALOG_PATH
+    from backends.catalog import CATALOG_PATH
 
     csv = tmp_path / "offers.csv"
     csv.write_text(CATALOG_PATH.read_text(encoding="utf-8")

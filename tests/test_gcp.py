@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.catalog import load_catalog
-from activities.cloud import OffersExhausted, make_backends, provision_cloud, terminate_cloud, terminate_service
-from activities.cloud_errors import CloudError, ErrorKind
-from activities.gcp import REQUEST_NS, GCPBackend
+from activities.cloud import OffersExhausted, provision_cloud, terminate_cloud, terminate_service
 from activities.replica import ReplicaActivities
 from activities.replica_cloud import CloudReplicas
-from activities.userdata import BootKeys, startup_script
-from connect.ssh_keys import SSHKeys
+from backends.catalog import load_catalog
+from backends.cloud import make_backends
+from backends.cloud_errors import CloudError, ErrorKind
+from backends.gcp import REQUEST_NS, GCPBackend
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, startup_script
 from models.backends import BackendsConfig, GCPConfig, owner, provisioning_key
 from models.offers import InstanceOffer, describe_mismatch, match_offers
 from models.replica import JobSpec
@@ -456,7 +457,7 @@ async def test_launch_on_gcp_registers_a_retry_adopts_the_instance_and_teardown_
     gateway, client = FakeGateway(), FakeClient()
     config = BackendsConfig(gcp=GCPConfig(project_id="proj", regions=gcp.regions, endpoint=gce.url))
     cloud = CloudReplicas(config, {"gcp": gcp}, ledger, catalog=[N1_T4, G2], address=lambda _: address,
-                          poll_seconds=0.1)
+                          poll_seconds=0.1, gateway=gateway)
     acts = ReplicaActivities(None, gateway, cloud=cloud, quick_seconds=0)  # the fake places in milliseconds
     inp = LaunchInput(backend="gcp", replica=ReplicaInput(service_workflow_id="service/Svc.One", job=job(),
                                                           resources=GPU, backends=["gcp"]))

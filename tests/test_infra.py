@@ -344,8 +344,8 @@ def test_compose_cloud_workers_share_their_keys_and_their_tunnels_with_the_gatew
     replica's cloud worker holds: a Unix socket under the gateway's $DURASTACK_HOME/tunnels (gateway.upstreams),
     so that directory is one volume, at the same path, in the gateway and in every cloud worker. Every worker
     reaches the instances with the one key pair, on one volume that DURASTACK_SSH_DIR names."""
-    from activities.ssh import tunnel_socket
-    from connect.ssh_keys import ssh_dir
+    from backends.ssh import tunnel_socket
+    from backends.ssh_keys import ssh_dir
 
     gateway_home = Path(flag(SERVICES["gateway"]["command"], "--runtime-dir")).parent
     mounts = lambda name: dict(reversed(m.split(":")[:2]) for m in SERVICES[name].get("volumes", []))  # noqa: E731
@@ -585,8 +585,8 @@ def test_k8s_cloud_workers_share_their_keys_and_their_tunnels_with_the_gateway()
     """The compose rule (above) in a cluster, where a volume is one pod's: the cloud workers are containers of the
     gateway's pod, with one emptyDir for the tunnels at the gateway's $DURASTACK_HOME/tunnels; every worker reads
     the key pair and host-key seed from one Secret at DURASTACK_SSH_DIR, readable by the user the pods run as."""
-    from activities.ssh import tunnel_socket
-    from connect.ssh_keys import CLIENT_KEY, HOST_SEED, ssh_dir
+    from backends.ssh import tunnel_socket
+    from backends.ssh_keys import CLIENT_KEY, HOST_SEED, ssh_dir
 
     image_uid = int(re.search(r"--uid (\d+) ", (INFRA / "Dockerfile").read_text())[1])
     pod, gateway = gateway_pod()
@@ -615,7 +615,7 @@ def test_k8s_cloud_workers_share_their_keys_and_their_tunnels_with_the_gateway()
                 assert mounts.get(str(socket.parent)) is tunnels, f"{c['name']}: the gateway's tunnels volume"
     assert sorted(clouds) == sorted(CLOUDS), clouds
     assert len(key_secrets) == 3  # the main workers and one container per cloud
-    # One Secret holding the two files connect/ssh_keys.py reads. The kubelet makes each file root's, with the
+    # One Secret holding the two files backends/ssh_keys.py reads. The kubelet makes each file root's, with the
     # group fsGroup and the group's read bit whatever the mode: say that mode, and none for others.
     assert {s["secretName"] for s in key_secrets} == {"durastack-ssh"}
     assert secret_keys()["durastack-ssh"] == {CLIENT_KEY, HOST_SEED}

@@ -10,31 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NOT_SCANNED = {"tests", "bench", "examples", "infra"}  # not shipped: they may import anything
 
-# Imports the table does not allow yet, as (module, imported module). Each goes once the Temporal-free half of
-# activities/ moves to backends/ (cli/ and the gateway then import that instead). Empty this list after that
-# move; the test fails on an entry that no longer occurs, so a stale one cannot hide a new violation.
-PENDING: set[tuple[str, str]] = {
-    # the CLI's own uses of the backends: the local machine, SSH, the offer catalog, quotas, volumes
-    ("cli.door", "activities.local_net"),
-    ("cli.inspect", "activities.local"),
-    ("cli.inspect", "activities.ssh"),
-    ("cli.offers", "activities.catalog"),
-    ("cli.offers", "activities.catalog.plan"),
-    ("cli.offers", "activities.cloud"),
-    ("cli.offers", "activities.quota"),
-    ("cli.service", "activities.catalog.plan"),
-    ("cli.service", "activities.quota"),
-    ("cli.service", "activities.runtime"),
-    ("cli.stack", "activities.local"),
-    ("cli.stack", "activities.local_cgroup"),
-    ("cli.stack", "activities.local_net"),
-    ("cli.volumes", "activities.cloud"),
-    ("cli.volumes", "activities.cloud_errors"),
-    ("cli.volumes", "activities.volumes"),
-    # the home's gateway namespace, which the local backend links its replicas to
-    ("gateway.activator", "activities.local_net"),
-    ("gateway.app", "activities.local_net"),
-}
+# Imports the table does not allow yet, as (module, imported module), each with why; the test fails on an entry
+# that no longer occurs, so a stale one cannot hide a new violation.
+PENDING: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from typing import Callable
 
 import pytest
 
-from activities.local import (CODE_DIR, LocalBackend, LocalBackendError, NoOffersError, UnsupportedJobError,
+from backends.local import (CODE_DIR, LocalBackend, LocalBackendError, NoOffersError, UnsupportedJobError,
                               confinement_available, confinement_reason, isolation_available, isolation_reason,
                               network_reason)
-from activities.local_host import find_python, find_tree, gpu_count
-from activities.local_cgroup import Cgroups, Limits
+from backends.local_cgroup import Cgroups, Limits
+from backends.local_host import find_python, find_tree, gpu_count
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 from models.resources import ResourcesSpec
 
@@ -167,7 +167,7 @@ def test_replica_outlives_a_killed_starter(replicas):
     job = seed_job(1, 0, commands=["python3 -m http.server $PORT --bind $DURASTACK_REPLICA_IP"])
     script = (
         "import os, signal, sys\n"
-        "from activities.local import LocalBackend\n"
+        "from backends.local import LocalBackend\n"
         "from models.replica import JobSpec\n"
         f"inst = LocalBackend({str(replicas.home)!r}).start(JobSpec.model_validate_json({job.model_dump_json()!r}))\n"
         "print(inst.model_dump_json(), flush=True)\n"
@@ -442,7 +442,7 @@ def bridge(tmp_path):
 
     def run(port: int) -> str:
         sock = str(tmp_path / "b.sock")
-        procs.append(subprocess.Popen([sys.executable, "-m", "activities.bridge", "--socket", sock, "--port", str(port)]))
+        procs.append(subprocess.Popen([sys.executable, "-m", "backends.bridge", "--socket", sock, "--port", str(port)]))
         wait_until(lambda: os.path.exists(sock), what="the bridge socket")
         return sock
 
@@ -718,7 +718,7 @@ def cmdline(pid: int) -> list[str]:
 
 @pytest.mark.parametrize("isolation", MODES)
 def test_launcher_carries_none_of_the_services_env_the_replica_all_of_it(replicas, isolation):
-    from activities.local_host import MARKER, children
+    from backends.local_host import MARKER, children
 
     backend = replicas.backend(isolation)
     path = "/service/bin:/usr/bin:/bin"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from activities import local_net
-from activities.local import LocalBackend, confinement_available
+from backends import local_net
+from backends.local import LocalBackend, confinement_available
 from models.replica import JobSpec, LocalInstance
 
 needs_net = pytest.mark.skipif(not (confinement_available() and local_net.probe()[0]),
@@ -197,7 +197,7 @@ def test_the_last_replica_takes_the_network_and_a_crash_is_reaped(net):
     # b dies with everything around it (a killed worker): the next backend start reaps its network.
     os.kill(b.pid, 9)
     wait_until(lambda: not backend.status(b).state == "running", what="b gone")
-    from activities.local_host import find_tree
+    from backends.local_host import find_tree
     wait_until(lambda: not find_tree(b.work_dir), what="b's tree gone")
     assert ns.exists()
     LocalBackend(backend.home, isolation=True)

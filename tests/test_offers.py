@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from activities.catalog import (catalog_as_of, catalog_metadata, gpu_short_name, load_catalog, local_offer,
+from backends.catalog import (catalog_as_of, catalog_metadata, gpu_short_name, load_catalog, local_offer,
                                 marketed_gpu_memory_gb)
 from cli.offers import register
 from models.offers import InstanceOffer, describe_mismatch, match_offers

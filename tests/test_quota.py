@@ -1,4 +1,4 @@
-"""Quotas: offers the account cannot launch are marked and never tried (activities/quota.py).
+"""Quotas: offers the account cannot launch are marked and never tried (backends/quota.py).
 
 The rule alone; its per-region cache (TTL, a failed read said once); then against moto (Service Quotas, behind the
 fault middleware, which answers EC2's vCPU quotas as AWS does) and the fake Compute server (regions.get): a
@@ -18,10 +18,10 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from typer.testing import CliRunner
 
-from activities.aws import AWSBackend
 from activities.cloud import OffersExhausted, provision_cloud
-from activities.gcp import GCPBackend
-from activities.quota import QUOTA_TTL, RegionQuotas, aws_vcpu_quota, gcp_gpu_quota, verdict
+from backends.aws import AWSBackend
+from backends.gcp import GCPBackend
+from backends.quota import QUOTA_TTL, RegionQuotas, aws_vcpu_quota, gcp_gpu_quota, verdict
 from cli.main import app
 from models.backends import AWSConfig, GCPConfig
 from models.offers import InstanceOffer
@@ -146,7 +146,7 @@ def test_a_region_is_read_once_per_ttl():
 
 
 def test_a_failed_read_is_unknown_kept_and_said_once(caplog):
-    from activities.cloud_errors import CloudError, ErrorKind
+    from backends.cloud_errors import CloudError, ErrorKind
 
     reads = []
 

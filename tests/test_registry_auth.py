@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.runtime import group_runtime_fields, local_limits
+from backends.runtime import group_runtime_fields, local_limits
 from cli.service import _resolve
 from connect.codec import SecretCodec, parse_keys, new_key
 from models.loader import load_config_text

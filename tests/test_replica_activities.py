@@ -19,10 +19,11 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 
-from activities.local import LocalBackend
 from activities import replica as replica_activities
 from activities.replica import LocalReplicas, ReplicaActivities
 from activities.report import unless_quick
+from backends.local import LocalBackend
+from models.failures import NOT_READY_YET
 from models.loader import load_config_text
 from models.replica import LocalInstance
 from models.failures import NOT_READY_YET
@@ -352,8 +353,8 @@ async def test_a_retried_launch_starts_again_a_replica_whose_setup_never_finishe
     """A worker killed between spawning an isolated replica and linking it into its service's network left it to
     give up (exit 125) before the retry came: its commands never ran, so the retry starts it again rather than
     fail the replica (seen in a rolling update whose worker was killed, under load)."""
-    from activities.local import isolation_available
-    from activities.local_cgroup import Limits
+    from backends.local import isolation_available
+    from backends.local_cgroup import Limits
     if not isolation_available():
         pytest.skip("replicas are not isolated on this machine (not root)")
     local = LocalBackend(tmp_path / "home")
@@ -374,7 +375,7 @@ async def test_a_retried_launch_finishes_the_setup_of_a_replica_still_running(tm
     """A worker killed after spawning a replica but before linking it to the gateway left it running, unreachable:
     the retry adopts it (the same process, its commands not run twice) and finishes its setup, rather than wait
     for it to answer forever (seen in a rolling update whose worker was killed, under load)."""
-    from activities.local_cgroup import Limits
+    from backends.local_cgroup import Limits
     local = LocalBackend(tmp_path / "home")
     try:
         inp = _input()

@@ -33,8 +33,9 @@ from typing import Optional
 import httpx
 import pytest
 
-from activities.local import LocalBackend
-from activities.local_host import MARKER, is_alive, proc_stat
+from activities import interface
+from backends.local import LocalBackend
+from backends.local_host import MARKER, is_alive, proc_stat
 from models.settings import Settings
 from tests.e2e import Load, Stack, evidence, running_stack, until
 from activities import interface

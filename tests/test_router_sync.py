@@ -13,8 +13,8 @@ import httpx
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from activities.engine_metrics import requests_in_flight
 from activities.router import RouterActivities
+from backends.engine_metrics import requests_in_flight
 from models.replica import LocalInstance
 from models.router import RouterLeave, RouterSyncInput, RouterTarget, RouterView, RouterWorker
 from tests.conftest import eventually, tool

@@ -194,7 +194,7 @@ def test_stack_up_with_search_attributes(running: Server):
 
 @pytest.mark.e2e
 def test_home_logs_and_databases_are_private(running: Server):
-    from activities.local import confinement_reason
+    from backends.local import confinement_reason
     home = running.home.stat()
     # 700, or 710 with the group of nginx's unprivileged workers (search only), which then run as nobody
     assert home.st_mode & 0o777 == 0o700 or (home.st_mode & 0o777 == 0o710 and home.st_gid == grp.getgrnam("nogroup").gr_gid)
@@ -395,7 +395,7 @@ def test_sigint_stops_all_then_restart_keeps_state(running: Server, home: Path, 
         wait_for(lambda: not alive(nginx), 10, "nginx to exit")
     assert not stack._group_members(gateway_pid)
     assert not (home / "server.json").exists()
-    from activities import local_net
+    from backends import local_net
     assert not (local_net.NETNS_DIR / local_net.temporal_nsname(home)).exists()  # the door's namespace is gone
     with open(home / "server.lock", "a") as f:  # the lock is free again
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -478,7 +478,7 @@ def test_the_embedded_temporal_with_and_without_its_door(tmp_path: Path, monkeyp
     endpoint = argv[argv.index("--ui-codec-endpoint") + 1]
     credential = codec_credential(load_keys(s.home).keys[0])  # the key the stack holds (this process's)
     if door:
-        from activities import local_net
+        from backends import local_net
         assert argv[:2] == ["nsenter", f"--net={local_net.NETNS_DIR / local_net.temporal_nsname(s.home)}"]
         assert endpoint == "http://127.0.0.1:1235/_durastack/codec" and credential not in " ".join(argv)
     else:
@@ -487,7 +487,7 @@ def test_the_embedded_temporal_with_and_without_its_door(tmp_path: Path, monkeyp
 
 def test_gateway_and_worker_argv(tmp_path: Path, monkeypatch):
     s = Settings.from_env({}, home=tmp_path, gateway_port=9000, gateway_control_port=9001)
-    import activities.local as local
+    import backends.local as local
     # nginx joins the service networks exactly when the local backend makes them
     netns = ["--netns"] if local.networks_available() else []
     assert stack.gateway_argv(s) == [sys.executable, "-m", "gateway", "--runtime-dir", str(tmp_path / "gateway"),
@@ -558,8 +558,8 @@ def test_run_exits_2_when_down(tmp_path: Path):
 
 def test_stop_local_replicas_hook(tmp_path: Path, monkeypatch):
     stack.stop_local_replicas(tmp_path)  # the real local backend, nothing to stop: a no-op
-    import activities.local
+    import backends.local
     calls = []
-    monkeypatch.setattr(activities.local, "stop_all", calls.append, raising=False)
+    monkeypatch.setattr(backends.local, "stop_all", calls.append, raising=False)
     stack.stop_local_replicas(tmp_path)
     assert calls == [tmp_path]

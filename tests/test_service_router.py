@@ -206,7 +206,7 @@ async def test_references_in_a_cycle_resolve_once_each_replica_is_placed(ts_env,
 async def test_the_first_replica_goes_to_a_place_apply_found_for_all_and_the_rest_follow_it(ts_env, cloud):
     name = "pd-places"
     config = load_config_text(PD.format(name=name, version="v1", decode='"decode"', prefill='"prefill"')).config
-    # As `apply` plans it (activities/catalog/plan.one_place): the places that hold every group, cheapest first.
+    # As `apply` plans it (backends/catalog/plan.one_place): the places that hold every group, cheapest first.
     state = ServiceState(name=name, config=config, places=["aws/us-west-2", "local/local"])
     handle = await ts_env.client.start_workflow(ServiceRunWorkflow.run, ServiceRunInput(state=state),
                                                 id=service_workflow_id(name), task_queue=cloud.queue)

@@ -1,4 +1,4 @@
-"""The installation's SSH keys (connect/ssh_keys.py) made ahead with `durastack ssh-keys` and then only read from
+"""The installation's SSH keys (backends/ssh_keys.py) made ahead with `durastack ssh-keys` and then only read from
 a directory laid out and mounted as the kubelet mounts a Secret: read-only, each file a link into `..data`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from connect.ssh_keys import CLIENT_KEY, HOST_SEED, SSH_DIR_ENV, SSHKeys, SSHKeysError
+from backends.ssh_keys import CLIENT_KEY, HOST_SEED, SSH_DIR_ENV, SSHKeys, SSHKeysError
 
 
 def secret_volume(where: Path, files: dict[str, bytes]) -> Path:
@@ -86,7 +86,7 @@ def test_keys_in_a_secret_volume_are_only_read_and_are_the_same_installation(tmp
 @pytest.mark.skipif(not read_only_mount_works(), reason="no mount namespace here (unshare -rm)")
 def test_a_read_only_secret_serves_its_keys_and_one_without_them_is_refused_by_name(tmp_path):
     made, files = made_ahead(tmp_path)
-    code = ("from connect.ssh_keys import SSHKeys, SSHKeysError\n"
+    code = ("from backends.ssh_keys import SSHKeys, SSHKeysError\n"
             "try:\n    print(SSHKeys.at(MOUNT).client_public())\n"
             "except SSHKeysError as e:\n    print(e)\n")
     served = in_read_only_secret(tmp_path / "full", files, code)

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from activities.ssh import (NotReady, SSHClient, SSHTarget, Tunnel, container_state, replace_host_key, run, ssh_target,
+from backends.ssh import (NotReady, SSHClient, SSHTarget, Tunnel, container_state, replace_host_key, run, ssh_target,
                             start_job, wait_booted)
-from activities.userdata import BootKeys, cloud_init, startup_script
-from connect.ssh_keys import SSHKeys
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init, startup_script
 from models.replica import JobSpec
 from tests.fakes import vpc as vpcs
 

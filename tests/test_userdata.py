@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from activities.runtime import (DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, DIND_IMAGE, docker_run_argv, job_script,
+from backends.runtime import (DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, DIND_IMAGE, docker_run_argv, job_script,
                                runtime_of)
-from activities.userdata import BootKeys, boot_script, cloud_init, job_upload, start_command, startup_script
-from connect.ssh_keys import SSHKeys
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, boot_script, cloud_init, job_upload, start_command, startup_script
 from models.loader import load_config_text
 from models.replica import JobSpec
 from rules.jobs import job_spec

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from activities.runtime import docker_run_argv, group_runtime_fields, local_limits
-from activities.userdata import start_command
 from activities.volume_mounts import mount_script
+from backends.runtime import docker_run_argv, group_runtime_fields, local_limits
+from backends.userdata import start_command
 from models.loader import load_config_text, load_volume_file
 from models.state import GroupState, Replica, ServiceState
 from models.volumes import VolumeRecord, Where, placement, single_attach

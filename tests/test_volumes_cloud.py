@@ -15,11 +15,11 @@ from google.cloud import compute_v1
 from temporalio.exceptions import ApplicationError
 
 from activities import volume_mounts
-from activities.aws import AWSBackend
-from activities.cloud_errors import CloudError
-from activities.gcp import GCPBackend
 from activities.volume_mounts import ReplicaVolumes
-from activities.volumes import AWSDisks, GCPDisks, VolumeBusy, VolumeError
+from backends.aws import AWSBackend
+from backends.cloud_errors import CloudError
+from backends.gcp import GCPBackend
+from backends.volumes import AWSDisks, GCPDisks, VolumeBusy, VolumeError
 from models.backends import AWSConfig, GCPConfig, provisioning_key
 from models.offers import InstanceOffer
 from models.replica import JobSpec
@@ -152,12 +152,12 @@ def test_gcp_disk_attaches_read_write_to_one_instance_at_a_time(gcp, gce):
     assert busy.value.holder == a.instance_id
     assert disks.holder_service(made, a.instance_id) == ("svc", "running")
     # Compute refuses a second read-write attachment in the attach's operation, with its reason.
-    instances, _ = gcp._clients()
+    instances, _ = gcp.clients()
     op = instances.attach_disk_unary(project="proj", zone="us-central1-a", instance=b.instance_id,
                                      attached_disk_resource=compute_v1.AttachedDisk(
                                          source=f"projects/proj/zones/us-central1-a/disks/{made.cloud_id}"))
     with pytest.raises(CloudError) as refused:
-        gcp._wait("us-central1-a", op, "attachDisk")
+        gcp.wait_operation("us-central1-a", op, "attachDisk")
     assert refused.value.code == "RESOURCE_IN_USE_BY_ANOTHER_RESOURCE"
     assert f"is already being used by 'projects/proj/zones/us-central1-a/instances/{a.instance_id}'" in \
         refused.value.message

@@ -15,8 +15,8 @@ from temporalio.runtime import MetricBuffer, PrometheusConfig, Runtime, Telemetr
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.cloud import provision_cloud
-from activities.cloud_errors import ErrorKind
 from activities.metrics import PROVISIONING_FAILURES, provisioning_failed
+from backends.cloud_errors import ErrorKind
 from gateway.app import free_port
 from models.loader import load_config_text
 from models.messages import ScaleRequest

@@ -24,12 +24,12 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities import interface
-from activities.interface import implements
-from activities.references import resolve_late
-from activities.fleet import ORPHANED_BY
-from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.engines import changed as engines_changed
 from activities.fleet import FleetWatch
+from activities.fleet import ORPHANED_BY
+from activities.interface import implements
+from activities.references import resolve_late
+from activities.report import FINISHED, PROVISIONED, PROVISIONING, SERVING, TERMINATING, replica_update, send_report
 from activities.signals import judge_signal
 from activities.stats import changed
 from models.failures import NOT_READY_YET
@@ -412,6 +412,9 @@ class _FleetView:
 
     def __init__(self, cloud: FakeCloud) -> None:
         self.cloud = cloud
+
+    async def adopt(self, service: str, watched: list) -> None:
+        """Nothing held for a replica: no tunnel to open again."""
 
     async def down(self, instances: list) -> list[Optional[str]]:
         return ["exited (1)" if self.cloud.crash.setdefault(i.replica_id, asyncio.Event()).is_set() else None

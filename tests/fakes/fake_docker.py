@@ -1,5 +1,5 @@
 """A stand-in for the Docker CLI on a simulated cloud host: ``pull``, ``run -d``, ``rm -f``, ``inspect``, ``logs``,
-``exec``, ``kill`` — enough for what durastack sends over SSH (activities/userdata.py, activities/ssh.py). Its
+``exec``, ``kill`` — enough for what durastack sends over SSH (backends/userdata.py, backends/ssh.py). Its
 registry has the private repositories ``$FAKE_REGISTRY`` lists, pulled only with their credentials.
 
 A "container" is the group's commands run by a supervisor process in the host's network namespace, with the

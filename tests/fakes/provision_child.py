@@ -14,7 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
-from activities.cloud import make_backends, provision_cloud
+from activities.cloud import provision_cloud
+from backends.cloud import make_backends
 from models.backends import BackendsConfig
 from models.offers import InstanceOffer
 from models.replica import JobSpec

@@ -8,7 +8,7 @@
   key the script installed, accepting only the installation's key; ``docker`` is tests/fakes/fake_docker.py. A GCP
   host's guest agent then writes new default host keys, as on a real instance's first boot.
 * The gateway (this process) reaches a host only by a TCP connection made inside the VPC namespace
-  (``socket_factory``, what ``activities.ssh.SSHClient`` is given), and the host serves only SSH there: the app is
+  (``socket_factory``, what ``backends.ssh.SSHClient`` is given), and the host serves only SSH there: the app is
   on the host's loopback, reachable through the SSH tunnel alone — as with a real cloud's firewall. The gateway's
   address is 172.31.255.254, or 10.255.255.254 towards a host in 10.0.0.0/8 (GCE's ranges): inside the VPC.
 * The cloud's disks: the VPC keeps each one's contents in a directory (``disks/<cloud id>``), and a host shows it at
@@ -355,7 +355,7 @@ class SimulatedVPC:
     @property
     def socket_factory(self):
         """What the gateway's SSH client connects with (also ``DURASTACK_SSH_NETNS=<netns>`` for a worker)."""
-        from activities.ssh import netns_socket_factory
+        from backends.ssh import netns_socket_factory
 
         return netns_socket_factory(self.netns)
 

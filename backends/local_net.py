@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from activities.local_init import host_route
+from backends.local_init import host_route
 
 log = logging.getLogger("durastack.net")
 NETNS_DIR = Path("/run/netns")
@@ -674,7 +674,7 @@ def _reloads_of(ns: str) -> _Reloads:
 def _alive(work_dir: str) -> bool:
     """Whether a replica still runs: its recorded leader (cheap), else any process carrying its marker (a scan
     of /proc, for a starter that died before recording it)."""
-    from activities.local_host import find_tree, is_alive
+    from backends.local_host import find_tree, is_alive
     with contextlib.suppress(OSError, ValueError, KeyError):
         rec = json.loads((Path(work_dir) / ".durastack" / "instance.json").read_text())
         if is_alive(rec["pid"], rec["start_time"]):

@@ -6,7 +6,7 @@ Each cloud's ``Disks`` makes (once: an EBS volume tagged with the name, a persis
 by a second attempt; a call's own retries are safe by its ``ClientToken``, ``requestId``), registers, deletes,
 attaches and detaches one volume. A request id is never derived from the names: a volume deleted and made again, or
 attached to the same instance again after a detach, would be taken for the earlier request and ignored. They use the clouds'
-backends (activities/aws.py, activities/gcp.py) for their clients, so one configuration (endpoint, credentials,
+backends (backends/aws.py, backends/gcp.py) for their clients, so one configuration (endpoint, credentials,
 retries) serves instances and volumes alike. A volume attached elsewhere raises ``VolumeBusy`` with its holder: EBS
 and PD attach a volume read-write to one instance at a time.
 """
@@ -18,9 +18,9 @@ import uuid
 from datetime import datetime, timezone
 from typing import Optional, Union
 
-from activities.aws import AWSBackend, _errors as aws_errors
-from activities.cloud_errors import CloudError, ErrorKind
-from activities.gcp import GCPBackend, _errors as gcp_errors
+from backends.aws import AWSBackend, api_errors as aws_errors
+from backends.cloud_errors import CloudError, ErrorKind
+from backends.gcp import GCPBackend, api_errors as gcp_errors
 from models.backends import TAG_NAMES, CloudInstance, slug
 from models.volumes import VolumeConfiguration, VolumeRecord
 
@@ -59,7 +59,7 @@ class AWSDisks:
         self.backend = backend
 
     def _ec2(self, region: str):
-        return self.backend._client(region)
+        return self.backend.client(region)
 
     def _volume(self, region: str, volume_id: str) -> Optional[dict]:
         try:
@@ -264,7 +264,7 @@ class GCPDisks:
             raise
 
     def _zones(self, region: str) -> list[str]:
-        self.backend._clients()
+        self.backend.clients()
         with gcp_errors(f"get region {region}"):
             raw = self.backend._regions.get(project=self.project, region=region)
         return sorted(z.rsplit("/", 1)[-1] for z in raw.zones)
@@ -287,7 +287,7 @@ class GCPDisks:
             with gcp_errors(f"insert disk {disk} in {zone}"):
                 op = self._client().insert_unary(request=compute_v1.InsertDiskRequest(
                     project=self.project, zone=zone, disk_resource=resource, request_id=str(uuid.uuid4())))
-            self.backend._wait(zone, op, f"insert disk {disk}")
+            self.backend.wait_operation(zone, op, f"insert disk {disk}")
         except CloudError as e:
             if e.code != "alreadyExists":
                 raise
@@ -321,7 +321,7 @@ class GCPDisks:
                 raise VolumeBusy(f"volume {record.name} ({record.cloud_id}) is attached to {holder or 'an instance'}",
                                  holder) from e
             raise
-        self.backend._wait(record.zone, op, f"delete disk {record.cloud_id}")
+        self.backend.wait_operation(record.zone, op, f"delete disk {record.cloud_id}")
 
     def holder(self, record: VolumeRecord) -> Optional[str]:
         found = self._disk(record.zone, record.cloud_id)
@@ -342,7 +342,7 @@ class GCPDisks:
             raise VolumeBusy(f"volume {record.name} ({record.cloud_id}) is attached to {holder}", holder)
         device = self.device_name(record)
         if holder is None:
-            instances, _ = self.backend._clients()
+            instances, _ = self.backend.clients()
             source = f"projects/{self.project}/zones/{record.zone}/disks/{record.cloud_id}"
             disk = compute_v1.AttachedDisk(source=source, device_name=device, mode="READ_WRITE", auto_delete=False)
             try:
@@ -350,7 +350,7 @@ class GCPDisks:
                     op = instances.attach_disk_unary(request=compute_v1.AttachDiskInstanceRequest(
                         project=self.project, zone=instance.zone, instance=instance.instance_id,
                         attached_disk_resource=disk, request_id=str(uuid.uuid4())))
-                self.backend._wait(instance.zone, op, f"attachDisk {record.cloud_id}")
+                self.backend.wait_operation(instance.zone, op, f"attachDisk {record.cloud_id}")
             except CloudError as e:
                 if e.code in ("RESOURCE_IN_USE_BY_ANOTHER_RESOURCE", "resourceInUseByAnotherResource"):
                     holder = self.holder(record) or ""
@@ -365,7 +365,7 @@ class GCPDisks:
     def detach(self, record: VolumeRecord, instance: CloudInstance) -> None:
         if self.holder(record) != instance.instance_id:
             return
-        instances, _ = self.backend._clients()
+        instances, _ = self.backend.clients()
         try:
             with gcp_errors(f"detachDisk {record.cloud_id} from {instance.instance_id}"):
                 op = instances.detach_disk_unary(project=self.project, zone=instance.zone,
@@ -374,7 +374,7 @@ class GCPDisks:
             if e.code in ("notFound", "invalid"):  # the instance gone, or the disk detached meanwhile
                 return
             raise
-        self.backend._wait(instance.zone, op, f"detachDisk {record.cloud_id}")
+        self.backend.wait_operation(instance.zone, op, f"detachDisk {record.cloud_id}")
 
     def holder_service(self, record: VolumeRecord, holder: str) -> tuple[Optional[str], str]:
         found = self.backend._get(record.zone, holder)
@@ -387,7 +387,7 @@ Disks = Union[AWSDisks, GCPDisks]
 
 
 def disks_of(backend) -> Disks:
-    """The volume calls of a cloud backend (``activities.cloud.make_backends``)."""
+    """The volume calls of a cloud backend (``backends.cloud.make_backends``)."""
     return AWSDisks(backend) if backend.name == "aws" else GCPDisks(backend)
 
 

@@ -1,6 +1,6 @@
 """Regenerate the offers catalog from the providers' own data. Needs network and credentials; never run in CI.
 
-    python -m activities.catalog.refresh --out activities/catalog/offers.csv --gcp-project P --gcp-api-key K
+    python -m backends.catalog.refresh --out backends/catalog/offers.csv --gcp-project P --gcp-api-key K
 
 AWS: specs and zones from EC2 DescribeInstanceTypes / DescribeInstanceTypeOfferings (boto3 credentials), on-demand
 prices from the public Price List bulk CSV of each region, spot prices from DescribeSpotPriceHistory (cheapest zone
@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 from typing import Iterable, Optional
 
-from activities.catalog import COLUMNS, marketed_gpu_memory_gb
+from backends.catalog import COLUMNS, marketed_gpu_memory_gb
 
 SIZES = ("xlarge", "2xlarge", "4xlarge", "8xlarge", "12xlarge", "16xlarge", "24xlarge", "48xlarge")
 AWS_TYPES = (

@@ -6,7 +6,7 @@
   command of the service: user data and metadata are readable by anything on the instance that reaches the
   metadata service, and are kept by the cloud.
 * After boot, over SSH (``job_upload`` then ``start_command``): the job's files — its commands, and its env in a
-  mode-600 ``--env-file`` — and the ``docker run`` of ``activities/runtime.py``.
+  mode-600 ``--env-file`` — and the ``docker run`` of ``backends/runtime.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from activities.runtime import (CONTAINER_NAME, DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, REPLICA_SLICE, docker_run_argv,
+from backends.runtime import (CONTAINER_NAME, DEFAULT_DEVEL_IMAGE, DEFAULT_IMAGE, REPLICA_SLICE, docker_run_argv,
                                env_files, job_script)
 from models.replica import JobSpec
 

@@ -48,14 +48,14 @@ from typing import Iterator, Optional, Union
 
 import httpx
 
-from activities.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, MARKER, Account,
+from backends import local_net
+from backends.local_cgroup import Cgroups, Limits, join_argv
+from backends.local_host import (BASE_PATH, BRIDGE_SCRIPT, INIT_SCRIPT, MARKER, Account,
                                    NoOffersError, account_for, check_resources, children,
                                    default_python, drop_argv, find_python, find_tree, free_port, is_alive,
                                    probe_confinement, probe_isolation, proc_stat, process_group, replica_account,
                                    send_signal, service_account, unshare_argv, user_refusal)
-from activities import local_net
-from activities.local_cgroup import Cgroups, Limits, join_argv
-from activities.local_init import COMMANDS_FILE, env_script, with_env
+from backends.local_init import COMMANDS_FILE, env_script, with_env
 from models.replica import InstanceStatus, JobSpec, LocalInstance
 
 ENV_ISOLATION = "DURASTACK_LOCAL_ISOLATION"  # "0"/"off" forces isolation off, e.g. to test that mode

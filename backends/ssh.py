@@ -1,7 +1,7 @@
 """The SSH data path to cloud replicas (asyncssh): the job's start, its liveness, exec and logs, and the gateway's
 tunnel — the only way into an instance, whose firewall admits SSH from the gateway and nothing else.
 
-* ``SSHTarget``: an instance's address and the host key durastack made for it (connect.ssh_keys), so every
+* ``SSHTarget``: an instance's address and the host key durastack made for it (backends.ssh_keys), so every
   connection, the first included, verifies the host; a host presenting another key is refused (and, while an
   instance boots, simply not ready yet).
 * ``start_job``: uploads the job's files (commands, env as a mode-600 ``--env-file``) and runs its ``docker run``.
@@ -28,8 +28,8 @@ from typing import Awaitable, Callable, Optional
 
 import asyncssh
 
-from activities.runtime import CONTAINER_NAME, REPLICA_LABEL, runtime_of
-from activities.userdata import job_upload, start_command
+from backends.runtime import CONTAINER_NAME, REPLICA_LABEL, runtime_of
+from backends.userdata import job_upload, start_command
 from models.registry import RegistryAuth, docker_config
 from models.replica import JobSpec
 
@@ -101,7 +101,7 @@ class SSHTarget:
 
 
 def ssh_target(keys, host: str, provisioning_key: str, after_boot: bool, booting: bool = False) -> SSHTarget:
-    """An instance's sshd, pinned to the host key it serves (``connect.ssh_keys.SSHKeys``): the one made after boot
+    """An instance's sshd, pinned to the host key it serves (``backends.ssh_keys.SSHKeys``): the one made after boot
     for an instance that gets one (``CloudInstance.host_key_after_boot``), with its boot key too while ``booting``;
     else its boot key."""
     boot = keys.host_key(provisioning_key).public_openssh
@@ -121,7 +121,7 @@ class SSHClient:
 
     @classmethod
     def from_keys(cls, keys, socket_factory: Optional[SocketFactory] = None) -> "SSHClient":
-        """From ``connect.ssh_keys.SSHKeys``; the socket factory defaults to ``$DURASTACK_SSH_NETNS``'s."""
+        """From ``backends.ssh_keys.SSHKeys``; the socket factory defaults to ``$DURASTACK_SSH_NETNS``'s."""
         return cls(asyncssh.import_private_key(keys.client_key_path.read_bytes()),
                    socket_factory or socket_factory_from_env())
 
@@ -199,7 +199,7 @@ async def start_job(conn: asyncssh.SSHClientConnection, job: JobSpec, *, gpu: bo
     if status != 0:
         raise RuntimeError(f"preparing the job dir failed ({status}): {err.strip()[:300]}")
     for name, text in files.items():
-        # Names are fixed or validated env names (activities.runtime): nothing to escape but to be sure.
+        # Names are fixed or validated env names (backends.runtime): nothing to escape but to be sure.
         status, _, err = await run(conn, f"umask 077; cat > {REMOTE_DIR}/job/{shlex.quote(name)}", input=text)
         if status != 0:
             raise RuntimeError(f"writing {name} failed ({status}): {err.strip()[:300]}")

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from activities.local_host import Account, probe_confinement, replica_account, replica_user, user_refusal
+from backends.local_host import Account, probe_confinement, replica_account, replica_user, user_refusal
 from models.replica import JobSpec
 from models.volumes import CONTAINER_JOB_DIR
 
@@ -107,7 +107,7 @@ def env_files(job: JobSpec) -> tuple[str, dict[str, str]]:
     return text, multi
 
 
-# The cgroup every container runs in: the boot script closes the metadata service to it (activities/userdata.py).
+# The cgroup every container runs in: the boot script closes the metadata service to it (backends/userdata.py).
 REPLICA_SLICE = "durastack.slice"
 
 

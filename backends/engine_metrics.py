@@ -15,7 +15,7 @@ from typing import Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from activities.probes import Connect, client_for
+from backends.http import Connect, client_for
 from models.state import UNKNOWN_NAMES
 from models.service import SUMMED_METRICS
 

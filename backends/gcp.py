@@ -26,10 +26,11 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from activities.cloud_errors import GCP_RESERVATION, CloudError, ErrorKind, QuotaScope, classify_gcp
-from activities.quota import RegionQuotas
-from activities.userdata import BootKeys, startup_script
-from connect.ssh_keys import SSHKeys
+from backends.cloud import CloudBackend
+from backends.cloud_errors import GCP_RESERVATION, CloudError, ErrorKind, QuotaScope, classify_gcp
+from backends.quota import RegionQuotas
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, startup_script
 from models.backends import (HOST_KEY_AFTER_BOOT, TAG_NAMES, CloudInstance, GCPConfig, belongs, image_ref,
                              replica_label, slug)
 from models.offers import InstanceOffer
@@ -58,7 +59,7 @@ def _reasons(e: gexc.GoogleAPICallError) -> list[str]:
 
 
 @contextlib.contextmanager
-def _errors(what: str) -> Iterator[None]:
+def api_errors(what: str) -> Iterator[None]:
     """API/auth/network errors → CloudError, classified by reason strings first, then the HTTP status."""
     try:
         yield
@@ -93,7 +94,7 @@ def _zone_failure(e: CloudError) -> str:
 
 
 def _home():
-    from activities.catalog import durastack_home
+    from backends.catalog import durastack_home
     return durastack_home()
 
 
@@ -101,7 +102,7 @@ def region_of(zone: str) -> str:
     return zone.rsplit("-", 1)[0]
 
 
-class GCPBackend:
+class GCPBackend(CloudBackend):
     name = "gcp"
 
     def __init__(self, config: GCPConfig, *, regions: Optional[list[str]] = None, credentials=None,
@@ -128,7 +129,7 @@ class GCPBackend:
         self._boot_images: dict[str, tuple[float, str]] = {}  # configured image → (until, the image it names)
         self._reservations: Optional[compute_v1.ReservationsClient] = None
 
-    def _clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
+    def clients(self) -> tuple[compute_v1.InstancesClient, compute_v1.ZoneOperationsClient]:
         with self._lock:
             if self._instances is None:
                 endpoint = self.config.endpoint
@@ -136,7 +137,7 @@ class GCPBackend:
                 creds = self._credentials
                 if creds is None and endpoint and endpoint.startswith("http://"):
                     creds = AnonymousCredentials()
-                with _errors("GCP client"):
+                with api_errors("GCP client"):
                     self._instances = compute_v1.InstancesClient(credentials=creds, transport="rest",
                                                                  client_options=opts)
                     self._operations = compute_v1.ZoneOperationsClient(credentials=creds, transport="rest",
@@ -152,10 +153,10 @@ class GCPBackend:
             return self._instances, self._operations
 
     def quota_limits(self, region: str) -> dict[str, float]:
-        """The region's quota limits by metric (regions.get's ``quotas``; activities/quota.py). Needs
+        """The region's quota limits by metric (regions.get's ``quotas``; backends/quota.py). Needs
         ``compute.regions.get``; the caller treats any error as unknown."""
-        self._clients()
-        with _errors(f"get region {region}"):
+        self.clients()
+        with api_errors(f"get region {region}"):
             raw = self._regions.get(project=self.project, region=region, retry=_READ_RETRY)
         return {q.metric: q.limit for q in raw.quotas}
 
@@ -169,9 +170,9 @@ class GCPBackend:
         if hit and hit[0] > time.monotonic():
             return hit[1]
         project, family, name = image_ref(value, self.project)
-        self._clients()
+        self.clients()
         try:
-            with _errors(f"image {value}"):
+            with api_errors(f"image {value}"):
                 image = self._images.get_from_family(project=project, family=family, retry=_READ_RETRY) if family \
                     else self._images.get(project=project, image=name, retry=_READ_RETRY)
         except CloudError as e:
@@ -217,22 +218,22 @@ class GCPBackend:
 
     def _put_rule(self, rule: compute_v1.Firewall) -> None:
         """Insert the rule, or bring an existing one to it."""
-        self._clients()
+        self.clients()
         try:
-            with _errors(f"firewall {rule.name}"):
+            with api_errors(f"firewall {rule.name}"):
                 op = self._firewalls.insert_unary(project=self.project, firewall_resource=rule)
         except CloudError as e:
             if e.code != "alreadyExists":
                 raise
-            with _errors(f"firewall {rule.name}"):
+            with api_errors(f"firewall {rule.name}"):
                 op = self._firewalls.patch_unary(project=self.project, firewall=rule.name, firewall_resource=rule)
         self._wait_global(op, f"firewall {rule.name}")
 
     def _delete_rule(self, name: str) -> None:
         """Delete the rule; one already gone is success."""
-        self._clients()
+        self.clients()
         try:
-            with _errors(f"delete firewall {name}"):
+            with api_errors(f"delete firewall {name}"):
                 op = self._firewalls.delete_unary(project=self.project, firewall=name)
         except CloudError as e:
             if e.code == "notFound":
@@ -316,9 +317,9 @@ class GCPBackend:
         self.ensure_service_firewall(job.service, job.port)
 
     def _rule_exists(self, name: str) -> bool:
-        self._clients()
+        self.clients()
         try:
-            with _errors(f"firewall {name}"):
+            with api_errors(f"firewall {name}"):
                 self._firewalls.get(project=self.project, firewall=name)
         except CloudError as e:
             if e.code == "notFound":
@@ -331,7 +332,7 @@ class GCPBackend:
         while compute_v1.Operation.Status(op.status).name != "DONE":
             if time.monotonic() > deadline:
                 raise CloudError(ErrorKind.TRANSIENT, f"{what}: operation {op.name} still running", code="Timeout")
-            with _errors(f"{what} (operation)"):
+            with api_errors(f"{what} (operation)"):
                 op = self._global_operations.wait(project=self.project, operation=op.name)
         if op.error and op.error.errors:
             codes = [e.code for e in op.error.errors]
@@ -372,18 +373,18 @@ class GCPBackend:
                                                     f"{offer.region} ({'; '.join(exhausted)})"), code=code)
 
     def _create_in_zone(self, job: JobSpec, offer: InstanceOffer, key: str, zone: str, nvcc: bool) -> CloudInstance:
-        instances, _ = self._clients()
+        instances, _ = self.clients()
         request = compute_v1.InsertInstanceRequest(
             project=self.project, zone=zone, instance_resource=self._resource(job, offer, key, zone, nvcc),
             request_id=str(uuid.uuid5(REQUEST_NS, f"{key}/{zone}")))
         try:
-            with _errors(f"insert {offer.instance_type} in {zone}"):
+            with api_errors(f"insert {offer.instance_type} in {zone}"):
                 op = instances.insert_unary(request=request)
         except CloudError as e:
             if e.code != "alreadyExists":
                 raise
             return self._adopt(zone, key, offer)  # an earlier attempt made it
-        self._wait(zone, op, f"insert {offer.instance_type} in {zone}")
+        self.wait_operation(zone, op, f"insert {offer.instance_type} in {zone}")
         found = self._get(zone, key)
         if found is None or found.state in ("stopping", "stopped"):
             raise CloudError(ErrorKind.CAPACITY, f"instance {key} vanished in {zone}", code="Vanished")
@@ -406,11 +407,11 @@ class GCPBackend:
         if parsed is None:
             return ReservationLookup(name=value, notes=["gcp: not a GCP reservation name"])
         project, name = parsed
-        self._clients()
+        self.clients()
         wanted = set(regions or self.regions)
         request = compute_v1.AggregatedListReservationsRequest(project=project, filter=f'(name = "{name}")')
         found = []
-        with _errors(f"aggregatedList reservations of {project}"):
+        with api_errors(f"aggregatedList reservations of {project}"):
             for scope, scoped in self._reservations.aggregated_list(request=request, retry=_READ_RETRY):
                 zone = scope.rsplit("/", 1)[-1]
                 if not wanted or region_of(zone) in wanted:
@@ -448,23 +449,23 @@ class GCPBackend:
         """Label a running instance for another submission of its service's group (an idle instance reused), as
         AWSBackend.retag. setLabels replaces every label and takes the fingerprint of the ones it replaces: a
         change meanwhile fails it (conditionNotMet), and the retried launch reads them again."""
-        instances, _ = self._clients()
-        with _errors(f"get {instance.instance_id}"):
+        instances, _ = self.clients()
+        with api_errors(f"get {instance.instance_id}"):
             raw = instances.get(project=self.project, zone=instance.zone, instance=instance.instance_id,
                                 retry=_READ_RETRY)
         labels = dict(raw.labels) | {LABELS["replica"]: replica_label(job.replica_num, job.submission_num)}
-        with _errors(f"setLabels on {instance.instance_id}"):
+        with api_errors(f"setLabels on {instance.instance_id}"):
             op = instances.set_labels_unary(
                 project=self.project, zone=instance.zone, instance=instance.instance_id,
                 instances_set_labels_request_resource=compute_v1.InstancesSetLabelsRequest(
                     labels=labels, label_fingerprint=raw.label_fingerprint))
-        self._wait(instance.zone, op, f"setLabels on {instance.instance_id}")
+        self.wait_operation(instance.zone, op, f"setLabels on {instance.instance_id}")
 
     def terminate(self, instance: CloudInstance) -> None:
         """Delete and wait for it; an instance that is already gone is success."""
-        instances, _ = self._clients()
+        instances, _ = self.clients()
         try:
-            with _errors(f"delete {instance.instance_id}"):
+            with api_errors(f"delete {instance.instance_id}"):
                 op = instances.delete_unary(project=self.project, zone=instance.zone, instance=instance.instance_id)
         except CloudError as e:
             if e.code == "notFound":
@@ -472,7 +473,7 @@ class GCPBackend:
             if e.kind is ErrorKind.CAPACITY:  # e.g. resourceNotReady: a delete is already under way
                 raise CloudError(ErrorKind.TRANSIENT, e.message, code=e.code) from e
             raise
-        self._wait(instance.zone, op, f"delete {instance.instance_id}")
+        self.wait_operation(instance.zone, op, f"delete {instance.instance_id}")
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -533,15 +534,15 @@ class GCPBackend:
         return compute_v1.ReservationAffinity(consume_reservation_type="SPECIFIC_RESERVATION", key=RESERVATION_KEY,
                                               values=[f"projects/{parsed[0]}/reservations/{parsed[1]}"])
 
-    def _wait(self, zone: str, op: compute_v1.Operation, what: str) -> None:
+    def wait_operation(self, zone: str, op: compute_v1.Operation, what: str) -> None:
         """Poll our own operations client until DONE (bounded); raise the operation's error, classified."""
-        _, operations = self._clients()
+        _, operations = self.clients()
         deadline = time.monotonic() + self.config.operation_timeout
         while compute_v1.Operation.Status(op.status).name != "DONE":
             if time.monotonic() > deadline:
                 # The insert may still succeed: a retry meets 409 and adopts the instance.
                 raise CloudError(ErrorKind.TRANSIENT, f"{what}: operation {op.name} still running", code="Timeout")
-            with _errors(f"{what} (operation)"):
+            with api_errors(f"{what} (operation)"):
                 # wait() returns when DONE or after about two minutes server-side, so this is not a busy loop.
                 op = operations.wait(project=self.project, zone=zone, operation=op.name)
         if op.error and op.error.errors:
@@ -551,9 +552,9 @@ class GCPBackend:
             raise CloudError(kind, _short(f"{what}: {message}"), code=codes[0])
 
     def _get(self, zone: str, name: str) -> Optional[CloudInstance]:
-        instances, _ = self._clients()
+        instances, _ = self.clients()
         try:
-            with _errors(f"get {name}"):
+            with api_errors(f"get {name}"):
                 raw = instances.get(project=self.project, zone=zone, instance=name, retry=_READ_RETRY)
         except CloudError as e:
             if e.code == "notFound":
@@ -562,12 +563,12 @@ class GCPBackend:
         return self._instance(raw, zone)
 
     def _aggregated(self, regions: Optional[list[str]], labels: dict[str, str]) -> list[CloudInstance]:
-        instances, _ = self._clients()
+        instances, _ = self.clients()
         wanted = set(regions or self.regions)
         request = compute_v1.AggregatedListInstancesRequest(
             project=self.project, filter=" AND ".join(f'(labels.{k} = "{v}")' for k, v in sorted(labels.items())))
         found = []
-        with _errors("aggregatedList instances"):
+        with api_errors("aggregatedList instances"):
             for scope, scoped in instances.aggregated_list(request=request, retry=_READ_RETRY):
                 zone = scope.rsplit("/", 1)[-1]
                 if not wanted or region_of(zone) in wanted:

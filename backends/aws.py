@@ -21,10 +21,11 @@ from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
                                  PartialCredentialsError, ProfileNotFound)
 
-from activities.cloud_errors import AWS_HINTS, CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
-from activities.quota import AWS_VCPU_QUOTAS, RegionQuotas
-from activities.userdata import BootKeys, cloud_init
-from connect.ssh_keys import SSHKeys
+from backends.cloud import CloudBackend
+from backends.cloud_errors import AWS_HINTS, CloudError, ErrorKind, QuotaScope, aws_quota_class, classify_aws
+from backends.quota import AWS_VCPU_QUOTAS, RegionQuotas
+from backends.ssh_keys import SSHKeys
+from backends.userdata import BootKeys, cloud_init
 from models.backends import HOST_KEY_AFTER_BOOT, TAG_NAMES, AWSConfig, CloudInstance, belongs, replica_label
 from models.offers import InstanceOffer
 from models.replica import JobSpec
@@ -48,7 +49,7 @@ def _short(text: str, limit: int = 300) -> str:
 
 
 @contextlib.contextmanager
-def _errors(what: str) -> Iterator[None]:
+def api_errors(what: str) -> Iterator[None]:
     """ClientError / botocore errors → CloudError with a kind. Messages carry codes, never credentials."""
     try:
         yield
@@ -64,14 +65,14 @@ def _errors(what: str) -> Iterator[None]:
         raise CloudError(ErrorKind.TRANSIENT, _short(f"{what}: {e}"), code=type(e).__name__) from e
 
 
-class AWSBackend:
+class AWSBackend(CloudBackend):
     name = "aws"
 
     def __init__(self, config: AWSConfig, *, regions: Optional[list[str]] = None,
                  session: Optional[boto3.session.Session] = None, installation: Optional[str] = None,
                  ssh_keys: Optional[SSHKeys] = None):
         """``regions``: used when the config names none (the catalog's AWS regions). ``installation``: the
-        control plane's id (``BackendsConfig.installation``). ``ssh_keys``: the home's (connect.ssh_keys)."""
+        control plane's id (``BackendsConfig.installation``). ``ssh_keys``: the home's (backends.ssh_keys)."""
         self.config = config
         self.ssh_keys = ssh_keys
         self.installation = installation
@@ -86,7 +87,7 @@ class AWSBackend:
 
     # --- clients, AMIs, security groups -----------------------------------------------------------
 
-    def _client(self, region: str, run: bool = False, service: str = "ec2"):
+    def client(self, region: str, run: bool = False, service: str = "ec2"):
         with self._lock:
             if (region, run, service) not in self._clients:
                 if self._session is None:
@@ -99,14 +100,14 @@ class AWSBackend:
             return self._clients[(region, run, service)]
 
     def quota_limits(self, region: str) -> dict[str, float]:
-        """The region's EC2 vCPU quotas (activities/quota.py), by quota code; a code Service Quotas does not know
+        """The region's EC2 vCPU quotas (backends/quota.py), by quota code; a code Service Quotas does not know
         there is left out (unknown). Needs ``servicequotas:GetServiceQuota``; the caller treats any error as
         unknown."""
-        quotas = self._client(region, service="service-quotas")
+        quotas = self.client(region, service="service-quotas")
         limits = {}
         for code, _ in AWS_VCPU_QUOTAS.values():
             try:
-                with _errors(f"GetServiceQuota {code} in {region}"):
+                with api_errors(f"GetServiceQuota {code} in {region}"):
                     limits[code] = float(quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
             except CloudError as e:
                 if e.code != "NoSuchResourceException":
@@ -128,8 +129,8 @@ class AWSBackend:
         hit = self._amis.get((region, cache_key))
         if hit and hit[0] > time.monotonic():
             return hit[1]
-        with _errors("DescribeImages"):
-            images = self._client(region).describe_images(**query)["Images"]
+        with api_errors("DescribeImages"):
+            images = self.client(region).describe_images(**query)["Images"]
         if not images:
             raise CloudError(ErrorKind.FATAL, f"no AMI {cache_key!r} in {region} (owners {', '.join(c.ami_owners)}); "
                              "set backends.aws.ami_id or the AMI name patterns", code="NoAMI")
@@ -143,10 +144,10 @@ class AWSBackend:
         setting (a retry cannot make a VPC appear)."""
         if region in self._vpcs:
             return self._vpcs[region]
-        ec2 = self._client(region)
+        ec2 = self.client(region)
         configured = self.config.vpc_for(region)
         try:
-            with _errors("DescribeVpcs"):
+            with api_errors("DescribeVpcs"):
                 vpcs = ec2.describe_vpcs(**({"VpcIds": [configured]} if configured else
                                             {"Filters": [{"Name": "isDefault", "Values": ["true"]}]}))["Vpcs"]
         except CloudError as e:
@@ -184,14 +185,14 @@ class AWSBackend:
         cache_key = (region, job.service, 22, job.port if self.config.data_path == "private" else None)
         if cache_key in self._groups:
             return self._groups[cache_key]
-        ec2 = self._client(region)
+        ec2 = self.client(region)
         name = self._group_name(job.service)
         sources = self.ssh_sources(vpc)
         if "0.0.0.0/0" in sources:
             log.warning("AWS %s: SSH (22) to %s's instances is open to 0.0.0.0/0 (key-only login, host keys "
                         "pinned); set backends.aws.gateway_cidrs to the gateway's address to narrow it",
                         region, job.service)
-        with _errors("security group"):
+        with api_errors("security group"):
             group_id = self._find_group(ec2, name, vpc["VpcId"])
             if group_id is None:
                 try:
@@ -257,13 +258,13 @@ class AWSBackend:
         for region in self.regions:
             if self.list_tagged([region], service=service):
                 continue
-            ec2 = self._client(region)
-            with _errors("security group"):
+            ec2 = self.client(region)
+            with api_errors("security group"):
                 groups = ec2.describe_security_groups(
                     Filters=[{"Name": "group-name", "Values": [self._group_name(service)]}])["SecurityGroups"]
             for group in groups:
                 try:
-                    with _errors(f"DeleteSecurityGroup {group['GroupId']}"):
+                    with api_errors(f"DeleteSecurityGroup {group['GroupId']}"):
                         ec2.delete_security_group(GroupId=group["GroupId"])
                 except CloudError as e:
                     if e.code == "DependencyViolation":
@@ -297,8 +298,8 @@ class AWSBackend:
     def reservation(self, region: str, reservation_id: str) -> Optional[Reservation]:
         """The reservation as EC2 describes it now; None if ``region`` has none of that id."""
         try:
-            with _errors(f"DescribeCapacityReservations {reservation_id} in {region}"):
-                raws = self._client(region).describe_capacity_reservations(
+            with api_errors(f"DescribeCapacityReservations {reservation_id} in {region}"):
+                raws = self.client(region).describe_capacity_reservations(
                     CapacityReservationIds=[reservation_id])["CapacityReservations"]
         except CloudError as e:
             if e.code in _NO_RESERVATION:
@@ -366,8 +367,8 @@ class AWSBackend:
             filters.append({"Name": "availability-zone", "Values": list(zones)})
         if not configured:
             filters.append({"Name": "default-for-az", "Values": ["true"]})
-        with _errors("DescribeSubnets"):
-            subnets = self._client(region).describe_subnets(Filters=filters)["Subnets"]
+        with api_errors("DescribeSubnets"):
+            subnets = self.client(region).describe_subnets(Filters=filters)["Subnets"]
         if self.config.subnet_ids:
             rank = {s: n for n, s in enumerate(self.config.subnet_ids)}
             subnets = sorted((s for s in subnets if s["SubnetId"] in rank), key=lambda s: rank[s["SubnetId"]])
@@ -417,8 +418,8 @@ class AWSBackend:
         if reserved is not None:
             params.update(_reservation_params(reserved, params.get("Placement", {})))
         try:
-            with _errors(f"RunInstances {offer.instance_type} in {zone or region}"):
-                raw = self._client(region, run=True).run_instances(**params)["Instances"][0]
+            with api_errors(f"RunInstances {offer.instance_type} in {zone or region}"):
+                raw = self.client(region, run=True).run_instances(**params)["Instances"][0]
         except CloudError as e:
             if e.code == "IdempotentParameterMismatch":
                 # Same key, other parameters: e.g. a newer AMI was published between a lost response and this
@@ -460,8 +461,8 @@ class AWSBackend:
     def get(self, instance: CloudInstance) -> Optional[CloudInstance]:
         """The instance as it is now; None once it is gone (terminated or unknown)."""
         try:
-            with _errors("DescribeInstances"):
-                res = self._client(instance.region).describe_instances(InstanceIds=[instance.instance_id])
+            with api_errors("DescribeInstances"):
+                res = self.client(instance.region).describe_instances(InstanceIds=[instance.instance_id])
         except CloudError as e:
             if e.code in _GONE:
                 return None
@@ -475,16 +476,16 @@ class AWSBackend:
         """Tag a running instance for another submission of its service's group (an idle instance reused): from
         now on its replica owns it, and a retried launch adopts it by these tags."""
         label = replica_label(job.replica_num, job.submission_num)
-        with _errors(f"CreateTags on {instance.instance_id}"):
-            self._client(instance.region).create_tags(Resources=[instance.instance_id], Tags=[
+        with api_errors(f"CreateTags on {instance.instance_id}"):
+            self.client(instance.region).create_tags(Resources=[instance.instance_id], Tags=[
                 {"Key": TAGS["replica"], "Value": label},
                 {"Key": "Name", "Value": f"durastack-{job.service}-{job.group}-{label}"}])
 
     def terminate(self, instance: CloudInstance) -> None:
         """Terminate; an instance that is already gone is success."""
         try:
-            with _errors("TerminateInstances"):
-                self._client(instance.region).terminate_instances(InstanceIds=[instance.instance_id])
+            with api_errors("TerminateInstances"):
+                self.client(instance.region).terminate_instances(InstanceIds=[instance.instance_id])
         except CloudError as e:
             if e.code not in _GONE:
                 raise
@@ -506,8 +507,8 @@ class AWSBackend:
 
     def _describe(self, region: str, filters: list[dict]) -> list[CloudInstance]:
         filters = filters + [{"Name": "instance-state-name", "Values": LIVE_STATES}]
-        with _errors(f"DescribeInstances in {region}"):
-            pages = self._client(region).get_paginator("describe_instances").paginate(Filters=filters)
+        with api_errors(f"DescribeInstances in {region}"):
+            pages = self.client(region).get_paginator("describe_instances").paginate(Filters=filters)
             raws = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
         mine = (self._instance(raw, region) for raw in raws)  # another control plane's instances are not listed
         return sorted((i for i in mine if belongs(i.tags, "aws", self.installation)),
@@ -541,7 +542,7 @@ def _reservation_params(reserved: Reservation, placement: dict) -> dict[str, Any
 
 
 def _home():
-    from activities.catalog import durastack_home
+    from backends.catalog import durastack_home
     return durastack_home()
 
 

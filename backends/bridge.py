@@ -4,7 +4,7 @@ Filesystem sockets cross network namespaces, so nginx and probes on the host rea
 listens on 127.0.0.1:<port> inside its own namespace) through ``<work_dir>/.durastack/replica.sock``.
 
 Stdlib only: the local backend runs it by path with ``python -I``, outside durastack's venv
-assumptions. Also runnable as ``python -m activities.bridge --socket PATH --port N``.
+assumptions. Also runnable as ``python -m backends.bridge --socket PATH --port N``.
 """
 
 from __future__ import annotations

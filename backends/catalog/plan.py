@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from activities.catalog import load_catalog, local_offer
+from backends.catalog import load_catalog, local_offer
 from models.backends import CLOUDS, BackendsConfig
 from models.offers import InstanceOffer, describe_mismatch, match_offers, sort_key
 from models.reservations import ReservationLookup
@@ -66,7 +66,7 @@ def look_up_reservations(queries: list[GroupQuery], config: BackendsConfig, clou
     if not any(q.reservation for q in queries):
         return queries
     if clouds is None:
-        from activities.cloud import make_backends
+        from backends.cloud import make_backends
         clouds = make_backends(config)
     answers: dict[tuple, ReservationLookup] = {}
 
@@ -80,8 +80,8 @@ def look_up_reservations(queries: list[GroupQuery], config: BackendsConfig, clou
 
 
 def _look_up(q: GroupQuery, clouds: dict) -> ReservationLookup:
-    from activities.cloud import reservation_in
-    from activities.cloud_errors import CloudError
+    from backends.cloud import reservation_in
+    from backends.cloud_errors import CloudError
 
     found = ReservationLookup(name=q.reservation.name)
     for name in CLOUDS:
