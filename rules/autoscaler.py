@@ -30,9 +30,6 @@ class Decision:
     new: int
     reason: str  # why `new` is what it is: "target", "clamped to max", "from zero", "up-delay holds", …
 
-    def changed(self, current: int) -> bool:
-        return self.new != current
-
 
 def bounds(group: ReplicaGroup) -> tuple[int, int]:
     """The group's replica count range as the rules read it: an unset end is 0."""
@@ -122,8 +119,9 @@ class GroupScaler:
         return Decision(new, why)
 
     def next_check(self, current: int, total: Optional[float], last_scaled_at: Optional[datetime],
-                   span: Optional[Below] = None, steady: bool = False) -> Optional[float]:
-        """Seconds after ``last_scaled_at`` at which a held decision becomes due, or None if none is held."""
+                   span: Optional[Below] = None) -> Optional[float]:
+        """Seconds after ``last_scaled_at`` at which a held decision becomes due, or None if none is held. ``span``
+        (a steady scale-down's, from ``below``): the down-delay counts from its start too."""
         if total is None or last_scaled_at is None:
             return None
         scaling = self.scaling
@@ -131,7 +129,7 @@ class GroupScaler:
         if new > current > 0:
             return scaling.scale_up_delay
         if new < current:
-            if steady and span is not None:
+            if span is not None:
                 return max(scaling.scale_down_delay,
                            (span.since - last_scaled_at).total_seconds() + scaling.scale_down_delay)
             return scaling.scale_down_delay

@@ -354,7 +354,7 @@ def next_due(state: ServiceState, now: datetime) -> Optional[datetime]:
         if spec.scaling is None or group.last_scaled_at is None:
             continue
         delay = GroupScaler.of(spec).next_check(group.desired, group_signal(state, spec.name)[0], group.last_scaled_at,
-                                                span_of(group), group.below_since is not None)
+                                                span_of(group))
         if delay is not None:
             dues.append(group.last_scaled_at + timedelta(seconds=delay))
     return min((d for d in dues if d > now), default=None)

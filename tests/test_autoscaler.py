@@ -136,8 +136,8 @@ def test_below_ends_when_the_group_wants_as_many():
 
 def test_next_check_of_a_steady_scale_down_counts_from_the_span():
     span = Below(NOW - timedelta(seconds=100), 2)  # below for 100 s, last scaled 3600 s ago
-    assert SCALER.next_check(3, 15, ago(3600), span, steady=True) == 3600 - 100 + 600
-    assert SCALER.next_check(3, 15, ago(60), Below(NOW - timedelta(seconds=60), 2), steady=True) == 600
+    assert SCALER.next_check(3, 15, ago(3600), span) == 3600 - 100 + 600
+    assert SCALER.next_check(3, 15, ago(60), Below(NOW - timedelta(seconds=60), 2)) == 600
 
 
 def test_wanted_clamps():

@@ -138,7 +138,7 @@ def expected_decode_scales(spec: ServiceConfiguration, start: datetime, end: dat
         if d.new != desired:
             out.append((t, f"{desired} → {d.new}: {d.reason}"))
             desired, last, span = d.new, t, scaler.below(None, d.new, rps, t)
-        wait = scaler.next_check(desired, rps, last, span, steady=True)
+        wait = scaler.next_check(desired, rps, last, span)
         if wait is not None and last is not None and last + timedelta(seconds=wait) > t:
             heapq.heappush(queue, (last + timedelta(seconds=wait), 2, -1))
     return out, holds
