@@ -22,9 +22,11 @@ stopped with `durastack stop NAME -y`. Only the groups' `replicas` and `scaling`
 
 Every policy but `static` ranges from `--min-prefill` (1) / `--min-decode` (2) replicas to `--max-prefill` /
 `--max-decode` (static's sizes, 4 and 3: the same peak pool), scale-up delay 0 s, scale-down delay
-`--scale-down-delay` (60 s: a short window is noisy, and a group scaled down in the middle of the burst misses until
-its replacement has loaded); the window is the gateway's shortest, 30 s, for `rps` and `--engine-window` (10 s) for
-the engine signals, which a gauge's mean follows about half a window late. One decode replica
+`--scale-down-delay` (30 s: durastack scales down only after the group wanted fewer for that long without a break,
+so a short window's noise does not take a replica away); the window is the gateway's shortest, 30 s, for `rps` and
+`--engine-window` (10 s) for the engine signals, which a gauge's mean follows about half a window late. `running`'s
+targets (prefill 1.25, decode 2: half a decode batch, room for the rise while a replica loads) and the delay were
+chosen with bench/slo_model.py over several seeds of the 600 s trace. One decode replica
 (4 requests at once) saturates at about 2.4 req/s of the burst's output-heavy rise, 25 s into it: sooner than any
 reactive policy can add one (its 20 s cold start after the window has seen the rise), so decode keeps two.
 The `itl` policy is not in the default set: vLLM's ITL buckets are 25 ms and 50 ms around the stand-in's 30–35 ms steps, so the p90 read from them is 47.5 ms whatever the batch (Prometheus's interpolation
@@ -148,7 +150,7 @@ POLICIES: dict[str, Optional[dict[str, tuple[str, float]]]] = {
     "static": None,
     "rps": {"prefill": ("rps", 0.0), "decode": ("rps", 0.0)},
     "rps-headroom": {"prefill": ("rps", 0.0), "decode": ("rps", 0.0)},
-    "running": {"prefill": ("running", 1.0), "decode": ("running", 3.0)},
+    "running": {"prefill": ("running", 1.25), "decode": ("running", 2.0)},
     "queue": {"prefill": ("queue", 0.5), "decode": ("running", 3.0)},
     "ttft": {"prefill": ("ttft", 1.2), "decode": ("running", 3.0)},
     "itl": {"prefill": ("ttft", 1.2), "decode": ("itl", 0.034)},
@@ -665,7 +667,7 @@ def main() -> None:
                    help="`rps-headroom`'s targets as a share of `rps`'s: rps at about an engine signal's cost.")
     p.add_argument("--engine-window", type=int, default=10,
                    help="`window` of the engine-signal policies (s); `rps` is read over the gateway's 30 s.")
-    p.add_argument("--scale-down-delay", type=float, default=60.0)
+    p.add_argument("--scale-down-delay", type=float, default=30.0)
     p.add_argument("--cold-start", type=float, default=20.0, help="The engines' model-load time (s).")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--print-files", action="store_true", help="Print each policy's service file.")
