@@ -106,6 +106,7 @@ EXAMPLE = ROOT / "examples" / "pd-disaggregation"
 # prefill 2 ms per prompt token one request at a time, decode 30 ms per step for one request, 5 % slower per further
 # request in a batch of at most 4, KV hand-offs waiting as long as a prefill queue may take.
 PREFILL_SECONDS_PER_TOKEN, DECODE_SECONDS_PER_TOKEN, DECODE_BATCH, DECODE_SLOWDOWN = 0.002, 0.03, 4, 0.05
+FULL_STEP = DECODE_SECONDS_PER_TOKEN * (1 + DECODE_SLOWDOWN * (DECODE_BATCH - 1))  # a full batch's decode step
 ENGINE_COMMON = "--metric-names vllm --latency 0 --kv-timeout 300 --cold-start {cold_start:g}"
 ENGINE_PREFILL = f"--max-running 1 --prefill-seconds-per-token {PREFILL_SECONDS_PER_TOKEN} --kv-cache-tokens 8192"
 ENGINE_DECODE = (f"--max-running {DECODE_BATCH} --decode-seconds-per-token {DECODE_SECONDS_PER_TOKEN} "
@@ -214,10 +215,9 @@ def foresight(trace: list[Req], args: argparse.Namespace, smooth: int = 20) -> d
     replica added started a cold start ahead and paid for. What the cost goal is measured against."""
     seconds = int(args.duration)
     work = {g: [0.0] * seconds for g in WORKERS}
-    full_step = DECODE_SECONDS_PER_TOKEN * (1 + DECODE_SLOWDOWN * (DECODE_BATCH - 1))
     for r in trace:
         work["prefill"][int(r.at)] += r.isl * PREFILL_SECONDS_PER_TOKEN
-        work["decode"][int(r.at)] += r.osl * full_step / DECODE_BATCH
+        work["decode"][int(r.at)] += r.osl * FULL_STEP / DECODE_BATCH
     out = {}
     for g, size in sizes(args).items():
         spans = [work[g][max(0, t - smooth // 2):t + smooth // 2] for t in range(seconds)]

@@ -28,14 +28,14 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from functools import lru_cache
 from typing import Optional
 
-from bench.slo import (DECODE_BATCH, DECODE_SECONDS_PER_TOKEN, DECODE_SLOWDOWN, PREFILL_SECONDS_PER_TOKEN, WORKERS,
-                       Req, make_trace)
+from bench.slo import DECODE_BATCH, FULL_STEP, PREFILL_SECONDS_PER_TOKEN, Req, make_trace, sizes
 from models.service import ScalingSpec
 from rules.autoscaler import Below, GroupScaler
 
-FULL_STEP = DECODE_SECONDS_PER_TOKEN * (1 + DECODE_SLOWDOWN * (DECODE_BATCH - 1))
+SLOTS = {"prefill": 1, "decode": DECODE_BATCH}  # requests an engine serves at once
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -52,8 +52,9 @@ class Engine:
 
 @dataclass
 class Group:
-    engines: list[Engine]
+    slots: int  # of each engine
     scaler: Optional[GroupScaler]  # None: static
+    engines: list[Engine] = field(default_factory=list)
     busy: list[tuple[float, float]] = field(default_factory=list)  # each request's (start, end) in this group
     readings: list[float] = field(default_factory=list)
     last_scaled: Optional[datetime] = None
@@ -78,11 +79,11 @@ def serve(group: Group, t: float, work: float) -> tuple[float, float]:
     return start, start + work
 
 
-def add(group: Group, t: float, n: int, cold_start: float, slots: int) -> None:
-    group.engines += [Engine(spawned=t, ready=t + cold_start, slots=[0.0] * slots) for _ in range(n)]
+def add(group: Group, t: float, n: int, cold_start: float) -> None:
+    group.engines += [Engine(spawned=t, ready=t + cold_start, slots=[0.0] * group.slots) for _ in range(n)]
 
 
-def autoscale(group: Group, t: int, window: int, cold_start: float, slots: int) -> None:
+def autoscale(group: Group, t: int, window: int, cold_start: float) -> None:
     """One reading (in flight now), and the group's scaler applied to its mean over the window, as the workflow
     applies it (rules/lifecycle.py)."""
     group.readings.append(sum(1 for a, b in group.busy if a <= t < b))
@@ -92,7 +93,7 @@ def autoscale(group: Group, t: int, window: int, cold_start: float, slots: int) 
     span = scaler.below(group.span, current, total, now)
     new = scaler.decide(current, total, group.last_scaled, now, span, steady=True).new
     if new > current:
-        add(group, t, new - current, cold_start, slots)
+        add(group, t, new - current, cold_start)
     for engine in sorted(group.live(), key=lambda e: -e.spawned)[:max(0, current - new)]:
         engine.gone = t
     if new != current:
@@ -114,9 +115,9 @@ def simulate(trace: list[Req], duration: int, groups: dict[str, Group], window: 
             first, done = serve(groups["decode"], prefilled, r.osl * FULL_STEP)
             groups["decode"].busy.append((r.at, done))  # waiting for its KV counts as waiting, as vLLM counts it
             met += first + FULL_STEP - r.at <= ttft_slo
-        for name, group in groups.items():
+        for group in groups.values():
             if group.scaler is not None:
-                autoscale(group, t, window, cold_start, DECODE_BATCH if name == "decode" else 1)
+                autoscale(group, t, window, cold_start)
     cost = {name: sum(min(e.gone, duration) - max(e.spawned, 0) for e in g.engines) for name, g in groups.items()}
     return met / len(trace), cost
 
@@ -124,17 +125,19 @@ def simulate(trace: list[Req], duration: int, groups: dict[str, Group], window: 
 def run(args: argparse.Namespace, seed: int, targets: Optional[dict[str, float]] = None,
         delay: float = 30) -> tuple[float, float]:
     """(attainment, replica-seconds) of static (``targets`` None) or of `running` at ``targets`` and ``delay``."""
-    trace = make_trace(seed, args.duration, args.period, args.low, args.peak)
+    trace = _trace(seed, args.duration, args.period, args.low, args.peak)
     groups = {}
-    for name, slots in zip(WORKERS, (1, DECODE_BATCH)):
-        lo, hi, static = (getattr(args, f"{end}_{name}") for end in ("min", "max", "static"))
+    for name, size in sizes(args).items():
         scaler = None if targets is None else GroupScaler(ScalingSpec(
             metric="running", target=targets[name], window=args.window, scale_up_delay=0,
-            scale_down_delay=delay), lo, hi)
-        groups[name] = Group(engines=[], scaler=scaler)
-        add(groups[name], -args.cold_start, static if targets is None else lo, args.cold_start, slots)
+            scale_down_delay=delay), size.lo, size.hi)
+        groups[name] = Group(SLOTS[name], scaler)
+        add(groups[name], -args.cold_start, size.static if targets is None else size.lo, args.cold_start)
     att, cost = simulate(trace, int(args.duration), groups, args.window, args.cold_start, args.ttft)
     return att, sum(cost.values())
+
+
+_trace = lru_cache(make_trace)  # a sweep runs each seed's trace many times
 
 
 def floats(text: str) -> list[float]:

@@ -35,8 +35,8 @@ def test_a_longer_scale_down_delay_keeps_replicas_longer():
 
 
 def test_a_replica_added_serves_only_after_its_cold_start():
-    group = slo_model.Group(engines=[], scaler=None)
-    slo_model.add(group, 10.0, 1, 20.0, 1)
+    group = slo_model.Group(slots=1, scaler=None)
+    slo_model.add(group, 10.0, 1, 20.0)
     engine = group.engines[0]
     assert not engine.serving(29.9) and engine.serving(30.0)
     assert slo_model.serve(group, 30.0, 0.5) == (30.0, 30.5)
