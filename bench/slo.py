@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import json
 import math
 import os
