@@ -22,6 +22,13 @@ from models.service import SUMMED_METRICS
 # Requests the engine is working on, and requests waiting for a slot: running + waiting is what is in flight.
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+# Requests an SGLang engine holds for a PD hand-off, outside its batch and its queue: a prefill's waiting for the
+# decode's handshake or sending its KV, a decode's waiting for KV space or for the KV itself (its prefill may not have
+# run yet). Not this engine's load, so no scaling metric reads them; a drain waits for them. (vLLM has none: its PD
+# proxy sends a request to the decode only once the prefill is done.)
+HANDOFF = ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_prealloc_queue_reqs",
+           "sglang:num_prefill_inflight_queue_reqs", "sglang:num_decode_prealloc_queue_reqs",
+           "sglang:num_decode_transfer_queue_reqs")
 # Each engine scaling metric and the names it is read from, newest first: of a share or a histogram, the first an
 # engine exposes is used (vLLM exposed the older and newer names side by side for a while).
 NAMES = {
@@ -118,10 +125,12 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float:
 
 
 def requests_in_flight(text: str) -> Optional[float]:
-    """Running plus waiting requests, or None when the engine exposes neither in a known name."""
+    """Every request the engine holds (running, waiting, in a PD hand-off), or None when it exposes neither running
+    nor waiting requests in a known name."""
     values = gauges(text)
-    found = [values[n] for n in RUNNING + WAITING if n in values]
-    return sum(found) if found else None
+    if not any(n in values for n in RUNNING + WAITING):
+        return None
+    return sum(values.get(n, 0.0) for n in RUNNING + WAITING + HANDOFF)
 
 
 async def in_flight(address: str, connect: Optional[Connect] = None, path: str = "/metrics") -> Optional[float]:

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from activities.engines import EngineActivities, changed
-from backends.engine_metrics import Reading, UnknownNames, over_window, quantile, read
+from backends.engine_metrics import Reading, UnknownNames, over_window, quantile, read, requests_in_flight
 from models.replica import LocalInstance
 from models.messages import EngineGroupWatch, EngineWatch, Watched
 from models.state import NOT_READ_YET, ReplicaSignal
@@ -85,6 +85,16 @@ def test_sglang_names_are_recognised():
     # p90 of 100 observations: the 90th is the last of the (0.01, 0.05] bucket.
     assert over_window("itl", [Reading(at=0, buckets=((0.01, 0), (0.05, 0), (0.1, 0), (math.inf, 0))),
                                read("itl", SGLANG, 10)], 30) == pytest.approx(0.05)
+
+
+def test_a_drain_counts_sglangs_pd_hand_offs_and_no_scaling_metric_does():
+    handoff = "".join(f"# TYPE sglang:{n} gauge\nsglang:{n}{{model_name=\"qwen\",tp_rank=\"0\"}} {v}\n" for n, v in (
+        ("num_decode_prealloc_queue_reqs", 1.0), ("num_decode_transfer_queue_reqs", 3.0),
+        ("num_prefill_bootstrap_queue_reqs", 0.0), ("num_prefill_inflight_queue_reqs", 0.0)))
+    assert requests_in_flight(SGLANG) == 9
+    assert requests_in_flight(SGLANG + handoff) == 13
+    assert read("running", SGLANG + handoff, 0).value == read("running", SGLANG, 0).value == 9
+    assert requests_in_flight(handoff) is None  # an engine that says nothing of its batch
 
 
 def test_the_older_vllm_kv_cache_name_is_read_and_the_newer_wins():
