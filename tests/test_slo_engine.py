@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.engine_metrics import gauges, read, requests_in_flight
 from tests.conftest import eventually
 from tests.standins import Processes, free_port
 
@@ -163,6 +164,35 @@ async def test_prefill_records_ttft_and_decode_records_itl_across_the_kv_hand_of
     assert _value(pre, itl, itl + "_count") == 0
     assert _value(dec, itl, itl + "_count") == 3
     assert _value(dec, ttft, ttft + "_sum") >= 0.1  # the decode's first token waited for the prefill's KV
+
+
+@pytest.mark.parametrize("names", ["vllm", "sglang"])
+async def test_a_decode_waiting_for_its_prefill_is_not_its_load_but_a_drain_sees_it(engines, names):
+    """vLLM's decode never holds a request whose prefill runs (its PD proxy sends it after); SGLang's holds it in
+    its transfer queue, apart from the batch and the queue. Neither is load a `running` target should scale on."""
+    boot = free_port()
+    prefill, _ = engines.start("prefill", "--metric-names", names, "--prefill-seconds-per-token", "0.02",
+                               bootstrap=boot)
+    decode, _ = engines.start("decode", "--metric-names", names, "--decode-seconds-per-token", "0.01")
+    await _up(prefill)
+    await _up(decode)
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": 9}
+    flight = asyncio.gather(_complete(prefill, 100, 4, **pd), _complete(decode, 100, 4, **pd))  # a 2 s prefill
+    waiting_for_kv = []  # the decode's readings before the prefill had made the KV (it counts its tokens first)
+    for _ in range(1000):
+        text = (await _get(decode, "/metrics")).text
+        if gauges((await _get(prefill, "/metrics")).text)[f"{names}:prompt_tokens_total"] > 0:
+            break
+        waiting_for_kv.append(text)
+        await asyncio.sleep(0.02)
+    assert [r.status_code for r in await flight] == [200, 200]
+    assert waiting_for_kv and all(read("running", t, 0).value == 0 for t in waiting_for_kv)
+    if names == "sglang":  # the drain waits for it
+        assert max(requests_in_flight(t) for t in waiting_for_kv) == 1
+    ttft = "vllm:time_to_first_token_seconds"
+    if names == "vllm":  # it was in the decode while the prefill ran, yet counted nowhere
+        assert _value(await _metrics(decode), ttft, ttft + "_sum") >= 1.5
+    assert requests_in_flight((await _get(decode, "/metrics")).text) == 0
 
 
 async def test_a_cold_engine_refuses_connections_until_it_has_loaded(engines):

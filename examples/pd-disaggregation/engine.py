@@ -36,8 +36,9 @@ slept, not computed: the stand-in uses no CPU for "GPU" work, so a 2-CPU machine
   as real batching does. A request generates its `max_tokens` (default 16; `max_new_tokens` for /generate), as a
   benchmark's `ignore_eos` requests do. A prefill worker gives one token (its answer to the router).
 * A decode worker fetches a request's KV from its prefill worker (waiting up to `--kv-timeout` s for the prefill
-  to finish) before the request may join its batch. With vLLM's names that wait counts as waiting (vLLM keeps a
-  request waiting for remote KV in its waiting queue); with SGLang's as running, as this stand-in always did.
+  to finish) before the request may join its batch. That wait is not this engine's load: with SGLang's names it
+  counts in `sglang:num_decode_transfer_queue_reqs`, apart from the batch and the queue, as SGLang counts it; with
+  vLLM's it counts nowhere (vLLM's PD proxy sends a request to the decode only once its prefill is done).
 * KV-cache use is the tokens held by the batch (prompt + generated so far) / `--kv-cache-tokens`; without that flag
   it is the stand-in's old figure, running / 64.
 * `--cold-start S`: the engine loads its "model" for S seconds before it listens at all, as vLLM and SGLang do
@@ -77,6 +78,7 @@ _lock = threading.Lock()
 _running = 0  # requests in flight (in the engine at all)
 _served = 0  # requests answered
 _fetching = 0  # KV hand-offs in progress on this prefill's bootstrap port
+_awaiting_kv = 0  # this decode's requests (in _running too) waiting for their prefill's KV
 _stopping = threading.Event()
 _kv: dict[str, str] = {}  # bootstrap room → KV digest (prefill side)
 _kv_ready = threading.Condition()
@@ -209,6 +211,8 @@ SGLANG_FAMILIES = (
     ("sglang:num_running_reqs", "gauge", "The number of running requests.", "running", ""),
     ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", "waiting", ""),
     ("sglang:token_usage", "gauge", "The token usage.", "usage", ""),
+    ("sglang:num_decode_transfer_queue_reqs", "gauge", "The number of requests in the decode transfer queue.",
+     "transfer", ""),
     ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", "prompt", ""),
     ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", "generated", ""),
     ("sglang:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.", "ttft", ""),
@@ -223,17 +227,19 @@ def metrics() -> str:
     labels = f'model_name="{ARGS.served_model_name}"' + (',engine="0"' if vllm else "")
     out = []
     with _lock:  # one consistent reading; rendering it takes microseconds
-        in_flight, queued = _running, len(SCHED.queue)
+        # A request waiting for its KV is not in vLLM yet (its PD proxy sends it once the prefill is done; the
+        # transfer, which vLLM counts as waiting, is instant here) and is in SGLang's transfer queue.
+        in_flight, queued = _running - _awaiting_kv, len(SCHED.queue)
         if vllm:
-            # vLLM keeps a request waiting for remote KV in its waiting queue; what is neither waiting nor in the
-            # batch (the fixed --latency before it queues) is not counted by vLLM either, but drains count running
-            # + waiting: so it is counted as waiting too.
+            # What is neither waiting nor in the batch (the fixed --latency before it queues) is not counted by
+            # vLLM either, but drains count running + waiting: so it is counted as waiting.
             running, waiting = SCHED.running, in_flight - SCHED.running
         else:
-            # Everything not waiting for a place in the batch counts as running (the KV hand-off and the fixed
-            # --latency too), as this stand-in always counted what it had in flight.
+            # Everything else not waiting for a place in the batch counts as running (the fixed --latency too), as
+            # this stand-in always counted what it had in flight.
             running, waiting = in_flight - queued, queued
-        values = {"running": running, "waiting": waiting, "usage": SCHED.kv_usage(in_flight),
+        values = {"running": running, "waiting": waiting, "transfer": _awaiting_kv,
+                  "usage": SCHED.kv_usage(in_flight),
                   # SGLang's count before the performance model was of requests served; with one, prompt tokens
                   "prompt": SCHED.prompt_tokens if vllm or _modelled() else _served,
                   "generated": SCHED.generation_tokens, "finished": SCHED.finished}
@@ -416,12 +422,18 @@ class Engine(BaseHTTPRequestHandler):
         return now
 
     def _fetch_kv(self, req: Request, room: str) -> str:
+        global _awaiting_kv
         host, port = req.body["bootstrap_host"], req.body["bootstrap_port"]
+        with _lock:
+            _awaiting_kv += 1
         try:
             with urllib.request.urlopen(f"http://{host}:{port}/kv/{room}", timeout=ARGS.kv_timeout + 5) as r:
                 return json.loads(r.read())["kv"]
         except OSError as e:
             raise KVError(str(e)) from None
+        finally:
+            with _lock:
+                _awaiting_kv -= 1
 
     # ---- answers ------------------------------------------------------------------------------------------------
 
