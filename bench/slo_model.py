@@ -16,9 +16,10 @@ evaluation on a change only (here every second); a decode step is always a full 
 to the ready replicas of each group, as smg sends them; a prefill replica serves one at a time, first come first
 served; a decode replica holds `DECODE_BATCH` at once, and counts a request in flight from its prefill's end (the
 router sends it to both groups at once, but a decode engine counts the wait for its KV as neither running nor
-waiting). A replica removed takes no new request and finishes its own. Against bench.slo (2026-12-05, 600 s trace): static 97.4 % (the bench 97.2 %);
-`running` 1.0/3.0 with a 60 s delay 97.4 % at 80 % (the bench 94.2 % at 78 %); 1.25/2.0 with 30 s 97.3 % at 76 %
-(the bench 97.0 % at 76 %). On the 200 s trace it reads 1.0/3.0/60 s at 93 % (the bench 95.8 %).
+waiting). A replica removed takes no new request and finishes its own. Against bench.slo (600 s trace, 2026-12-05):
+static 97.4 % (the bench 97.1–97.3 %); `running` 1.25/2.0 with a 30 s delay 97.3 % at 73 % (the bench 97.2 % at
+72 %); counting a decode request from its arrival, as the stand-in did before, 97.3 % at 76 % (the bench 97.0 % at
+76 %). On the 200 s trace it read 1.0/3.0/60 s at 93 % with that counting (the bench 95.8 %).
 """
 
 from __future__ import annotations

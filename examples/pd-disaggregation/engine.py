@@ -38,7 +38,7 @@ slept, not computed: the stand-in uses no CPU for "GPU" work, so a 2-CPU machine
 * A decode worker fetches a request's KV from its prefill worker (waiting up to `--kv-timeout` s for the prefill
   to finish) before the request may join its batch. That wait is not this engine's load: with SGLang's names it
   counts in `sglang:num_decode_transfer_queue_reqs`, apart from the batch and the queue, as SGLang counts it; with
-  vLLM's it counts nowhere (vLLM's PD proxy sends a request to the decode only once its prefill is done).
+  vLLM's it counts nowhere (vLLM's own PD proxy sends a request to the decode only once its prefill is done).
 * KV-cache use is the tokens held by the batch (prompt + generated so far) / `--kv-cache-tokens`; without that flag
   it is the stand-in's old figure, running / 64.
 * `--cold-start S`: the engine loads its "model" for S seconds before it listens at all, as vLLM and SGLang do
@@ -227,7 +227,7 @@ def metrics() -> str:
     labels = f'model_name="{ARGS.served_model_name}"' + (',engine="0"' if vllm else "")
     out = []
     with _lock:  # one consistent reading; rendering it takes microseconds
-        # A request waiting for its KV is not in vLLM yet (its PD proxy sends it once the prefill is done; the
+        # A request waiting for its KV is not in vLLM yet (vLLM's own PD proxy sends it once the prefill is done; the
         # transfer, which vLLM counts as waiting, is instant here) and is in SGLang's transfer queue.
         in_flight, queued = _running - _awaiting_kv, len(SCHED.queue)
         if vllm:
