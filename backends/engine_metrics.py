@@ -24,8 +24,8 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 # Requests an SGLang engine holds for a PD hand-off, outside its batch and its queue: a prefill's waiting for the
 # decode's handshake or sending its KV, a decode's waiting for KV space or for the KV itself (its prefill may not have
-# run yet). Not this engine's load, so no scaling metric reads them; a drain waits for them. (vLLM has none: its PD
-# proxy sends a request to the decode only once the prefill is done.)
+# run yet). Not this engine's load, so no scaling metric reads them; a drain waits for them. (vLLM has none: its own
+# PD proxy sends a request to the decode only once the prefill is done.)
 HANDOFF = ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_prealloc_queue_reqs",
            "sglang:num_prefill_inflight_queue_reqs", "sglang:num_decode_prealloc_queue_reqs",
            "sglang:num_decode_transfer_queue_reqs")

@@ -168,7 +168,7 @@ async def test_prefill_records_ttft_and_decode_records_itl_across_the_kv_hand_of
 
 @pytest.mark.parametrize("names", ["vllm", "sglang"])
 async def test_a_decode_waiting_for_its_prefill_is_not_its_load_but_a_drain_sees_it(engines, names):
-    """vLLM's decode never holds a request whose prefill runs (its PD proxy sends it after); SGLang's holds it in
+    """vLLM's decode never holds a request whose prefill runs (its own PD proxy sends it after); SGLang's holds it in
     its transfer queue, apart from the batch and the queue. Neither is load a `running` target should scale on."""
     boot = free_port()
     prefill, _ = engines.start("prefill", "--metric-names", names, "--prefill-seconds-per-token", "0.02",
@@ -189,8 +189,8 @@ async def test_a_decode_waiting_for_its_prefill_is_not_its_load_but_a_drain_sees
     assert waiting_for_kv and all(read("running", t, 0).value == 0 for t in waiting_for_kv)
     if names == "sglang":  # the drain waits for it
         assert max(requests_in_flight(t) for t in waiting_for_kv) == 1
-    ttft = "vllm:time_to_first_token_seconds"
     if names == "vllm":  # it was in the decode while the prefill ran, yet counted nowhere
+        ttft = "vllm:time_to_first_token_seconds"
         assert _value(await _metrics(decode), ttft, ttft + "_sum") >= 1.5
     assert requests_in_flight((await _get(decode, "/metrics")).text) == 0
 
