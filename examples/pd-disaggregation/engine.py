@@ -227,8 +227,7 @@ def metrics() -> str:
     labels = f'model_name="{ARGS.served_model_name}"' + (',engine="0"' if vllm else "")
     out = []
     with _lock:  # one consistent reading; rendering it takes microseconds
-        # A request waiting for its KV is not in vLLM yet (vLLM's own PD proxy sends it once the prefill is done; the
-        # transfer, which vLLM counts as waiting, is instant here) and is in SGLang's transfer queue.
+        # the wait for a KV is not this engine's load (the module's docstring says why)
         in_flight, queued = _running - _awaiting_kv, len(SCHED.queue)
         if vllm:
             # What is neither waiting nor in the batch (the fixed --latency before it queues) is not counted by
